@@ -1,0 +1,67 @@
+"""Sentence embedder: tiny Transformer encoder + masked mean pooling + L2 norm.
+
+Embedding(vocab_size, d_model) + learned positional embedding (max_len)
+-> nn.TransformerEncoder (n_layers, post-norm, ReLU, dropout 0, batch_first)
+-> mean over real tokens (attention_mask == 1) -> L2-normalise.
+
+forward(input_ids [B, T] int64, attention_mask [B, T] int64 (1 = real token,
+0 = padding)) -> embedding [B, d_model] float32, unit L2 norm per row.
+
+Padded positions are excluded both from attention (src_key_padding_mask) and
+from the pooling, so a right-padded row yields the same embedding as the item
+run alone.  Self-contained: imports only torch.
+"""
+
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int = 4096,
+        d_model: int = 64,
+        n_heads: int = 2,
+        n_layers: int = 1,
+        d_ff: int = 128,
+        max_len: int = 512,
+    ) -> None:
+        super().__init__()
+        self.max_len = int(max_len)
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos_embed = nn.Embedding(max_len, d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model=d_model,
+            nhead=n_heads,
+            dim_feedforward=d_ff,
+            dropout=0.0,
+            batch_first=True,
+        )
+        # enable_nested_tensor=False: the nested-tensor fast path emits a
+        # "prototype" UserWarning on first use and would skip padded positions;
+        # a padding server should compute the padded batch as-is.  The fused
+        # eval-mode kernel (with the padding mask) is still used.
+        self.encoder = nn.TransformerEncoder(
+            layer, num_layers=n_layers, enable_nested_tensor=False
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        seq_len = input_ids.shape[1]
+        if seq_len > self.max_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_len {self.max_len}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        positions = torch.arange(seq_len, device=input_ids.device)
+        x = self.embed(input_ids) + self.pos_embed(positions)[None, :, :]
+        pad_mask = attention_mask == 0
+        # Guard against rows with no real tokens (all-masked softmax -> NaN).
+        empty = pad_mask.all(dim=1)
+        if bool(empty.any()):
+            pad_mask = pad_mask.clone()
+            pad_mask[empty, 0] = False
+        h = self.encoder(x, src_key_padding_mask=pad_mask if bool(pad_mask.any()) else None)
+        keep = (~pad_mask).to(h.dtype).unsqueeze(-1)  # [B, T, 1]
+        pooled = (h * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
+        return nn.functional.normalize(pooled, p=2.0, dim=-1, eps=1e-12)

@@ -1,0 +1,74 @@
+"""Token tagger: a small Transformer encoder that emits per-token label logits.
+
+Embedding(vocab_size, d_model) + learned positional embedding (max_len)
+-> nn.TransformerEncoder (post-norm, ReLU, dropout 0, batch_first)
+-> Linear(d_model, num_labels).
+
+forward(input_ids [B, T] int64, attention_mask [B, T] int64 (1 = real token,
+0 = padding)) -> logits [B, T, num_labels] float32.
+
+Padding is right-padding.  Padded key positions are excluded from attention via
+``src_key_padding_mask = attention_mask == 0``, so the logits at real positions
+of a padded row equal those of the same item run alone.  Logits at padded
+positions are unspecified (in eval/no-grad mode PyTorch may take the
+nested-tensor fast path, which returns zeros there) and are meant to be sliced
+off.  Self-contained: imports only torch.
+"""
+
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int = 4096,
+        d_model: int = 128,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        d_ff: int = 256,
+        num_labels: int = 9,
+        max_len: int = 512,
+    ) -> None:
+        super().__init__()
+        self.max_len = int(max_len)
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos_embed = nn.Embedding(max_len, d_model)
+        layer = nn.TransformerEncoderLayer(
+            d_model=d_model,
+            nhead=n_heads,
+            dim_feedforward=d_ff,
+            dropout=0.0,
+            batch_first=True,
+        )
+        # enable_nested_tensor=False: the nested-tensor fast path emits a
+        # "prototype" UserWarning on first use and would skip padded positions;
+        # a padding server should compute the padded batch as-is.  The fused
+        # eval-mode kernel (with the padding mask) is still used.
+        self.encoder = nn.TransformerEncoder(
+            layer, num_layers=n_layers, enable_nested_tensor=False
+        )
+        self.head = nn.Linear(d_model, num_labels)
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        seq_len = input_ids.shape[1]
+        if seq_len > self.max_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_len {self.max_len}")
+        positions = torch.arange(seq_len, device=input_ids.device)
+        x = self.embed(input_ids) + self.pos_embed(positions)[None, :, :]
+        pad_mask = None
+        if attention_mask is not None:
+            pad_mask = attention_mask == 0
+            # A row with no real tokens at all (never produced by right-padding
+            # a non-empty item) would make softmax over an all-masked row NaN;
+            # unmask its first position so the batch stays finite.
+            empty = pad_mask.all(dim=1)
+            if bool(empty.any()):
+                pad_mask = pad_mask.clone()
+                pad_mask[empty, 0] = False
+            if not bool(pad_mask.any()):
+                pad_mask = None
+        h = self.encoder(x, src_key_padding_mask=pad_mask)
+        return self.head(h)

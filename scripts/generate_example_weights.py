@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Deterministically (re)generate the weights of the bundled example models.
+
+For every model directory ``<repo>/<model>/`` that has ``config.toml`` and
+``1/model.py``, this builds ``Model(**parameters)`` from that model's own
+``model.py`` (``parameters`` = the config's ``[parameters]`` table) after
+``torch.manual_seed(seed)``, and writes ``1/model.safetensors`` (fp32) with
+``safetensors.torch.save_file``.  Running it twice yields byte-identical files.
+
+Usage::
+
+    python scripts/generate_example_weights.py                 # all bundled models
+    python scripts/generate_example_weights.py tagger embedder # selected models
+    python scripts/generate_example_weights.py --repo /tmp/repo --seed 0
+
+Reusable from Python (e.g. benchmarks building a bigger variant)::
+
+    from generate_example_weights import make_variant, write_weights
+    make_variant(Path("model_repository/tagger"), tmp / "tagger",
+                 {"vocab_size": 30000})      # copy + rewrite [parameters] + weights
+    write_weights(model_dir, {"vocab_size": 30000})  # weights only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import shutil
+import sys
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib  # type: ignore[no-redef]
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+VERSION = "1"
+
+
+def read_parameters(model_dir: Path) -> dict[str, Any]:
+    """Return the ``[parameters]`` table of ``model_dir/config.toml`` ({} if absent)."""
+    with open(Path(model_dir) / "config.toml", "rb") as f:
+        config = tomllib.load(f)
+    return dict(config.get("parameters", {}))
+
+
+def load_model_class(model_py: Path) -> type[torch.nn.Module]:
+    """Import ``model_py`` under a unique module name and return its ``Model`` class."""
+    name = f"_example_model_{uuid.uuid4().hex}"
+    spec = importlib.util.spec_from_file_location(name, model_py)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {model_py}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Model
+
+
+def build_model(
+    model_dir: Path, parameters_override: dict[str, Any] | None = None, seed: int = 0
+) -> torch.nn.Module:
+    """Construct the model of ``model_dir`` with seeded random init (fp32, eval mode)."""
+    model_dir = Path(model_dir)
+    parameters = read_parameters(model_dir)
+    parameters.update(parameters_override or {})
+    model_cls = load_model_class(model_dir / VERSION / "model.py")
+    torch.manual_seed(seed)
+    model = model_cls(**parameters)
+    return model.float().eval()
+
+
+def _state_dict_for_safetensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # Contiguous, unshared CPU fp32 copies: save_file refuses tensors that share
+    # storage (tied weights) and non-contiguous tensors.
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in model.state_dict().items():
+        t = tensor.detach().to("cpu")
+        if t.is_floating_point():
+            t = t.to(torch.float32)
+        out[key] = t.contiguous().clone()
+    return out
+
+
+def write_weights(
+    model_dir: Path, parameters_override: dict[str, Any] | None = None, seed: int = 0
+) -> Path:
+    """Write ``model_dir/1/model.safetensors`` for the model in ``model_dir``.
+
+    ``parameters_override`` is merged over the config's ``[parameters]`` table
+    when constructing the model.  It does NOT edit ``config.toml``; if the
+    server must load the result, the config has to carry the same parameters
+    (use :func:`make_variant` to do both).  Returns the written path.
+    """
+    model = build_model(model_dir, parameters_override, seed)
+    path = Path(model_dir) / VERSION / "model.safetensors"
+    tmp = path.with_suffix(".safetensors.tmp")
+    save_file(_state_dict_for_safetensors(model), str(tmp))
+    tmp.replace(path)
+    return path
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"unsupported [parameters] value type: {type(value).__name__}")
+
+
+def set_config_parameters(config_path: Path, updates: dict[str, Any]) -> None:
+    """Rewrite/add ``key = value`` lines in the ``[parameters]`` table of a config.
+
+    Supports scalar values (int, float, bool, str).  Adds a ``[parameters]``
+    table if the config has none.  The result is re-parsed to check it.
+    """
+    config_path = Path(config_path)
+    lines = config_path.read_text().splitlines()
+    header = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+    start = end = None
+    for i, line in enumerate(lines):
+        m = header.match(line)
+        if m is None:
+            continue
+        if start is not None and end is None:
+            end = i
+        if m.group(1) == "parameters" and not line.lstrip().startswith("[["):
+            start = i
+    if start is None:
+        lines += ["", "[parameters]"]
+        start, end = len(lines) - 1, len(lines)
+    elif end is None:
+        end = len(lines)
+    remaining = dict(updates)
+    for i in range(start + 1, end):
+        m = re.match(r"^(\s*)([A-Za-z0-9_-]+)(\s*=\s*)", lines[i])
+        if m and m.group(2) in remaining:
+            value = _toml_value(remaining.pop(m.group(2)))
+            lines[i] = f"{m.group(1)}{m.group(2)}{m.group(3)}{value}"
+    # Insert new keys right after the last non-blank line of the table.
+    insert_at = end
+    while insert_at > start + 1 and not lines[insert_at - 1].strip():
+        insert_at -= 1
+    new_lines = [f"{k} = {_toml_value(v)}" for k, v in remaining.items()]
+    lines[insert_at:insert_at] = new_lines
+    text = "\n".join(lines) + "\n"
+    parsed = tomllib.loads(text).get("parameters", {})
+    for k, v in updates.items():
+        if parsed.get(k) != v:
+            raise RuntimeError(f"failed to set parameters.{k} in {config_path}")
+    config_path.write_text(text)
+
+
+def make_variant(
+    src_dir: Path,
+    dst_dir: Path,
+    parameters_override: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> Path:
+    """Copy model dir ``src_dir`` to ``dst_dir``, apply ``parameters_override`` to
+    its config's ``[parameters]`` table, and write matching weights.
+
+    Note: output shapes in the config that depend on a parameter (e.g. the
+    embedder's ``shape = [64]`` = d_model) are not rewritten.
+    """
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    shutil.copytree(
+        src_dir,
+        dst_dir,
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.safetensors*"),
+        dirs_exist_ok=True,
+    )
+    if parameters_override:
+        set_config_parameters(dst_dir / "config.toml", parameters_override)
+    write_weights(dst_dir, None, seed)
+    return dst_dir
+
+
+def model_dirs(repository: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in Path(repository).iterdir()
+        if (p / "config.toml").is_file() and (p / VERSION / "model.py").is_file()
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", help="model names (default: all)")
+    parser.add_argument("--repo", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    dirs = model_dirs(args.repo)
+    if args.models:
+        by_name = {d.name: d for d in dirs}
+        missing = [m for m in args.models if m not in by_name]
+        if missing:
+            parser.error(f"unknown model(s) in {args.repo}: {', '.join(missing)}")
+        dirs = [by_name[m] for m in args.models]
+    for d in dirs:
+        path = write_weights(d, seed=args.seed)
+        print(f"{d.name}: {path.relative_to(args.repo)} ({path.stat().st_size} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Pure-torch checks of the bundled example models (no server involved).
+
+For each model in model_repository/: load model.py + model.safetensors
+(strict), pad a batch of items of different lengths with the config's
+pad_values, run forward, and check every row (sliced back to its true extent)
+equals running that item alone, unpadded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib  # type: ignore[no-redef]
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent / "model_repository"
+MODELS = ["tagger", "embedder", "image_filter", "gru_tagger"]
+ATOL = 1e-5
+RTOL = 1e-5
+
+
+def _config(name: str) -> dict:
+    with open(REPO / name / "config.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _load(name: str) -> torch.nn.Module:
+    path = REPO / name / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location(f"_ex_{name}_{uuid.uuid4().hex}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.Model(**_config(name).get("parameters", {}))
+    model.load_state_dict(load_file(str(REPO / name / "1" / "model.safetensors")), strict=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def loaded(request):
+    return request.param, _config(request.param), _load(request.param)
+
+
+def _make_items(name: str, cfg: dict, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+    items = []
+    if name == "image_filter":
+        for h, w in [(5, 9), (12, 3), (1, 1), (8, 8), (3, 14)]:
+            items.append({"image": torch.randn(h, w, generator=gen)})
+    else:
+        vocab = cfg["parameters"]["vocab_size"]
+        for n in [7, 1, 23, 12]:
+            # Real tokens may include id 0 (== pad_value): masking must rely on
+            # attention_mask, not on the ids.
+            ids = torch.randint(0, vocab, (n,), generator=gen)
+            ids[0] = 0
+            items.append({"input_ids": ids, "attention_mask": torch.ones(n, dtype=torch.int64)})
+    return items
+
+
+def _pad_batch(cfg: dict, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    batch = {}
+    for spec in cfg["input"]:
+        name = spec["name"]
+        tensors = [item[name] for item in items]
+        max_shape = [max(t.shape[d] for t in tensors) for d in range(tensors[0].dim())]
+        out = torch.full([len(tensors), *max_shape], spec["pad_value"], dtype=tensors[0].dtype)
+        for i, t in enumerate(tensors):
+            out[(i, *(slice(0, s) for s in t.shape))] = t
+        batch[name] = out
+    return batch
+
+
+def _outputs(cfg: dict, result) -> dict[str, torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        assert len(cfg["output"]) == 1
+        return {cfg["output"][0]["name"]: result}
+    return dict(result)
+
+
+def _true_shape(cfg: dict, out_spec: dict, item: dict) -> list[int]:
+    """The output's per-item shape: -1 axes take the unpad_like input's extents, in order."""
+    like = out_spec.get("unpad_like")
+    if like is None:
+        return list(out_spec["shape"])
+    in_spec = next(s for s in cfg["input"] if s["name"] == like)
+    extents = iter(item[like].shape[d] for d, s in enumerate(in_spec["shape"]) if s == -1)
+    return [next(extents) if s == -1 else s for s in out_spec["shape"]]
+
+
+# "inference": torch.inference_mode, where nn.TransformerEncoder may take the
+# fused / nested-tensor fast path; "autograd": grad enabled, forcing the
+# regular Python path.  Real positions must be correct either way.
+MODES = {
+    "inference": torch.inference_mode,
+    "autograd": torch.enable_grad,
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_padded_batch_matches_items_alone(loaded, mode):
+    name, cfg, model = loaded
+    gen = torch.Generator().manual_seed(1234)
+    items = _make_items(name, cfg, gen)
+    batch = _pad_batch(cfg, items)
+    with MODES[mode]():
+        batched = _outputs(cfg, model(**batch))
+        for i, item in enumerate(items):
+            alone = _outputs(cfg, model(**{k: v.unsqueeze(0) for k, v in item.items()}))
+            for spec in cfg["output"]:
+                out_name = spec["name"]
+                got = batched[out_name]
+                assert got.shape[0] == len(items)
+                assert got.dtype == getattr(torch, spec["dtype"])
+                true_shape = _true_shape(cfg, spec, item)
+                row = got[i][tuple(slice(0, n) for n in true_shape)]
+                ref = alone[out_name][0]
+                assert list(ref.shape) == true_shape
+                torch.testing.assert_close(row, ref.detach(), atol=ATOL, rtol=RTOL)
+
+
+def test_embedder_unit_norm():
+    model = _load("embedder")
+    ids = torch.randint(1, 4096, (3, 10))
+    with torch.inference_mode():
+        emb = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert emb.shape == (3, 64)
+    torch.testing.assert_close(emb.norm(dim=-1), torch.ones(3))
+
+
+@pytest.mark.parametrize("name", ["tagger", "embedder"])
+def test_all_padding_row_is_finite_and_isolated(name):
+    """A row with no real tokens must not produce NaN or disturb other rows."""
+    model = _load(name)
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]])
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask)
+        alone = model(input_ids=ids[:1], attention_mask=mask[:1])
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:1], alone, atol=ATOL, rtol=RTOL)
+
+
+def test_make_variant_rewrites_parameters_and_weights(tmp_path):
+    """scripts/generate_example_weights.make_variant: copy + override + weights."""
+    script = REPO.parent / "scripts" / "generate_example_weights.py"
+    spec = importlib.util.spec_from_file_location(f"_gen_{uuid.uuid4().hex}", script)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    dst = gen.make_variant(REPO / "gru_tagger", tmp_path / "gru_big", {"vocab_size": 5000})
+    cfg = tomllib.loads((dst / "config.toml").read_text())
+    assert cfg["parameters"]["vocab_size"] == 5000
+    assert cfg["input"] == _config("gru_tagger")["input"]
+    weights = load_file(str(dst / "1" / "model.safetensors"))
+    assert weights["embed.weight"].shape == (5000, 128)
+    first = (dst / "1" / "model.safetensors").read_bytes()
+    gen.write_weights(dst)
+    assert (dst / "1" / "model.safetensors").read_bytes() == first  # deterministic
