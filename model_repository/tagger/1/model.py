@@ -9,10 +9,10 @@ forward(input_ids [B, T] int64, attention_mask [B, T] int64 (1 = real token,
 
 Padding is right-padding.  Padded key positions are excluded from attention via
 ``src_key_padding_mask = attention_mask == 0``, so the logits at real positions
-of a padded row equal those of the same item run alone.  Logits at padded
-positions are unspecified (in eval/no-grad mode PyTorch may take the
-nested-tensor fast path, which returns zeros there) and are meant to be sliced
-off.  Self-contained: imports only torch.
+of a padded row equal those of the same item run alone (checked both on the
+fused eval-mode fast path and the regular path).  Logits at padded positions
+are unspecified and are meant to be sliced off.  Self-contained: imports only
+torch.
 """
 
 import torch
