@@ -1,0 +1,5 @@
+import sys
+
+from tensorserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,147 @@
+"""Pure, synchronous padding and un-padding. No asyncio, no threads, no HTTP.
+
+``pad`` stacks many callers' items into one preallocated tensor per feature,
+filled with that feature's pad value; ``unpad`` slices every output row back
+to its caller's true extents. Per item there is one vectorised copy (numpy
+slice assignment); there is never a loop over elements.
+
+The rule for un-padding: an output's variable axes, in order, take the
+extents of its source input's variable axes, in order (``unpad_like``).
+Fixed-shape outputs are returned whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tensorserve.errors import ModelFailure
+from tensorserve.repository.config import InputSpec, OutputSpec, VARIABLE
+from tensorserve.wire.dtypes import DType, from_torch
+
+Item = Mapping[str, np.ndarray]
+Result = dict[str, np.ndarray]
+
+
+@dataclass
+class PaddedBatch:
+    """One batch ready for the model: a host tensor per feature, plus the
+    true extents of every item's variable axes (to un-pad with)."""
+
+    features: dict[str, torch.Tensor]
+    extents: dict[str, np.ndarray]  # feature -> int64 array [batch, n_variable_axes]
+    real_elements: int
+    padded_elements: int
+
+    @property
+    def size(self) -> int:
+        return len(next(iter(self.extents.values())))
+
+
+def variable_extents(array: np.ndarray, spec: InputSpec) -> tuple[int, ...]:
+    return tuple(array.shape[axis] for axis in spec.variable_axes)
+
+
+def _round_up(value: int, multiple: int | None) -> int:
+    if not multiple:
+        return value
+    return -(-value // multiple) * multiple
+
+
+def _pad_bits(value: float | int | bool, dt: DType) -> np.generic:
+    """The pad value as the host array's scalar (bfloat16 as its bit pattern)."""
+    if dt.name == "bfloat16":
+        bits = torch.tensor(value, dtype=torch.bfloat16).view(torch.uint16).item()
+        return np.uint16(bits)
+    return dt.numpy.type(value)
+
+
+def pad(
+    items: Sequence[Item],
+    inputs: Sequence[InputSpec],
+    *,
+    pad_to_multiple_of: int | None = None,
+    pin_memory: bool = False,
+) -> PaddedBatch:
+    """Pad validated items (shapes already checked against ``inputs``)."""
+    batch = len(items)
+    features: dict[str, torch.Tensor] = {}
+    extents: dict[str, np.ndarray] = {}
+    real = padded = 0
+    for spec in inputs:
+        arrays = [item[spec.name] for item in items]
+        shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(batch, len(spec.shape))
+        longest = shapes.max(axis=0) if batch else np.zeros(len(spec.shape), np.int64)
+        padded_shape = [
+            _round_up(int(longest[axis]), pad_to_multiple_of) if dim == VARIABLE else dim
+            for axis, dim in enumerate(spec.shape)
+        ]
+        buffer = torch.empty((batch, *padded_shape), dtype=spec.dt.torch, pin_memory=pin_memory)
+        host = from_torch(buffer)  # numpy view of the same memory
+        uniform = bool((shapes == shapes[0]).all()) and list(shapes[0]) == padded_shape
+        if uniform:
+            np.stack(arrays, out=host)  # nothing to pad: one copy
+        else:
+            host.fill(_pad_bits(spec.pad_value, spec.dt))
+            for row, array in zip(host, arrays):
+                row[tuple(slice(0, n) for n in array.shape)] = array
+        features[spec.name] = buffer
+        extents[spec.name] = shapes[:, list(spec.variable_axes)]
+        real += int(shapes.prod(axis=1).sum())
+        padded += host.size
+    return PaddedBatch(features, extents, real, padded)
+
+
+def check_output(name: str, array: np.ndarray, spec: OutputSpec, batch: int) -> None:
+    """Fail the batch with a sentence if the model's output cannot be un-padded."""
+    if array.ndim != len(spec.shape) + 1 or array.shape[0] != batch:
+        raise ModelFailure(
+            f"output {name!r} has shape {list(array.shape)}; expected a batch of {batch} "
+            f"items of shape {spec.shape}"
+        )
+    for axis, dim in enumerate(spec.shape):
+        if dim != VARIABLE and array.shape[axis + 1] != dim:
+            raise ModelFailure(
+                f"output {name!r} axis {axis} has size {array.shape[axis + 1]}, "
+                f"config says {dim}"
+            )
+
+
+def unpad(
+    outputs: Mapping[str, np.ndarray],
+    batch: PaddedBatch,
+    specs: Sequence[OutputSpec],
+    sources: Mapping[str, str | None],
+) -> list[Result]:
+    """Slice each output row back to its item's true extents.
+
+    ``sources`` maps an output name to the input it follows (``unpad_like``).
+    The rows returned are views into the batch arrays: no copy is made here.
+    """
+    results: list[Result] = [{} for _ in range(batch.size)]
+    for spec in specs:
+        array = outputs[spec.name]
+        check_output(spec.name, array, spec, batch.size)
+        variable = spec.variable_axes
+        if not variable:
+            for result, row in zip(results, array):
+                result[spec.name] = row
+            continue
+        source = sources[spec.name]
+        assert source is not None  # guaranteed by config validation
+        wanted = batch.extents[source][:, : len(variable)]
+        available = np.array([array.shape[axis + 1] for axis in variable])
+        if (wanted > available).any():
+            raise ModelFailure(
+                f"output {spec.name!r} is shorter than input {source!r} on a variable axis: "
+                f"padded sizes {available.tolist()}, longest item needs {wanted.max(axis=0).tolist()}"
+            )
+        for result, row, lengths in zip(results, array, wanted):
+            index = [slice(None)] * len(spec.shape)
+            for axis, length in zip(variable, lengths):
+                index[axis] = slice(0, int(length))
+            result[spec.name] = row[tuple(index)]
+    return results

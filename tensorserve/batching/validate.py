@@ -1,0 +1,91 @@
+"""Check one caller's item against the model's inputs *before* it joins a queue,
+so a bad item is that caller's 400 and never a failed batch.
+
+Every error message names the item index and the feature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorserve.errors import InvalidInput
+from tensorserve.repository.config import InputSpec, VARIABLE
+from tensorserve.wire.dtypes import BY_TORCH, DType, from_torch
+from tensorserve.wire.tensors import WireTensor
+
+# Bound on any variable axis when the config sets no max_length: keeps a
+# single client from asking the server to allocate an absurd padded batch.
+DEFAULT_MAX_LENGTH = 1 << 16
+
+
+def _from_list(data: Any, dt: DType, where: str) -> np.ndarray:
+    """A plain (nested) list of numbers, cast to the declared dtype."""
+    try:
+        if dt.name == "bfloat16":
+            array = from_torch(torch.tensor(np.asarray(data, dtype=np.float32), dtype=torch.bfloat16))
+        else:
+            array = np.asarray(data, dtype=dt.numpy)
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise InvalidInput(
+            f"{where}: expected a rectangular (nested) list of numbers for dtype {dt.name}: {exc}"
+        ) from None
+    return array
+
+
+def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.ndarray:
+    dt = spec.dt
+    if isinstance(value, torch.Tensor):  # in-process callers
+        value = WireTensor(BY_TORCH[value.dtype].name, from_torch(value.detach().cpu()))
+    elif isinstance(value, np.ndarray):
+        value = WireTensor(value.dtype.name, value)
+    if isinstance(value, WireTensor):
+        # Typed data is never silently cast: a mismatch is the caller's bug.
+        if value.dtype != dt.name:
+            raise InvalidInput(f"{where}: dtype {value.dtype} does not match the declared {dt.name}")
+        array = value.array
+    else:
+        array = _from_list(value, dt, where)
+    if array.ndim != len(spec.shape):
+        raise InvalidInput(
+            f"{where}: expected {len(spec.shape)} dimension(s) with shape {spec.shape}, "
+            f"got shape {list(array.shape)}"
+        )
+    limit = spec.max_length or DEFAULT_MAX_LENGTH
+    for axis, (got, want) in enumerate(zip(array.shape, spec.shape)):
+        if want == VARIABLE:
+            if not 1 <= got <= limit:
+                raise InvalidInput(
+                    f"{where}: axis {axis} has length {got}; it must be between 1 and {limit}"
+                )
+        elif got != want:
+            raise InvalidInput(
+                f"{where}: axis {axis} has size {got}, expected {want} (shape {spec.shape})"
+            )
+    return array
+
+
+def validate_item(
+    item: Mapping[str, Any], inputs: Sequence[InputSpec], index: int
+) -> dict[str, np.ndarray]:
+    """Return the item's arrays in the declared dtypes, or raise InvalidInput."""
+    if not isinstance(item, Mapping):
+        raise InvalidInput(f"item {index}: expected a map of feature name to tensor")
+    declared = {spec.name for spec in inputs}
+    unexpected = sorted(str(k) for k in item if k not in declared)
+    if unexpected:
+        raise InvalidInput(
+            f"item {index}: unexpected feature(s) {', '.join(map(repr, unexpected))}; "
+            f"the model takes {', '.join(repr(s.name) for s in inputs)}"
+        )
+    result: dict[str, np.ndarray] = {}
+    for spec in inputs:
+        if spec.name not in item:
+            raise InvalidInput(f"item {index}: missing feature {spec.name!r}")
+        result[spec.name] = validate_tensor(
+            item[spec.name], spec, f"item {index}, feature {spec.name!r}"
+        )
+    return result

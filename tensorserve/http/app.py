@@ -1,0 +1,71 @@
+"""The aiohttp application factory. Each start-up step is paired with its
+shutdown in ``cleanup_ctx``: models load after the socket is bound (so
+liveness answers while they load) and are drained and closed on exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from tensorserve.http import handlers
+from tensorserve.http.errors import error_middleware
+from tensorserve.http.keys import METRICS, REGISTRY, SETTINGS
+from tensorserve.metrics import CONTENT_TYPE, Metrics
+from tensorserve.repository.registry import ModelRegistry
+from tensorserve.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def _routes(app: web.Application) -> None:
+    model = "/v2/models/{model}"
+    versioned = "/v2/models/{model}/versions/{version}"
+    r = app.router
+    r.add_get("/v2", handlers.server_metadata)
+    r.add_get("/v2/health/live", handlers.live)
+    r.add_get("/v2/health/ready", handlers.ready)
+    r.add_get("/v2/models", handlers.list_models)
+    r.add_get("/metrics", _metrics)
+    for base in (model, versioned):
+        r.add_get(base, handlers.metadata)
+        r.add_get(base + "/ready", handlers.model_ready)
+        r.add_get(base + "/config", handlers.model_config)
+        r.add_get(base + "/stats", handlers.model_stats)
+        r.add_post(base + "/infer", handlers.infer)
+
+
+def create_app(settings: Settings | None = None, *, wait_for_models: bool = False) -> web.Application:
+    """Build the server. With ``wait_for_models`` start-up returns only once
+    every model has loaded (tests use this); otherwise loading runs in the
+    background and ``/v2/health/ready`` tells when it is done."""
+    settings = settings or Settings()
+    app = web.Application(client_max_size=settings.max_request_bytes, middlewares=[error_middleware])
+    registry = ModelRegistry(
+        settings.model_repository,
+        settings.model_overrides(),
+        intra_op_threads=settings.intra_op_threads,
+    )
+    app[SETTINGS] = settings
+    app[REGISTRY] = registry
+    app[METRICS] = Metrics(registry)
+    _routes(app)
+
+    async def models(app: web.Application) -> AsyncIterator[None]:
+        loading = asyncio.create_task(registry.load_all())
+        if wait_for_models:
+            await loading
+        yield
+        if not loading.done():
+            loading.cancel()
+        await asyncio.gather(loading, return_exceptions=True)
+        await registry.close()
+
+    app.cleanup_ctx.append(models)
+    return app

@@ -1,0 +1,188 @@
+"""The schema of ``config.toml``, declared once with types, defaults and bounds.
+
+Validation errors are turned into one sentence that names the file and the
+field (``tagger/config.toml: input[0].dtype: unknown dtype 'int46'``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tensorserve.errors import ConfigError
+from tensorserve.wire.dtypes import DType, DTYPES
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+VARIABLE = -1
+
+
+class _Strict(BaseModel):
+    # Typos in config.toml are errors, not silently ignored keys.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _TensorSpec(_Strict):
+    name: str = Field(min_length=1, description="Feature name; the model's keyword argument.")
+    dtype: str = Field(description="numpy dtype name, or bfloat16.")
+    shape: list[int] = Field(description="Per-item shape without the batch dim; -1 = variable.")
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"unknown dtype {value!r}; expected one of {', '.join(DTYPES)}")
+        return value
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, value: list[int]) -> list[int]:
+        if any(d == 0 or d < VARIABLE for d in value):
+            raise ValueError(f"every dimension must be positive or -1, got {value}")
+        return value
+
+    @property
+    def dt(self) -> DType:
+        return DTYPES[self.dtype]
+
+    @property
+    def variable_axes(self) -> tuple[int, ...]:
+        return tuple(i for i, d in enumerate(self.shape) if d == VARIABLE)
+
+
+class InputSpec(_TensorSpec):
+    pad_value: float | int | bool = Field(0, description="Value this feature is padded with.")
+    max_length: int | None = Field(
+        None, ge=1, description="Upper bound on every variable axis (default: server's limit)."
+    )
+
+
+class OutputSpec(_TensorSpec):
+    unpad_like: str | None = Field(
+        None,
+        description="Input whose variable axes, in order, give this output's variable axes. "
+        "Defaults to the first input with variable axes.",
+    )
+
+
+class DynamicBatching(_Strict):
+    max_queue_delay_ms: float = Field(5.0, ge=0, le=60_000, description="Longest an item waits for company.")
+    dispatch: Literal["eager", "timer"] = Field(
+        "eager",
+        description="eager: dispatch as soon as the model is idle; timer: wait until the batch "
+        "is full or the oldest item has waited max_queue_delay_ms.",
+    )
+    policy: Literal["fifo", "length_aware"] = Field(
+        "length_aware", description="Which waiting items form the next batch."
+    )
+    max_batch_tokens: int | None = Field(
+        None, ge=1, description="Budget on padded volume per batch (batch x padded item size)."
+    )
+    pad_to_multiple_of: int | None = Field(
+        None, ge=1, description="Round each padded variable axis up to a multiple of this."
+    )
+    max_queue_size: int = Field(4096, ge=1, description="Items waiting beyond this get ServerBusy.")
+
+
+class ModelConfig(_Strict):
+    max_batch_size: int = Field(32, ge=0, le=65_536, description="0 or 1: no batching.")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    instance_count: int = Field(1, ge=1, le=16, description="Model copies executing in parallel.")
+    dynamic_batching: DynamicBatching = Field(default_factory=DynamicBatching)
+    parameters: dict[str, Any] = Field(default_factory=dict, description="Model(**parameters).")
+    input: list[InputSpec] = Field(min_length=1)
+    output: list[OutputSpec] = Field(min_length=1)
+    warmup: bool = Field(True, description="Run a few padded batches at load, before ready.")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        ok = value in ("auto", "cpu", "cuda") or (
+            value.startswith("cuda:") and value[5:].isdigit()
+        )
+        if not ok:
+            raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        for kind, specs in (("input", self.input), ("output", self.output)):
+            names = [s.name for s in specs]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"duplicate {kind} names: {', '.join(dupes)}")
+        inputs = {s.name: s for s in self.input}
+        for out in self.output:
+            if not out.variable_axes:
+                continue
+            source = self.unpad_source(out)
+            if source is None:
+                raise ValueError(
+                    f"output {out.name!r} has variable axes but no input has any to follow"
+                )
+            if source not in inputs:
+                raise ValueError(f"output {out.name!r}: unpad_like names unknown input {source!r}")
+            if len(inputs[source].variable_axes) < len(out.variable_axes):
+                raise ValueError(
+                    f"output {out.name!r} has {len(out.variable_axes)} variable axes but "
+                    f"input {source!r} has only {len(inputs[source].variable_axes)}"
+                )
+        return self
+
+    def unpad_source(self, out: OutputSpec) -> str | None:
+        """The input whose true lengths un-pad ``out``."""
+        if out.unpad_like is not None:
+            return out.unpad_like
+        return next((s.name for s in self.input if s.variable_axes), None)
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch_size > 1
+
+    def with_overrides(self, **overrides: Any) -> ModelConfig:
+        """A copy with server-wide overrides (env/CLI) applied; ``None`` means keep."""
+        data = self.model_dump()
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            if key in DynamicBatching.model_fields:
+                data["dynamic_batching"][key] = value
+            else:
+                data[key] = value
+        return ModelConfig.model_validate(data)
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path or "(top level)"
+
+
+def parse_config(data: dict[str, Any], source: str) -> ModelConfig:
+    try:
+        return ModelConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{_field_path(err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{source}: {problems}") from None
+
+
+def load_config(path: Path) -> ModelConfig:
+    """Read and validate one model's ``config.toml``."""
+    source = f"{path.parent.name}/{path.name}"
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    return parse_config(data, source)

@@ -1,0 +1,135 @@
+"""Discovery and loading of repository models (Triton layout).
+
+    <repository>/<model>/config.toml
+    <repository>/<model>/<version>/model.py          class Model(torch.nn.Module)
+    <repository>/<model>/<version>/model.safetensors optional weights
+
+The highest numeric version is served. Weights come from safetensors only;
+nothing is ever unpickled. Every failure raises ``ConfigError`` with a
+sentence naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from tensorserve.errors import ConfigError
+from tensorserve.repository.config import ModelConfig, load_config
+
+MODULE_FILE = "model.py"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str
+    path: Path  # the model's folder
+    versions: tuple[int, ...]  # ascending
+
+    @property
+    def latest(self) -> int | None:
+        return self.versions[-1] if self.versions else None
+
+
+def discover(repository: Path) -> dict[str, ModelSource]:
+    """Every folder with a config.toml is a model; numeric subfolders are versions."""
+    if not repository.is_dir():
+        raise ConfigError(f"model repository {str(repository)!r} is not a directory")
+    found = {}
+    for folder in sorted(p for p in repository.iterdir() if p.is_dir()):
+        if not (folder / "config.toml").is_file():
+            continue
+        versions = sorted(int(v.name) for v in folder.iterdir() if v.is_dir() and v.name.isdigit())
+        found[folder.name] = ModelSource(folder.name, folder, tuple(versions))
+    return found
+
+
+def _import_model_class(path: Path, module_name: str) -> type[torch.nn.Module]:
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{path}: cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # lets dataclasses/pickle-free introspection work
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise ConfigError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
+    cls = getattr(module, "Model", None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise ConfigError(f"{path}: must define class Model(torch.nn.Module)")
+    return cls
+
+
+def load_weights(module: torch.nn.Module, path: Path) -> None:
+    """Strict safetensors loading: missing, unexpected and mis-shaped keys by name."""
+    try:
+        weights = load_file(str(path))
+    except Exception as exc:
+        raise ConfigError(f"{path}: not a readable safetensors file: {exc}") from exc
+    expected = module.state_dict()
+    problems = []
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing:
+        problems.append(f"missing keys: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {', '.join(unexpected)}")
+    for key in sorted(set(expected) & set(weights)):
+        if expected[key].shape != weights[key].shape:
+            problems.append(
+                f"{key}: shape {list(weights[key].shape)} in file, "
+                f"{list(expected[key].shape)} in model"
+            )
+    if problems:
+        raise ConfigError(f"{path}: weights do not match the model: {'; '.join(problems)}")
+    module.load_state_dict(weights, strict=True)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    version: int
+    config: ModelConfig
+    module: torch.nn.Module
+
+
+def load_model(source: ModelSource, version: int | None, config: ModelConfig) -> LoadedModel:
+    """Import, construct and load weights of one version (on the CPU)."""
+    version = source.latest if version is None else version
+    if version is None or version not in source.versions:
+        raise ConfigError(f"{source.name}: no version folder (e.g. {source.name}/1/model.py)")
+    folder = source.path / str(version)
+    module_file = folder / MODULE_FILE
+    if not module_file.is_file():
+        raise ConfigError(f"{source.name}/{version}/{MODULE_FILE}: file not found")
+    cls = _import_model_class(module_file, f"tensorserve_models.{source.name}.v{version}")
+    try:
+        module = cls(**config.parameters)
+    except Exception as exc:
+        raise ConfigError(
+            f"{source.name}/{version}/{MODULE_FILE}: Model(**parameters) failed: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    weights = folder / WEIGHTS_FILE
+    if weights.is_file():
+        load_weights(module, weights)
+    module.eval()
+    return LoadedModel(source.name, version, config, module)
+
+
+def read_config(source: ModelSource, overrides: dict[str, Any] | None = None) -> ModelConfig:
+    config = load_config(source.path / "config.toml")
+    if overrides:
+        try:
+            config = config.with_overrides(**overrides)
+        except Exception as exc:
+            raise ConfigError(f"{source.name}: server overrides are invalid: {exc}") from exc
+    return config

@@ -1,0 +1,180 @@
+"""The registry: every model of the repository, with its state and reason.
+
+A model that fails to load (bad config, import error, weight mismatch,
+failed warm-up) does not stop the others: it is kept as FAILED with the
+reason, reported on its ready/metadata endpoints and logged.
+
+Loading (import, weights, warm-up) runs in a worker thread so the server
+answers liveness while models load. Reload swaps the new version in and
+then closes the old one, whose queued and in-flight requests finish first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tensorserve.errors import ConfigError, ModelNotFound, ModelNotReady
+from tensorserve.repository.config import ModelConfig
+from tensorserve.repository.loader import ModelSource, discover, load_model, read_config
+from tensorserve.serving import ServedModel
+
+log = logging.getLogger(__name__)
+
+
+class ModelState(str, enum.Enum):
+    LOADING = "LOADING"
+    READY = "READY"
+    FAILED = "FAILED"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"  # unloaded on request
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    state: ModelState
+    reason: str = ""
+    served: ServedModel | None = None
+    config: ModelConfig | None = None
+    version: int | None = None
+
+    def describe(self) -> dict[str, Any]:
+        described: dict[str, Any] = {"name": self.name, "state": self.state.value}
+        if self.version is not None:
+            described["version"] = str(self.version)
+        if self.reason:
+            described["reason"] = self.reason
+        return described
+
+
+class ModelRegistry:
+    def __init__(
+        self,
+        repository: Path,
+        overrides: dict[str, Any] | None = None,
+        *,
+        intra_op_threads: int | None = None,
+    ) -> None:
+        self.repository = repository
+        self.overrides = overrides or {}
+        self.intra_op_threads = intra_op_threads
+        self.entries: dict[str, ModelEntry] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    # ------------------------------------------------------------------ lookups
+    def get(self, name: str, version: str | None = None) -> ModelEntry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise ModelNotFound(f"unknown model {name!r}")
+        if version is not None and entry.version is not None and version != str(entry.version):
+            raise ModelNotFound(
+                f"model {name!r} version {version!r} is not served (serving version {entry.version})"
+            )
+        return entry
+
+    def ready(self, name: str, version: str | None = None) -> ServedModel:
+        entry = self.get(name, version)
+        if entry.state is not ModelState.READY or entry.served is None:
+            detail = f": {entry.reason}" if entry.reason else ""
+            raise ModelNotReady(f"model {name!r} is not ready ({entry.state.value}){detail}")
+        return entry.served
+
+    @property
+    def all_ready(self) -> bool:
+        return all(e.state is ModelState.READY for e in self.entries.values()
+                   if e.state is not ModelState.UNAVAILABLE)
+
+    def index(self) -> list[dict[str, Any]]:
+        self._rescan()
+        return [e.describe() for e in sorted(self.entries.values(), key=lambda e: e.name)]
+
+    def _rescan(self) -> dict[str, ModelSource]:
+        """Models added to the repository on disk show up as UNAVAILABLE."""
+        sources = discover(self.repository)
+        for name in sources:
+            self.entries.setdefault(name, ModelEntry(name, ModelState.UNAVAILABLE))
+        return sources
+
+    # ------------------------------------------------------------------ load / unload
+    async def load_all(self) -> None:
+        try:
+            names = list(self._rescan())
+        except ConfigError as exc:
+            log.error("%s", exc)
+            raise
+        for name in names:
+            self.entries[name].state = ModelState.LOADING
+        await asyncio.gather(*(self.load(name) for name in names))
+
+    async def load(self, name: str) -> ModelEntry:
+        """Load (or reload) a model; on failure it is FAILED with the reason."""
+        async with self._lock(name):
+            sources = self._rescan()
+            if name not in sources:
+                raise ModelNotFound(f"no model {name!r} in the repository")
+            entry = self.entries[name]
+            old = entry.served
+            if old is None:
+                entry.state = ModelState.LOADING
+            try:
+                served = await asyncio.to_thread(self._build, sources[name])
+            except Exception as exc:
+                reason = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+                log.error("model %s failed to load: %s", name, reason)
+                if old is None:
+                    entry.state, entry.reason = ModelState.FAILED, reason
+                    entry.served = None
+                return entry  # a failed reload keeps serving the old version
+            entry.served, entry.config, entry.version = served, served.config, served.version
+            entry.state, entry.reason = ModelState.READY, ""
+            log.info("model %s version %s ready on %s", name, served.version, served.device)
+            if old is not None:
+                await asyncio.to_thread(old.close)
+            return entry
+
+    def _build(self, source: ModelSource) -> ServedModel:
+        config = read_config(source, self.overrides)
+        loaded = load_model(source, None, config)
+        served = ServedModel(
+            source.name,
+            config,
+            loaded.module,
+            version=loaded.version,
+            on_fatal=lambda exc, name=source.name: self._mark_failed(name, exc),
+            intra_op_threads=self.intra_op_threads,
+        )
+        served.start()
+        if config.warmup:
+            try:
+                served.warmup()
+            except Exception as exc:
+                served.close()
+                raise ConfigError(f"{source.name}: warm-up failed: {exc}") from exc
+        return served
+
+    def _mark_failed(self, name: str, exc: BaseException) -> None:
+        entry = self.entries.get(name)
+        if entry is not None:
+            entry.state, entry.reason = ModelState.FAILED, f"batcher failed: {exc!r}"
+
+    async def unload(self, name: str) -> None:
+        async with self._lock(name):
+            entry = self.get(name)
+            served, entry.served = entry.served, None
+            entry.state, entry.reason = ModelState.UNLOADING, ""
+            if served is not None:
+                await asyncio.to_thread(served.close)  # queued requests finish first
+            entry.state = ModelState.UNAVAILABLE
+
+    async def close(self) -> None:
+        await asyncio.gather(
+            *(asyncio.to_thread(e.served.close) for e in self.entries.values() if e.served)
+        )
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())

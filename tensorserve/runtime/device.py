@@ -1,0 +1,72 @@
+"""Per-model-thread device handling: thread set-up, CUDA streams, copies.
+
+Grad mode and inference mode are thread-local in torch, and so is the
+OpenMP intra-op thread count: both are set on the model thread itself, never
+inherited from the thread that loaded the model (see docs/threading.md).
+
+On CUDA each instance owns a stream; inputs travel from pinned host memory
+with ``non_blocking=True`` and outputs come back into pinned host memory,
+with one synchronisation per batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` means CUDA when present; asking for CUDA without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {name!r} requested but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"device {name!r} requested but only {torch.cuda.device_count()} GPU(s) exist"
+            )
+    return device
+
+
+class DeviceContext:
+    """What one model instance (one thread) needs to run batches."""
+
+    def __init__(self, device: torch.device, intra_op_threads: int | None = None) -> None:
+        self.device = device
+        self.intra_op_threads = intra_op_threads
+        self.stream: torch.cuda.Stream | None = None
+
+    def enter_thread(self) -> None:
+        """Run once on the model thread before its first batch."""
+        if self.intra_op_threads:
+            torch.set_num_threads(self.intra_op_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            self.stream = torch.cuda.Stream(self.device)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(), stream_ctx:
+            yield
+
+    def to_device(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.device.type == "cpu":
+            return dict(features)
+        return {name: t.to(self.device, non_blocking=True) for name, t in features.items()}
+
+    def to_host(self, outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.device.type == "cpu":
+            return {name: t.contiguous() for name, t in outputs.items()}
+        host = {}
+        for name, t in outputs.items():
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buffer.copy_(t, non_blocking=True)
+            host[name] = buffer
+        assert self.stream is not None
+        self.stream.synchronize()  # one wait per batch, after every copy is queued
+        return host

@@ -1,0 +1,195 @@
+"""``ServedModel``: one model behind its dynamic batcher, usable in-process.
+
+This is the public Python API; the HTTP server is just one of its callers.
+
+    from tensorserve import ServedModel
+
+    # a repository model
+    with ServedModel.from_repository("model_repository", "tagger") as tagger:
+        out = tagger.infer_sync({"input_ids": ids, "attention_mask": mask})
+
+    # any batch function, given its inputs' pad values
+    def double(x):                       # x: padded [batch, T] tensor
+        return x * 2
+    model = ServedModel.from_function(
+        double,
+        inputs=[{"name": "x", "dtype": "float32", "shape": [-1], "pad_value": 0}],
+        outputs=[{"name": "y", "dtype": "float32", "shape": [-1], "unpad_like": "x"}],
+        max_batch_size=16, max_queue_delay_ms=2,
+    )
+    async with model:
+        rows = await model.infer_many([{"x": a}, {"x": b}])   # un-padded, in order
+
+Items are validated (dtype, rank, fixed axes, length bounds) before they are
+queued, so a bad item raises ``InvalidInput`` for its caller alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tensorserve.batching.batcher import Batcher, BatcherOptions
+from tensorserve.batching.policy import make_policy
+from tensorserve.batching.stats import BatchStats
+from tensorserve.batching.validate import validate_item
+from tensorserve.repository.config import VARIABLE, ModelConfig, parse_config
+from tensorserve.repository.loader import discover, load_model, read_config
+from tensorserve.runtime.device import resolve_device
+from tensorserve.runtime.runner import PaddedRunner
+
+Item = Mapping[str, Any]
+Result = dict[str, np.ndarray]
+
+
+def default_intra_op_threads() -> int:
+    """Intra-op threads for each model thread (see docs/threading.md)."""
+    value = os.environ.get("TENSORSERVE_INTRA_OP_THREADS")
+    return int(value) if value else max(1, os.cpu_count() or 1)
+
+
+class ServedModel:
+    def __init__(
+        self,
+        name: str,
+        config: ModelConfig,
+        fn: Callable[..., Any],
+        *,
+        version: int = 1,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        intra_op_threads: int | None = None,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.config = config
+        self.device = resolve_device(config.device)
+        if hasattr(fn, "to"):
+            fn = fn.to(self.device)
+        self.fn = fn
+        self.stats = BatchStats()
+        self.runner = PaddedRunner(
+            fn,
+            config,
+            self.device,
+            instance_count=config.instance_count,
+            intra_op_threads=intra_op_threads or default_intra_op_threads(),
+        )
+        batching = config.dynamic_batching
+        options = BatcherOptions(
+            max_batch_size=config.max_batch_size if config.batching else 1,
+            max_queue_delay_ms=batching.max_queue_delay_ms,
+            dispatch=batching.dispatch,
+            policy=make_policy(batching.policy, batching.max_batch_tokens),
+            max_queue_size=batching.max_queue_size,
+        )
+        self.batcher = Batcher(self.runner, options, name=name, stats=self.stats, on_fatal=on_fatal)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_function(
+        cls,
+        fn: Callable[..., Any],
+        *,
+        inputs: Sequence[Mapping[str, Any]],
+        outputs: Sequence[Mapping[str, Any]],
+        name: str = "function",
+        **config: Any,
+    ) -> ServedModel:
+        """Batch any callable ``fn(**padded_features)``; ``config`` takes the
+        config.toml fields (``max_batch_size``, ``device``, ``dynamic_batching``...)
+        and, for convenience, the ``dynamic_batching`` ones at top level."""
+        batching = {k: config.pop(k) for k in list(config) if k in _BATCHING_FIELDS}
+        data = {"input": list(inputs), "output": list(outputs), "device": "cpu", **config}
+        data["dynamic_batching"] = {**data.get("dynamic_batching", {}), **batching}
+        return cls(name, parse_config(data, f"{name} (from_function)"), fn)
+
+    @classmethod
+    def from_repository(
+        cls, repository: str | Path, name: str, version: int | None = None, **overrides: Any
+    ) -> ServedModel:
+        sources = discover(Path(repository))
+        if name not in sources:
+            raise KeyError(f"no model {name!r} in {repository}; found {', '.join(sources)}")
+        config = read_config(sources[name], overrides)
+        loaded = load_model(sources[name], version, config)
+        return cls(name, config, loaded.module, version=loaded.version)
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> ServedModel:
+        self.batcher.start()
+        return self
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    def __enter__(self) -> ServedModel:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> ServedModel:
+        return self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ inference
+    def validate(self, items: Sequence[Item]) -> list[dict[str, np.ndarray]]:
+        return [validate_item(item, self.config.input, i) for i, item in enumerate(items)]
+
+    def submit_many(self, items: Sequence[Item], *, timeout: float | None = None) -> list[Future]:
+        return self.batcher.submit_many(self.validate(items), timeout=timeout)
+
+    async def infer_many(self, items: Sequence[Item], *, timeout: float | None = None) -> list[Result]:
+        return await self.batcher.infer_many(self.validate(items), timeout=timeout)
+
+    async def infer(self, item: Item, *, timeout: float | None = None) -> Result:
+        return (await self.infer_many([item], timeout=timeout))[0]
+
+    def infer_many_sync(self, items: Sequence[Item], *, timeout: float | None = None) -> list[Result]:
+        futures = self.submit_many(items, timeout=timeout)
+        try:
+            return [f.result(timeout) for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+
+    def infer_sync(self, item: Item, *, timeout: float | None = None) -> Result:
+        return self.infer_many_sync([item], timeout=timeout)[0]
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup_items(self) -> list[list[dict[str, np.ndarray]]]:
+        """Batches over a small grid of sizes and lengths, so the first real
+        request pays no allocator growth or lazy initialisation."""
+        sizes = sorted({1, max(1, self.config.max_batch_size)})
+        batches = []
+        for length in (16, 128):
+            for size in sizes:
+                item = {}
+                for spec in self.config.input:
+                    limit = spec.max_length or length
+                    shape = [min(length, limit) if d == VARIABLE else d for d in spec.shape]
+                    item[spec.name] = np.ones(shape, dtype=spec.dt.numpy)
+                batches.append([item] * size)
+        return batches
+
+    def warmup(self) -> None:
+        for batch in self.warmup_items():
+            self.infer_many_sync(batch, timeout=600)
+        self.stats.reset()  # stats describe real traffic only
+
+
+_BATCHING_FIELDS = {
+    "max_queue_delay_ms",
+    "dispatch",
+    "policy",
+    "max_batch_tokens",
+    "pad_to_multiple_of",
+    "max_queue_size",
+}

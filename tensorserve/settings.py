@@ -1,0 +1,52 @@
+"""Server settings: defaults < environment (``TENSORSERVE_*``) < CLI flags.
+
+The per-model overrides (``max_batch_size``, ``max_queue_delay_ms``,
+``device``, ``dispatch``, ``policy``, ``instance_count``) apply to every model
+of the repository on top of its config.toml, as MLServer's settings do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MODEL_OVERRIDES = (
+    "max_batch_size",
+    "max_queue_delay_ms",
+    "device",
+    "dispatch",
+    "policy",
+    "instance_count",
+)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TENSORSERVE_", protected_namespaces=())
+
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    model_repository: Path = Field(Path("model_repository"), description="Model repository folder.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    access_log: bool = Field(False, description="Log every request (off: keeps the hot path lean).")
+
+    # Bounds on what a client may send.
+    max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body accepted.")
+    max_items_per_request: int = Field(4096, ge=1, description="Most items in one request.")
+
+    intra_op_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads per model thread (default: all cores)."
+    )
+
+    # Overrides applied to every model's config.toml (None: keep the model's own).
+    max_batch_size: int | None = Field(None, ge=0)
+    max_queue_delay_ms: float | None = Field(None, ge=0)
+    device: str | None = None
+    dispatch: Literal["eager", "timer"] | None = None
+    policy: Literal["fifo", "length_aware"] | None = None
+    instance_count: int | None = Field(None, ge=1)
+
+    def model_overrides(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in MODEL_OVERRIDES if getattr(self, key) is not None}

@@ -1,0 +1,36 @@
+"""Model metadata in the KServe v2 schema (shared by both protocols)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorserve.repository.config import ModelConfig, _TensorSpec
+from tensorserve.repository.registry import ModelEntry
+
+
+def _tensor(spec: _TensorSpec, batching: bool) -> dict[str, Any]:
+    # A batching model's batch dimension is reported as -1, as Triton does.
+    shape = ([-1] if batching else []) + list(spec.shape)
+    return {"name": spec.name, "datatype": spec.dt.v2, "shape": shape, "dtype": spec.dtype}
+
+
+def model_metadata(entry: ModelEntry) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "name": entry.name,
+        "versions": [str(entry.version)] if entry.version is not None else [],
+        "platform": "pytorch_tensorserve",
+        "state": entry.state.value,
+    }
+    if entry.reason:
+        metadata["reason"] = entry.reason
+    config: ModelConfig | None = entry.config
+    if config is not None:
+        metadata["max_batch_size"] = config.max_batch_size
+        metadata["inputs"] = [
+            {**_tensor(s, config.batching), "pad_value": s.pad_value} for s in config.input
+        ]
+        metadata["outputs"] = [
+            {**_tensor(s, config.batching), "unpad_like": config.unpad_source(s)}
+            for s in config.output
+        ]
+    return metadata
