@@ -1,0 +1,225 @@
+"""The dynamic batcher through its in-process API (``ServedModel``), with
+batch functions whose results are tied to their inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from tensorserve import DeadlineExceeded, InvalidInput, ModelFailure, ServedModel, ServerBusy
+
+X_IN = [{"name": "x", "dtype": "float32", "shape": [-1], "pad_value": -1.0}]
+Y_OUT = [{"name": "y", "dtype": "float32", "shape": [-1], "unpad_like": "x"}]
+rng = np.random.default_rng(0)
+
+
+def cumsum_model(**config):
+    """y = cumulative sum of x: every position depends on all earlier ones, so a
+    wrong pad value, a wrong row or a wrong slice changes the numbers."""
+    seen: list[int] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return torch.cumsum(x, dim=1)
+
+    model = ServedModel.from_function(fn, inputs=X_IN, outputs=Y_OUT, **config)
+    return model, seen
+
+
+def items(n: int, low: int = 1, high: int = 40) -> list[dict[str, np.ndarray]]:
+    return [{"x": rng.normal(size=int(rng.integers(low, high))).astype(np.float32)} for _ in range(n)]
+
+
+async def test_concurrent_callers_each_get_their_own_row() -> None:
+    model, seen = cumsum_model(max_batch_size=16, max_queue_delay_ms=20, dispatch="timer")
+    inputs = items(64)
+    async with model:
+        results = await asyncio.gather(*(model.infer(item) for item in inputs))
+    for item, result in zip(inputs, results):
+        np.testing.assert_allclose(result["y"], np.cumsum(item["x"]), rtol=1e-5, atol=1e-5)
+    assert sum(seen) == 64 and max(seen) > 1, "callers were never batched together"
+    assert model.stats.snapshot(0)["avg_batch_size"] > 1
+
+
+async def test_a_request_larger_than_max_batch_size_comes_back_whole_and_in_order() -> None:
+    model, seen = cumsum_model(max_batch_size=4)
+    inputs = items(27)
+    async with model:
+        results = await model.infer_many(inputs)
+    assert len(results) == 27
+    for item, result in zip(inputs, results):
+        np.testing.assert_allclose(result["y"], np.cumsum(item["x"]), rtol=1e-5, atol=1e-5)
+    assert max(seen) <= 4 and sum(seen) == 27
+
+
+@pytest.mark.parametrize("policy", ["fifo", "length_aware"])
+@pytest.mark.parametrize("instances", [1, 2])
+def test_pipeline_never_reorders_or_loses_items(policy: str, instances: int) -> None:
+    model, seen = cumsum_model(max_batch_size=8, policy=policy, instance_count=instances)
+    inputs = items(300)
+    with model, ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(model.infer_sync, inputs))
+    assert sum(seen) == 300
+    for item, result in zip(inputs, results):
+        np.testing.assert_allclose(result["y"], np.cumsum(item["x"]), rtol=1e-5, atol=1e-5)
+
+
+async def test_results_do_not_depend_on_batch_composition() -> None:
+    inputs = items(40)
+    outcomes = []
+    for max_batch_size in (1, 7, 40):
+        model, _ = cumsum_model(max_batch_size=max_batch_size, policy="length_aware")
+        async with model:
+            outcomes.append(await model.infer_many(inputs))
+    for a, b, c in zip(*outcomes):
+        np.testing.assert_allclose(a["y"], b["y"], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(a["y"], c["y"], rtol=1e-5, atol=1e-5)
+
+
+async def test_a_model_that_raises_fails_its_batch_and_the_next_one_succeeds() -> None:
+    calls = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        if len(calls) == 1:
+            raise RuntimeError("CUDA says no")
+        return x
+
+    model = ServedModel.from_function(fn, inputs=X_IN, outputs=Y_OUT, max_batch_size=8)
+    async with model:
+        with pytest.raises(ModelFailure, match="RuntimeError: CUDA says no"):
+            await model.infer_many(items(3))
+        result = await model.infer({"x": np.ones(3, np.float32)})
+    assert result["y"].tolist() == [1.0, 1.0, 1.0]
+    assert model.stats.snapshot(0)["failed_items"] == 3
+
+
+def test_an_exception_in_a_per_item_list_fails_that_item_only() -> None:
+    def fn(x: torch.Tensor) -> list:
+        return [ValueError("negative start") if row[0] < 0 else {"y": row} for row in x]
+
+    model = ServedModel.from_function(
+        fn, inputs=X_IN, outputs=[{"name": "y", "dtype": "float32", "shape": [-1]}],
+        max_batch_size=8, max_queue_delay_ms=200, dispatch="timer",
+    )
+    batch = [{"x": np.array([1.0, 2.0], np.float32)}, {"x": np.array([-1.0], np.float32)},
+             {"x": np.array([3.0], np.float32)}]
+    with model:
+        futures = model.submit_many(batch)
+        assert futures[0].result(5)["y"].tolist() == [1.0, 2.0]
+        with pytest.raises(ModelFailure, match="ValueError: negative start"):
+            futures[1].result(5)
+        assert futures[2].result(5)["y"].tolist()[0] == 3.0
+
+
+def test_a_result_of_the_wrong_batch_size_fails_the_batch_with_a_sentence() -> None:
+    model = ServedModel.from_function(
+        lambda x: [{"y": x[0]}], inputs=X_IN, outputs=[{"name": "y", "dtype": "float32", "shape": [-1]}],
+        max_batch_size=8, max_queue_delay_ms=200, dispatch="timer",
+    )
+    with model:
+        futures = model.submit_many(items(3))
+        for future in futures:
+            with pytest.raises(ModelFailure, match="returned 1 results for a batch of 3 items"):
+                future.result(5)
+
+
+class Gate:
+    """A batch function that blocks until released, so a queue builds up."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.seen: list[list[float]] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        self.release.wait(10)
+        self.seen.extend(row[0].item() for row in x)
+        return x
+
+
+def gated_model(gate: Gate, **config) -> ServedModel:
+    return ServedModel.from_function(gate, inputs=X_IN, outputs=Y_OUT, max_batch_size=4, **config)
+
+
+def test_items_accumulate_while_the_model_is_busy_and_cancelled_items_are_skipped() -> None:
+    gate = Gate()
+    with gated_model(gate) as model:
+        first = model.submit_many([{"x": np.array([0.0], np.float32)}])
+        assert gate.entered.wait(5)
+        later = model.submit_many([{"x": np.array([float(i)], np.float32)} for i in range(1, 4)])
+        assert later[1].cancel()  # its caller went away while it was queued
+        gate.release.set()
+        assert first[0].result(5)["y"].tolist() == [0.0]
+        assert later[0].result(5)["y"].tolist() == [1.0]
+        assert later[2].result(5)["y"].tolist() == [3.0]
+    assert 2.0 not in gate.seen
+
+
+def test_an_item_past_its_deadline_is_not_run() -> None:
+    gate = Gate()
+    with gated_model(gate, max_queue_delay_ms=1000) as model:
+        model.submit_many([{"x": np.array([0.0], np.float32)}])
+        assert gate.entered.wait(5)
+        late = model.submit_many([{"x": np.array([9.0], np.float32)}], timeout=0.01)
+        threading.Event().wait(0.05)
+        gate.release.set()
+        with pytest.raises(DeadlineExceeded):
+            late[0].result(5)
+    assert 9.0 not in gate.seen
+
+
+def test_a_full_queue_answers_server_busy_and_keeps_serving() -> None:
+    gate = Gate()
+    with gated_model(gate, max_queue_size=4) as model:
+        model.submit_many([{"x": np.array([0.0], np.float32)}])
+        assert gate.entered.wait(5)
+        queued = model.submit_many([{"x": np.array([1.0], np.float32)}] * 4)
+        with pytest.raises(ServerBusy, match="queue is full"):
+            model.submit_many([{"x": np.array([2.0], np.float32)}])
+        gate.release.set()
+        assert all(f.result(5)["y"].tolist() == [1.0] for f in queued)
+
+
+def test_close_finishes_everything_already_queued() -> None:
+    gate = Gate()
+    model = gated_model(gate).start()
+    futures = model.submit_many([{"x": np.array([float(i)], np.float32)} for i in range(10)])
+    assert gate.entered.wait(5)
+    gate.release.set()
+    model.close()
+    assert [f.result(0)["y"].tolist() for f in futures] == [[float(i)] for i in range(10)]
+
+
+def test_timer_dispatch_sends_a_full_batch_without_waiting_for_the_timer() -> None:
+    model, seen = cumsum_model(max_batch_size=4, max_queue_delay_ms=60_000, dispatch="timer")
+    with model:
+        futures = model.submit_many(items(4))
+        assert all(f.result(10)["y"].shape[0] >= 1 for f in futures)
+    assert seen == [4]
+
+
+def test_eager_dispatch_runs_a_lone_item_without_waiting_for_the_timer() -> None:
+    model, seen = cumsum_model(max_batch_size=32, max_queue_delay_ms=60_000, dispatch="eager")
+    with model:
+        assert model.infer_sync({"x": np.ones(2, np.float32)}, timeout=10)["y"].tolist() == [1.0, 2.0]
+    assert seen == [1]
+
+
+def test_bad_items_are_rejected_before_they_are_queued() -> None:
+    model, seen = cumsum_model()
+    with model:
+        with pytest.raises(InvalidInput, match="item 1, feature 'x': dtype int64 does not match the declared float32"):
+            model.submit_many([{"x": np.ones(2, np.float32)}, {"x": np.ones(2, np.int64)}])
+        with pytest.raises(InvalidInput, match="item 0: missing feature 'x'"):
+            model.submit_many([{}])
+        with pytest.raises(InvalidInput, match=r"expected 1 dimension\(s\)"):
+            model.submit_many([{"x": np.ones((2, 2), np.float32)}])
+        assert model.infer_sync({"x": [1, 2]})["y"].tolist() == [1.0, 3.0]  # lists are cast
+    assert seen == [1]

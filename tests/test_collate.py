@@ -1,0 +1,108 @@
+"""Padding and un-padding are pure functions: tested without an event loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tensorserve.batching.collate import pad, unpad
+from tensorserve.errors import ModelFailure
+from tensorserve.repository.config import InputSpec, OutputSpec
+
+rng = np.random.default_rng(0)
+
+
+def spec(name: str, shape: list[int], dtype: str = "float32", pad_value: float = 0) -> InputSpec:
+    return InputSpec(name=name, dtype=dtype, shape=shape, pad_value=pad_value)
+
+
+def test_each_feature_is_padded_with_its_own_pad_value() -> None:
+    inputs = [spec("ids", [-1], "int64", pad_value=7), spec("mask", [-1], "int64", pad_value=0)]
+    items = [
+        {"ids": np.array([1, 2, 3]), "mask": np.array([1, 1, 1])},
+        {"ids": np.array([4]), "mask": np.array([1])},
+    ]
+    batch = pad(items, inputs)
+    assert batch.features["ids"].tolist() == [[1, 2, 3], [4, 7, 7]]
+    assert batch.features["mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch.extents["ids"].tolist() == [[3], [1]]
+    assert (batch.real_elements, batch.padded_elements) == (8, 12)
+
+
+def test_fixed_axes_are_kept_and_variable_axes_padded() -> None:
+    inputs = [spec("frames", [-1, 4], pad_value=-1.0)]
+    items = [{"frames": rng.normal(size=(n, 4)).astype(np.float32)} for n in (2, 5, 3)]
+    batch = pad(items, inputs)
+    assert tuple(batch.features["frames"].shape) == (3, 5, 4)
+    row = batch.features["frames"][0].numpy()
+    np.testing.assert_array_equal(row[:2], items[0]["frames"])
+    assert (row[2:] == -1.0).all()
+
+
+def test_two_variable_axes_round_trip() -> None:
+    inputs = [spec("image", [-1, -1])]
+    outputs = [OutputSpec(name="out", dtype="float32", shape=[-1, -1], unpad_like="image")]
+    items = [{"image": rng.normal(size=shape).astype(np.float32)} for shape in [(3, 7), (6, 2), (1, 1)]]
+    batch = pad(items, inputs)
+    assert tuple(batch.features["image"].shape) == (3, 6, 7)
+    doubled = {"out": batch.features["image"].numpy() * 2}
+    results = unpad(doubled, batch, outputs, {"out": "image"})
+    for item, result in zip(items, results):
+        np.testing.assert_array_equal(result["out"], item["image"] * 2)
+
+
+def test_uniform_items_take_the_stack_path() -> None:
+    inputs = [spec("x", [-1])]
+    items = [{"x": np.full(4, i, np.float32)} for i in range(3)]
+    batch = pad(items, inputs)
+    assert batch.features["x"].tolist() == [[i] * 4 for i in range(3)]
+    assert batch.real_elements == batch.padded_elements == 12
+
+
+def test_pad_to_multiple_of_rounds_variable_axes_up() -> None:
+    inputs = [spec("x", [-1, 3])]
+    batch = pad([{"x": np.ones((5, 3), np.float32)}], inputs, pad_to_multiple_of=8)
+    assert tuple(batch.features["x"].shape) == (1, 8, 3)
+    assert batch.features["x"][0, 5:].abs().sum() == 0
+
+
+def test_bfloat16_features_pad_with_the_right_bit_pattern() -> None:
+    inputs = [spec("x", [-1], "bfloat16", pad_value=1.5)]
+    item = torch.tensor([0.25, -2.0], dtype=torch.bfloat16).view(torch.uint16).numpy()
+    batch = pad([{"x": item}, {"x": item[:1]}], inputs)
+    tensor = batch.features["x"]
+    assert tensor.dtype == torch.bfloat16
+    assert tensor.float().tolist() == [[0.25, -2.0], [0.25, 1.5]]
+
+
+def test_fixed_outputs_are_returned_whole_and_outputs_follow_their_source() -> None:
+    inputs = [spec("a", [-1]), spec("b", [-1])]
+    outputs = [
+        OutputSpec(name="pooled", dtype="float32", shape=[2]),
+        OutputSpec(name="per_b", dtype="float32", shape=[-1, 2], unpad_like="b"),
+    ]
+    items = [{"a": np.ones(2, np.float32), "b": np.ones(5, np.float32)},
+             {"a": np.ones(4, np.float32), "b": np.ones(1, np.float32)}]
+    batch = pad(items, inputs)
+    model_out = {"pooled": np.arange(4, dtype=np.float32).reshape(2, 2),
+                 "per_b": np.zeros((2, 5, 2), np.float32)}
+    results = unpad(model_out, batch, outputs, {"pooled": None, "per_b": "b"})
+    assert [r["per_b"].shape for r in results] == [(5, 2), (1, 2)]
+    assert results[1]["pooled"].tolist() == [2.0, 3.0]
+
+
+def test_output_shorter_than_its_source_fails_with_a_sentence() -> None:
+    inputs = [spec("x", [-1])]
+    outputs = [OutputSpec(name="y", dtype="float32", shape=[-1], unpad_like="x")]
+    batch = pad([{"x": np.ones(6, np.float32)}, {"x": np.ones(2, np.float32)}], inputs)
+    with pytest.raises(ModelFailure, match="output 'y' is shorter than input 'x'"):
+        unpad({"y": np.zeros((2, 3), np.float32)}, batch, outputs, {"y": "x"})
+
+
+def test_output_with_wrong_batch_size_fails_with_a_sentence() -> None:
+    inputs = [spec("x", [-1])]
+    outputs = [OutputSpec(name="y", dtype="float32", shape=[-1], unpad_like="x")]
+    batch = pad([{"x": np.ones(2, np.float32)}] * 3, inputs)
+    with pytest.raises(ModelFailure, match=r"expected a batch of 3 items"):
+        unpad({"y": np.zeros((2, 2), np.float32)}, batch, outputs, {"y": "x"})

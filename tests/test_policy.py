@@ -1,0 +1,72 @@
+"""Invariants of the batch-formation policies (pure code, random queues)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tensorserve.batching.policy import FifoPolicy, LengthAwarePolicy, Waiting
+
+POLICIES = [FifoPolicy, LengthAwarePolicy]
+
+
+def queue(volumes: list[int], overdue_first: bool = False) -> list[Waiting]:
+    return [Waiting(v, overdue_first and i == 0) for i, v in enumerate(volumes)]
+
+
+@pytest.mark.parametrize("policy_cls", POLICIES)
+@pytest.mark.parametrize("seed", range(20))
+def test_selection_is_a_valid_nonempty_subset(policy_cls: type, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    waiting = queue(rng.integers(1, 200, size=rng.integers(1, 100)).tolist(), overdue_first=bool(seed % 2))
+    chosen = policy_cls().select(waiting, 16)
+    assert chosen, "a non-empty queue must yield a batch"
+    assert len(chosen) == len(set(chosen)) <= 16
+    assert all(0 <= i < len(waiting) for i in chosen)
+
+
+@pytest.mark.parametrize("policy_cls", POLICIES)
+@pytest.mark.parametrize("seed", range(20))
+def test_an_overdue_oldest_item_is_always_in_the_batch(policy_cls: type, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    volumes = rng.integers(1, 200, size=64).tolist()
+    volumes[0] = 10_000  # the longest item, which length-aware batching would leave last
+    assert 0 in policy_cls().select(queue(volumes, overdue_first=True), 8)
+
+
+@pytest.mark.parametrize("policy_cls", POLICIES)
+@pytest.mark.parametrize("seed", range(20))
+def test_padded_volume_budget_is_respected(policy_cls: type, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    volumes = rng.integers(1, 300, size=50).tolist()
+    budget = 1024
+    chosen = policy_cls(max_batch_tokens=budget).select(queue(volumes, bool(seed % 2)), 32)
+    picked = [volumes[i] for i in chosen]
+    assert len(picked) == 1 or len(picked) * max(picked) <= budget
+
+
+def test_a_lone_item_over_budget_still_runs() -> None:
+    for policy in (FifoPolicy(max_batch_tokens=10), LengthAwarePolicy(max_batch_tokens=10)):
+        assert policy.select(queue([500, 600]), 8) in ([0], [1])
+
+
+def test_length_aware_groups_similar_lengths() -> None:
+    rng = np.random.default_rng(1)
+    volumes = rng.permutation([8] * 16 + [128] * 16).tolist()
+    chosen = LengthAwarePolicy().select(queue(volumes), 16)
+    assert len({volumes[i] for i in chosen}) == 1
+    fifo = FifoPolicy().select(queue(volumes), 16)
+    assert fifo == list(range(16))
+
+
+def test_length_aware_wastes_less_padding_than_fifo_on_random_queues() -> None:
+    rng = np.random.default_rng(2)
+    def waste(volumes: list[int], chosen: list[int]) -> int:
+        picked = [volumes[i] for i in chosen]
+        return len(picked) * max(picked) - sum(picked)
+    fifo_total = aware_total = 0
+    for _ in range(50):
+        volumes = rng.integers(8, 129, size=96).tolist()
+        fifo_total += waste(volumes, FifoPolicy().select(queue(volumes), 32))
+        aware_total += waste(volumes, LengthAwarePolicy().select(queue(volumes), 32))
+    assert aware_total < fifo_total / 2
