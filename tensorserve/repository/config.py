@@ -162,7 +162,7 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     path = ""
     for part in loc:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    return path or "(top level)"
+    return path
 
 
 def parse_config(data: dict[str, Any], source: str) -> ModelConfig:
@@ -170,7 +170,8 @@ def parse_config(data: dict[str, Any], source: str) -> ModelConfig:
         return ModelConfig.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{_field_path(err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+            # Model-level checks have no location: their message names the field.
+            ": ".join(filter(None, (_field_path(err["loc"]), err["msg"].removeprefix("Value error, "))))
             for err in exc.errors()
         )
         raise ConfigError(f"{source}: {problems}") from None
