@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from tensorserve.batching.batcher import Batcher, BatcherOptions
 from tensorserve.batching.policy import make_policy
@@ -70,6 +71,10 @@ class ServedModel:
         self.device = resolve_device(config.device)
         if hasattr(fn, "to"):
             fn = fn.to(self.device)
+        if config.compile != "off":
+            # Compiled lazily per shape; warm-up over the configured grid pays for it
+            # before the model reports ready.
+            fn = torch.compile(fn, mode=None if config.compile == "default" else config.compile)
         self.fn = fn
         self.stats = BatchStats()
         self.runner = PaddedRunner(
@@ -167,9 +172,10 @@ class ServedModel:
     def warmup_items(self) -> list[list[dict[str, np.ndarray]]]:
         """Batches over a small grid of sizes and lengths, so the first real
         request pays no allocator growth or lazy initialisation."""
-        sizes = sorted({1, max(1, self.config.max_batch_size)})
+        grid = self.config.warmup
+        sizes = grid.batch_sizes or sorted({1, max(1, self.config.max_batch_size)})
         batches = []
-        for length in (16, 128):
+        for length in grid.lengths:
             for size in sizes:
                 item = {}
                 for spec in self.config.input:

@@ -90,6 +90,21 @@ class DynamicBatching(_Strict):
     max_queue_size: int = Field(4096, ge=1, description="Items waiting beyond this get ServerBusy.")
 
 
+class Warmup(_Strict):
+    enabled: bool = Field(True, description="Run padded batches at load; ready only after.")
+    batch_sizes: list[int] | None = Field(
+        None, description="Batch sizes to warm up (default: 1 and max_batch_size)."
+    )
+    lengths: list[int] = Field([16, 128], description="Lengths given to every variable axis.")
+
+    @field_validator("batch_sizes", "lengths")
+    @classmethod
+    def _positive(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(v < 1 for v in value):
+            raise ValueError(f"every entry must be >= 1, got {value}")
+        return value
+
+
 class ModelConfig(_Strict):
     max_batch_size: int = Field(32, ge=0, le=65_536, description="0 or 1: no batching.")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
@@ -98,7 +113,12 @@ class ModelConfig(_Strict):
     parameters: dict[str, Any] = Field(default_factory=dict, description="Model(**parameters).")
     input: list[InputSpec] = Field(min_length=1)
     output: list[OutputSpec] = Field(min_length=1)
-    warmup: bool = Field(True, description="Run a few padded batches at load, before ready.")
+    warmup: Warmup = Field(default_factory=Warmup)
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field(
+        "off",
+        description="torch.compile the model with this mode (reduce-overhead: CUDA graphs; "
+        "pair it with pad_to_multiple_of so shapes fall into few buckets).",
+    )
 
     @field_validator("device")
     @classmethod

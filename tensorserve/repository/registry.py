@@ -149,7 +149,7 @@ class ModelRegistry:
             intra_op_threads=self.intra_op_threads,
         )
         served.start()
-        if config.warmup:
+        if config.warmup.enabled:
             try:
                 served.warmup()
             except Exception as exc:
