@@ -1,0 +1,324 @@
+"""What the load generator sends to: a server over HTTP, or a model in-process.
+
+A target turns generated items into a ready-to-send payload once, before the
+clock starts (``encode``), so the measured loop only sends (``send``). It also
+reads the model's batching counters (``counters``), whose differences over a
+measured window give the executed batch sizes and the padding efficiency.
+
+    HttpTarget       native msgpack protocol: POST /v2/models/{m}/infer
+    InProcessTarget  ServedModel.infer_many, no HTTP at all (the ceiling)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tensorserve.bench.items import FeatureSpec, Item, specs_from_config, specs_from_metadata
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from tensorserve.serving import ServedModel
+
+
+class RequestFailed(Exception):
+    """A request the target answered with an error (HTTP status or error code)."""
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Cumulative batching counters of one model at one moment."""
+
+    batches: int = 0
+    batch_items: int = 0  # items that reached the model (sum of batch sizes)
+    failed_items: int = 0
+    # Raw element counts give an exact padding efficiency over a window; a
+    # server that reports only the cumulative ratio leaves them None.
+    real_elements: int | None = None
+    padded_elements: int | None = None
+    padding_efficiency: float = 1.0  # cumulative, as reported
+    histogram: Mapping[str, int] = field(default_factory=dict)  # bucket upper bound -> batches
+
+
+@dataclass(frozen=True)
+class BatchingDelta:
+    """What the model executed between two ``Counters``."""
+
+    batches: int
+    items: int
+    avg_batch_size: float
+    padding_efficiency: float | None
+    padding_efficiency_exact: bool  # False: the server's cumulative ratio
+    histogram: dict[str, int]
+
+    @classmethod
+    def between(cls, before: Counters, after: Counters) -> BatchingDelta:
+        batches = after.batches - before.batches
+        items = after.batch_items - before.batch_items
+        histogram = {
+            bound: count - before.histogram.get(bound, 0)
+            for bound, count in after.histogram.items()
+            if count - before.histogram.get(bound, 0) > 0
+        }
+        efficiency: float | None
+        exact = True
+        if (
+            after.real_elements is not None
+            and after.padded_elements is not None
+            and before.real_elements is not None
+            and before.padded_elements is not None
+        ):
+            padded = after.padded_elements - before.padded_elements
+            real = after.real_elements - before.real_elements
+            efficiency = real / padded if padded else None
+        elif before.batches == 0:
+            efficiency = after.padding_efficiency if batches else None  # the window is all there is
+        else:
+            efficiency, exact = after.padding_efficiency, False
+        return cls(
+            batches=batches,
+            items=items,
+            avg_batch_size=items / batches if batches else 0.0,
+            padding_efficiency=efficiency,
+            padding_efficiency_exact=exact,
+            histogram=dict(sorted(histogram.items(), key=lambda kv: float(kv[0]))),
+        )
+
+
+def counters_from_snapshot(snapshot: Mapping[str, Any]) -> Counters:
+    """From the ``batching`` object of ``GET /v2/models/{m}/stats``."""
+    batches = int(snapshot.get("total_batches", 0))
+    batch_items = snapshot.get("batch_items")
+    if batch_items is None:  # older servers: only the average
+        batch_items = round(float(snapshot.get("avg_batch_size", 0.0)) * batches)
+    real, padded = snapshot.get("real_elements"), snapshot.get("padded_elements")
+    return Counters(
+        batches=batches,
+        batch_items=int(batch_items),
+        failed_items=int(snapshot.get("failed_items", 0)),
+        real_elements=int(real) if real is not None else None,
+        padded_elements=int(padded) if padded is not None else None,
+        padding_efficiency=float(snapshot.get("padding_efficiency", 1.0)),
+        histogram={str(k): int(v) for k, v in snapshot.get("batch_size_histogram", {}).items()},
+    )
+
+
+class Target(Protocol):
+    """What ``run_point`` needs; ``open`` before use, ``aclose`` after."""
+
+    kind: str
+    model: str
+    specs: list[FeatureSpec]
+    parameters: dict[str, Any]  # the model's config parameters (e.g. vocab_size), if known
+
+    async def open(self) -> None: ...
+
+    def encode(self, items: Sequence[Item]) -> Any: ...
+
+    async def send(self, payload: Any) -> None: ...
+
+    async def counters(self) -> Counters: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpTarget:
+    """A running tensorserve, spoken to in the native msgpack protocol.
+
+    Responses are checked for status but not decoded: the load generator
+    shares the machine with the server and should cost it as little as it can.
+    """
+
+    kind = "http"
+
+    def __init__(self, url: str, model: str, *, timeout: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.timeout = timeout
+        self.specs: list[FeatureSpec] = []
+        self.parameters: dict[str, Any] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._headers = {"Content-Type": "application/msgpack"}  # wire.native.CONTENT_TYPE
+        self._infer_url = f"{self.url}/v2/models/{model}/infer"
+
+    async def open(self) -> None:
+        import aiohttp
+
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),  # one keep-alive connection per worker
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
+        )
+        try:
+            config = await self._get_json(f"/v2/models/{self.model}/config", missing_ok=True)
+            if config is not None:
+                self.specs = specs_from_config(config)
+                self.parameters = dict(config.get("parameters") or {})
+            else:
+                self.specs = specs_from_metadata(await self._get_json(f"/v2/models/{self.model}"))
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _get_json(self, path: str, missing_ok: bool = False) -> Any:
+        assert self._session is not None, "open() first"
+        async with self._session.get(self.url + path) as response:
+            if missing_ok and response.status == 404:
+                return None
+            if response.status != 200:
+                text = await response.text()
+                raise RequestFailed(f"GET {path}: HTTP {response.status}: {text[:200]}")
+            return await response.json()
+
+    def encode(self, items: Sequence[Item]) -> bytes:
+        import msgpack
+
+        from tensorserve.wire.tensors import encode_tensor
+
+        dtypes = {s.name: s.dtype for s in self.specs}
+        body = {
+            "items": [
+                {
+                    name: encode_tensor(array, dtypes.get(name, array.dtype.name))
+                    for name, array in item.items()
+                }
+                for item in items
+            ]
+        }
+        return msgpack.packb(body)
+
+    async def send(self, payload: bytes) -> None:
+        assert self._session is not None, "open() first"
+        async with self._session.post(
+            self._infer_url, data=payload, headers=self._headers
+        ) as response:
+            body = await response.read()
+            if response.status != 200:
+                raise RequestFailed(_error_text(response.status, body))
+
+    async def counters(self) -> Counters:
+        stats = await self._get_json(f"/v2/models/{self.model}/stats")
+        return counters_from_snapshot(stats.get("batching", {}))
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "url": self.url, "model": self.model}
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _error_text(status: int, body: bytes) -> str:
+    try:
+        import msgpack
+
+        message = msgpack.unpackb(body, raw=False)
+        return f"HTTP {status} {message['code']}: {message['error']}"
+    except Exception:  # noqa: BLE001 - not a tensorserve error body (a proxy's, say)
+        return f"HTTP {status}: {body[:200]!r}"
+
+
+class InProcessTarget:
+    """A ``ServedModel`` in this process: the batcher and the model with no
+    HTTP, serialisation or sockets — the ceiling a server can approach.
+
+    Give ``repository`` and ``model`` (plus config ``overrides`` such as
+    ``policy="fifo"``) to load from a model repository, or ``served`` to
+    benchmark a model you built yourself (``ServedModel.from_function``).
+    """
+
+    kind = "in-process"
+
+    def __init__(
+        self,
+        repository: str | None = None,
+        model: str | None = None,
+        *,
+        overrides: Mapping[str, Any] | None = None,
+        served: ServedModel | None = None,
+        warmup: bool = True,
+    ) -> None:
+        if served is None and (repository is None or model is None):
+            raise ValueError("give either repository and model, or served")
+        self.repository = repository
+        self.model = served.name if served is not None else str(model)
+        self.overrides = dict(overrides or {})
+        self.warmup = warmup
+        self.served = served
+        self._owned = served is None
+        self.specs: list[FeatureSpec] = []
+        self.parameters: dict[str, Any] = {}
+
+    async def open(self) -> None:
+        served = self.served
+        if served is None:
+            from tensorserve.serving import ServedModel
+
+            assert self.repository is not None
+            served = self.served = await asyncio.to_thread(
+                ServedModel.from_repository, self.repository, self.model, **self.overrides
+            )
+        if self._owned:
+            served.start()
+            if self.warmup and served.config.warmup.enabled:
+                await asyncio.to_thread(served.warmup)
+        config = served.config.model_dump()
+        self.specs = specs_from_config(config)
+        self.parameters = dict(config.get("parameters") or {})
+
+    def encode(self, items: Sequence[Item]) -> list[Item]:
+        return list(items)
+
+    async def send(self, payload: list[Item]) -> None:
+        assert self.served is not None, "open() first"
+        await self.served.infer_many(payload)
+
+    async def counters(self) -> Counters:
+        assert self.served is not None, "open() first"
+        stats = self.served.stats
+        snapshot = stats.snapshot(0)
+        if "real_elements" in snapshot:
+            return counters_from_snapshot(snapshot)
+        # The snapshot has only the cumulative ratio; the counters themselves
+        # are plain numbers, read between measured windows (nothing in flight).
+        return Counters(
+            batches=stats.total_batches,
+            batch_items=stats.batch_items,
+            failed_items=stats.failed_items,
+            real_elements=stats.real_elements,
+            padded_elements=stats.padded_elements,
+            padding_efficiency=snapshot["padding_efficiency"],
+            histogram=_histogram(stats.batch_size_counts),
+        )
+
+    def describe(self) -> dict[str, Any]:
+        described: dict[str, Any] = {"kind": self.kind, "model": self.model}
+        if self.repository is not None:
+            described["repository"] = str(self.repository)
+        if self.overrides:
+            described["overrides"] = dict(self.overrides)
+        if self.served is not None:
+            batching = self.served.config.dynamic_batching
+            described["config"] = {
+                "max_batch_size": self.served.config.max_batch_size,
+                "instance_count": self.served.config.instance_count,
+                "device": str(self.served.device),
+                **batching.model_dump(),
+            }
+        return described
+
+    async def aclose(self) -> None:
+        if self.served is not None and self._owned:
+            await asyncio.to_thread(self.served.close)
+            self.served = None
+
+
+def _histogram(counts: Sequence[int]) -> dict[str, int]:
+    from tensorserve.batching.stats import BATCH_SIZE_BUCKETS
+
+    return {str(bound): count for bound, count in zip(BATCH_SIZE_BUCKETS, counts) if count}

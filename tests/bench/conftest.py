@@ -1,0 +1,114 @@
+"""Fixtures for the bench tests: a toy repository (fast to load) and fake targets."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tensorserve.bench.items import FeatureSpec, Item
+from tensorserve.bench.targets import Counters
+
+ECHO_CONFIG = """
+max_batch_size = 8
+device = "cpu"
+
+[warmup]
+enabled = false
+
+[dynamic_batching]
+max_queue_delay_ms = 1.0
+
+[[input]]
+name = "tokens"
+dtype = "int64"
+shape = [-1]
+
+[[input]]
+name = "token_mask"
+dtype = "int64"
+shape = [-1]
+
+[[output]]
+name = "doubled"
+dtype = "int64"
+shape = [-1]
+"""
+
+ECHO_MODEL = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+        return tokens * 2 * token_mask
+"""
+
+
+@pytest.fixture
+def echo_repository(tmp_path: Path) -> Path:
+    """A repository with one cheap model, ``echo``: doubled = 2 * tokens * token_mask."""
+    folder = tmp_path / "repo" / "echo"
+    (folder / "1").mkdir(parents=True)
+    (folder / "config.toml").write_text(textwrap.dedent(ECHO_CONFIG))
+    (folder / "1" / "model.py").write_text(textwrap.dedent(ECHO_MODEL))
+    return tmp_path / "repo"
+
+
+class FakeTarget:
+    """Answers every request after ``delay`` seconds; fails every ``fail_every``-th."""
+
+    kind = "fake"
+    model = "fake"
+
+    def __init__(self, specs: Sequence[FeatureSpec], delay: float = 0.0, fail_every: int = 0):
+        self.specs = list(specs)
+        self.parameters: dict[str, Any] = {}
+        self.delay = delay
+        self.fail_every = fail_every
+        self.sent: list[list[Item]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def open(self) -> None:
+        pass
+
+    def encode(self, items: Sequence[Item]) -> list[Item]:
+        return list(items)
+
+    async def send(self, payload: list[Item]) -> None:
+        import asyncio
+
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            self.sent.append(payload)
+            await asyncio.sleep(self.delay)
+            if self.fail_every and len(self.sent) % self.fail_every == 0:
+                raise RuntimeError("synthetic failure")
+        finally:
+            self.in_flight -= 1
+
+    async def counters(self) -> Counters:
+        items = sum(len(p) for p in self.sent)
+        return Counters(batches=len(self.sent), batch_items=items, histogram={"1": len(self.sent)})
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind}
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_target() -> type[FakeTarget]:
+    return FakeTarget
+
+
+@pytest.fixture
+def token_specs() -> list[FeatureSpec]:
+    return [FeatureSpec("input_ids", "int64", (-1,)), FeatureSpec("attention_mask", "int64", (-1,))]
