@@ -240,14 +240,15 @@ class _Bar:
 
         self.bar = tqdm(
             total=round(total, 1),
+            desc="starting",
             unit="s",
             dynamic_ncols=True,
             leave=False,
-            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}] {postfix}",
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s [{elapsed}<{remaining}]",
         )
 
     def advance(self, seconds: float, status: str) -> None:
-        self.bar.set_postfix_str(status, refresh=False)
+        self.bar.set_description_str(status, refresh=False)
         self.bar.update(seconds)
 
     def write(self, line: str) -> None:

@@ -303,8 +303,10 @@ class _Ticker:
         assert self.progress is not None
         seconds = max(0.0, min(seconds, self.planned - self.done))
         self.done += seconds
-        items = self.recorder.items if self.recorder is not None else 0
-        self.progress(seconds, f"{self.label} {items} items")
+        if self.recorder is None:
+            self.progress(seconds, f"{self.label} warm-up")
+        else:
+            self.progress(seconds, f"{self.label} {self.recorder.items} items")
 
     async def _run(self) -> None:
         last = time.perf_counter()
