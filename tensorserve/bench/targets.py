@@ -143,6 +143,7 @@ class HttpTarget:
         self.specs: list[FeatureSpec] = []
         self.parameters: dict[str, Any] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._config: dict[str, Any] | None = None
         self._headers = {"Content-Type": "application/msgpack"}  # wire.native.CONTENT_TYPE
         self._infer_url = f"{self.url}/v2/models/{model}/infer"
 
@@ -158,6 +159,7 @@ class HttpTarget:
             if config is not None:
                 self.specs = specs_from_config(config)
                 self.parameters = dict(config.get("parameters") or {})
+                self._config = _config_summary(config)
             else:
                 self.specs = specs_from_metadata(await self._get_json(f"/v2/models/{self.model}"))
         except BaseException:
@@ -205,7 +207,10 @@ class HttpTarget:
         return counters_from_snapshot(stats.get("batching", {}))
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "url": self.url, "model": self.model}
+        described: dict[str, Any] = {"kind": self.kind, "url": self.url, "model": self.model}
+        if self._config is not None:
+            described["config"] = self._config
+        return described
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -303,12 +308,9 @@ class InProcessTarget:
         if self.overrides:
             described["overrides"] = dict(self.overrides)
         if self.served is not None:
-            batching = self.served.config.dynamic_batching
             described["config"] = {
-                "max_batch_size": self.served.config.max_batch_size,
-                "instance_count": self.served.config.instance_count,
+                **_config_summary(self.served.config.model_dump()),
                 "device": str(self.served.device),
-                **batching.model_dump(),
             }
         return described
 
@@ -316,6 +318,14 @@ class InProcessTarget:
         if self.served is not None and self._owned:
             await asyncio.to_thread(self.served.close)
             self.served = None
+
+
+def _config_summary(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings that shape batching, for the result's provenance."""
+    summary = {
+        key: config[key] for key in ("max_batch_size", "instance_count", "device") if key in config
+    }
+    return {**summary, **dict(config.get("dynamic_batching") or {})}
 
 
 def _histogram(counts: Sequence[int]) -> dict[str, int]:

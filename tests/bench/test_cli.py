@@ -83,12 +83,13 @@ def test_http_run_against_the_real_server(
     ])  # fmt: skip
     assert code == 0
     result = json.loads(output.read_text())
-    assert result["targets"][0] == {
-        "variant": "default",
-        "kind": "http",
-        "url": server_url,
-        "model": "tagger",
-    }
+    described = result["targets"][0]
+    assert (described["kind"], described["url"], described["model"]) == (
+        "http",
+        server_url,
+        "tagger",
+    )
+    assert described["config"]["max_batch_size"] == 32  # model_repository/tagger/config.toml
     check_point(result["points"][0])
     table = capsys.readouterr().out
     assert re.search(r"^default\s+c=2\s+\d", table, re.MULTILINE)
