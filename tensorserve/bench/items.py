@@ -118,22 +118,21 @@ class ItemFactory:
         return item
 
     def _values(self, spec: FeatureSpec, shape: tuple[int, ...]) -> np.ndarray:
-        kind = np.dtype("uint16" if spec.dtype == "bfloat16" else spec.dtype).kind
         if spec.dtype == "bfloat16":
             # bfloat16 travels as the top 16 bits of the float32 pattern
             values = self.rng.standard_normal(shape, dtype=np.float32)
             return (values.view(np.uint32) >> 16).astype(np.uint16)
-        if spec.is_mask or kind == "b":
-            if spec.is_mask:
-                return np.ones(shape, dtype=spec.dtype)
-            return self.rng.integers(0, 2, size=shape).astype(spec.dtype)
-        if kind in "iu":
-            low, high = self.id_range
-            info = np.iinfo(spec.dtype)
-            return self.rng.integers(
-                max(low, info.min), min(high, int(info.max) + 1), size=shape
-            ).astype(spec.dtype)
-        return self.rng.standard_normal(shape).astype(spec.dtype)
+        dtype = np.dtype(spec.dtype)
+        if spec.is_mask:
+            return np.ones(shape, dtype=dtype)
+        if dtype.kind == "b":
+            return self.rng.integers(0, 2, size=shape).astype(dtype)
+        if dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            low = max(self.id_range[0], int(info.min))
+            high = min(self.id_range[1], int(info.max) + 1)
+            return self.rng.integers(low, high, size=shape).astype(dtype)
+        return self.rng.standard_normal(shape).astype(dtype)
 
 
 def length_summary(lengths: np.ndarray) -> dict[str, float]:

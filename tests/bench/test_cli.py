@@ -140,3 +140,22 @@ def test_commands_in_the_docs_parse() -> None:
     assert len(commands) >= 5
     for command in commands:
         parser.parse_args(shlex.split(command, comments=True)[1:])
+
+
+def test_serve_starts_a_server_per_variant_with_its_flags(
+    echo_repository: Path, tmp_path: Path
+) -> None:
+    output = tmp_path / "serve.json"
+    code = main([
+        "bench", "echo", "--serve", "--model-repository", str(echo_repository),
+        "--variant", "pairs:max_batch_size=2", "--concurrency", "4", "--duration", "0.5",
+        "--warmup", "0", "--pool", "16", "--no-progress", "--no-plots", "--output", str(output),
+    ])  # fmt: skip
+    assert code == 0
+    result = json.loads(output.read_text())
+    (described,) = result["targets"]
+    assert described["kind"] == "http (--serve)" and described["config"]["max_batch_size"] == 2
+    assert "--max-batch-size" in described["server_command"]
+    (point,) = result["points"]
+    assert point["items"] > 0 and point["errors"] == 0
+    assert max(int(bound) for bound in point["batch_size_histogram"]) <= 2

@@ -66,3 +66,18 @@ def test_specs_from_config_and_metadata_agree() -> None:
 def test_ids_stay_below_the_vocab() -> None:
     assert vocab_limit({"vocab_size": 50}, 1000) == 50
     assert vocab_limit({}, 1000) == 1000
+
+
+def test_small_dtypes_bools_and_bfloat16() -> None:
+    specs = [
+        FeatureSpec("ids", "uint8", (-1,)),
+        FeatureSpec("flags", "bool", (-1,)),
+        FeatureSpec("pad_mask", "bool", (-1,)),
+        FeatureSpec("weights", "bfloat16", (-1,)),
+    ]
+    items, _ = ItemFactory(specs, uniform(200, 200), seed=0).make(1)
+    item = items[0]
+    assert item["ids"].dtype == np.uint8 and item["ids"].max() <= 255 and item["ids"].min() >= 1
+    assert item["flags"].dtype == np.bool_ and 0 < item["flags"].sum() < 200
+    assert item["pad_mask"].all()
+    assert item["weights"].dtype == np.uint16  # bfloat16 bit patterns
