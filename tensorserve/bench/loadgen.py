@@ -60,6 +60,9 @@ class PointResult:
     padding_efficiency_exact: bool
     batch_size_histogram: dict[str, int]  # bucket upper bound -> batches executed
     error_samples: list[str] = field(default_factory=list)
+    # CPU seconds this process used over the window: the load generator's own
+    # cost over HTTP; in-process it includes the batcher and the model.
+    client_cpu_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -242,9 +245,11 @@ async def run_point(
         # batches are exactly those of the measured requests.
         before = await target.counters()
         ticker.recorder = recorder = _Recorder()
+        cpu_started = time.process_time()
         started = time.perf_counter()
         await phase(recorder, duration)
         elapsed = time.perf_counter() - started
+        cpu = time.process_time() - cpu_started
         after = await target.counters()
     delta = BatchingDelta.between(before, after)
     return PointResult(
@@ -267,6 +272,7 @@ async def run_point(
         padding_efficiency_exact=delta.padding_efficiency_exact,
         batch_size_histogram=delta.histogram,
         error_samples=recorder.samples,
+        client_cpu_s=cpu,
     )
 
 

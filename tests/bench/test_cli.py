@@ -91,6 +91,7 @@ def test_http_run_against_the_real_server(
     )
     assert described["config"]["max_batch_size"] == 32  # model_repository/tagger/config.toml
     check_point(result["points"][0])
+    assert 0 < result["points"][0]["client_cpu_s"] < 10
     table = capsys.readouterr().out
     assert re.search(r"^default\s+c=2\s+\d", table, re.MULTILINE)
 
