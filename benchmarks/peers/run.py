@@ -610,7 +610,9 @@ def plot(summary: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> Non
         ax.legend(fontsize=8)
     fig.suptitle(f"tagger (2-layer Transformer, vocab 30000), 1 item/request, lengths 8-128, "
                  f"max batch {meta['max_batch']}, delay {meta['max_delay_ms']} ms, "
-                 f"{meta['cpus']} CPU cores, {meta['duration_s']:.0f} s windows", fontsize=10)
+                 f"{meta['cpus']} CPU cores, {meta['duration_s']:.0f} s windows"
+                 + (f"\n(shared machine: 1-min load average {meta['loadavg_start'][0]:.1f} "
+                    f"before the run)" if meta.get("loadavg_start") else ""), fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -647,6 +649,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--plot", default=str(PLOT))
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--replot", action="store_true",
+                    help="only redraw --plot from the results in --out")
     return ap.parse_args(argv)
 
 
@@ -657,7 +661,12 @@ def main() -> int:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise SystemExit(f"unknown peer(s): {unknown}; known: {ALL_PEERS}")
-    bootstrap(argv, peers, args.skip_setup)
+    bootstrap(argv, peers, args.skip_setup or args.replot)
+    if args.replot:
+        saved = json.loads(Path(args.out).read_text())
+        plot(saved["summary"], saved["meta"], Path(args.plot))
+        print(f"wrote {args.plot}")
+        return 0
 
     sys.path.insert(0, str(HERE))
     concs = [int(c) for c in args.concurrency.split(",")]
