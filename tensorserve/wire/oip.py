@@ -1,0 +1,391 @@
+"""The Open Inference Protocol (KServe v2) infer codec, with Triton's binary
+tensor data extension. Pure: bytes in, items out; results in, bytes out.
+
+Request body: a JSON header, optionally followed by raw tensor bytes. When
+the ``Inference-Header-Content-Length: N`` header is sent, the first N bytes
+are the JSON and the rest are the binary inputs, in input order, each taking
+``parameters.binary_data_size`` bytes (little-endian, C order)::
+
+    {"id"?: str,
+     "parameters"?: {"timeout"?: µs, "priority"?: int, "binary_data_output"?: bool},
+     "inputs": [{"name", "shape", "datatype", "data"? | "parameters": {"binary_data_size"}}],
+     "outputs"?: [{"name", "parameters"?: {"binary_data"?: bool}}]}
+
+How OIP batches map onto tensorserve items: a batching model's inputs carry a
+leading batch dimension, ``[k, *item_shape]``; row ``i`` of every input forms
+item ``i``, so one request is ``k`` items for the batcher, padded together
+with other requests' rows of other lengths. The rows of one request share
+their shape, so its un-padded outputs stack back into dense ``[k, ...]``
+tensors. A model with ``max_batch_size`` 0 or 1 has no batch dimension: a
+request is exactly one item.
+
+Response: ``{"model_name", "model_version", "id"?, "outputs": [...]}``; outputs
+asked for as binary carry ``parameters.binary_data_size`` and their bytes
+follow the JSON in output order (the caller sets the response's
+``Inference-Header-Content-Length`` to the returned header length).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tensorserve.batching.validate import DEFAULT_MAX_LENGTH
+from tensorserve.errors import InvalidInput, ModelFailure
+from tensorserve.repository.config import VARIABLE, InputSpec, ModelConfig, OutputSpec
+from tensorserve.wire.dtypes import BY_V2, DType, as_torch, from_torch
+from tensorserve.wire.tensors import WireTensor, check_shape, from_bytes
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+JSON_CONTENT_TYPE = "application/json"
+BINARY_CONTENT_TYPE = "application/octet-stream"
+
+# Triton parameters that ask for features tensorserve does not have; refusing
+# them beats silently returning something other than what was asked for.
+_UNSUPPORTED_TENSOR_PARAMETERS = (
+    "shared_memory_region",
+    "shared_memory_byte_size",
+    "classification",
+)
+_SUPPORTED_V2 = ", ".join(BY_V2)
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    name: str
+    binary: bool
+
+
+@dataclass
+class InferRequest:
+    """A decoded OIP request: ``items`` are ready for ``ServedModel.infer_many``."""
+
+    items: list[dict[str, WireTensor]]
+    outputs: list[RequestedOutput]
+    id: str | None = None
+    timeout: float | None = None  # seconds (OIP sends microseconds)
+    priority: int = 0
+
+
+# ---------------------------------------------------------------------- decoding
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """(JSON header, binary section) of a request body."""
+    if header_length is None:
+        return body, memoryview(b"")
+    try:
+        length = int(header_length)
+    except ValueError:
+        raise InvalidInput(
+            f"{HEADER_LENGTH} must be an integer, got {header_length[:40]!r}"
+        ) from None
+    if not 0 < length <= len(body):
+        raise InvalidInput(f"{HEADER_LENGTH} is {length}, but the body holds {len(body)} bytes")
+    view = memoryview(body)
+    return bytes(view[:length]), view[length:]
+
+
+def _parse_json(header: bytes) -> dict[str, Any]:
+    try:
+        message = json.loads(header)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise InvalidInput(f"the inference request header is not valid JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise InvalidInput("the inference request must be a JSON object with an 'inputs' list")
+    return message
+
+
+def _parameters(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{where}: 'parameters' must be a JSON object")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _request_parameters(parameters: dict[str, Any]) -> tuple[float | None, int, bool]:
+    """(timeout in seconds, priority, binary_data_output)."""
+    if parameters.get("sequence_id") not in (None, 0, ""):
+        raise InvalidInput("sequence batching (parameters.sequence_id) is not supported")
+    timeout_us = parameters.get("timeout")
+    if timeout_us is not None and (not _is_int(timeout_us) or timeout_us < 0):
+        raise InvalidInput(
+            f"parameters.timeout must be a non-negative integer (microseconds), got {timeout_us!r}"
+        )
+    priority = parameters.get("priority", 0)
+    if not _is_int(priority) or priority < 0:
+        raise InvalidInput(f"parameters.priority must be a non-negative integer, got {priority!r}")
+    binary_default = parameters.get("binary_data_output", False)
+    if not isinstance(binary_default, bool):
+        raise InvalidInput("parameters.binary_data_output must be a boolean")
+    # Triton: a timeout of 0 means "no timeout".
+    return (timeout_us / 1e6 if timeout_us else None), priority, binary_default
+
+
+def _refuse_unsupported(parameters: Mapping[str, Any], where: str) -> None:
+    for key in _UNSUPPORTED_TENSOR_PARAMETERS:
+        if key in parameters:
+            raise InvalidInput(f"{where}: parameters.{key} is not supported by tensorserve")
+
+
+def _datatype(value: Any, spec: InputSpec, where: str) -> DType:
+    if value == "BYTES":
+        raise InvalidInput(
+            f"{where}: BYTES (string) tensors are not supported; tensorserve models take "
+            f"numeric tensors, and this input is {spec.dt.v2}"
+        )
+    if value not in BY_V2:
+        raise InvalidInput(f"{where}: unknown datatype {value!r}; expected one of {_SUPPORTED_V2}")
+    if value != spec.dt.v2:
+        raise InvalidInput(f"{where}: datatype {value} does not match the model's {spec.dt.v2}")
+    return BY_V2[value]
+
+
+_JSON_KINDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers"}
+
+
+def from_json_data(data: Any, dt: DType, shape: tuple[int, ...], where: str) -> np.ndarray:
+    """JSON ``data`` (flat row-major, or nested to match ``shape``) as a host
+    array of ``dt``. Values are checked, never silently truncated or wrapped."""
+    try:
+        raw = np.asarray(data)
+    except (ValueError, TypeError) as exc:
+        raise InvalidInput(f"{where}: 'data' is not a rectangular list of numbers: {exc}") from None
+    kind = raw.dtype.kind
+    integral = not dt.torch.is_floating_point and dt.name != "bool"
+    allowed = "b" if dt.name == "bool" else ("iu" if integral else "iuf")
+    if raw.size and kind not in allowed:
+        found = _JSON_KINDS.get(kind, "values that are not numbers (or out of range)")
+        raise InvalidInput(
+            f"{where}: 'data' holds {found}; datatype {dt.v2} needs {_JSON_KINDS[allowed[-1]]}"
+        )
+    if raw.size and integral:
+        info = np.iinfo(dt.numpy)
+        if raw.min() < info.min or raw.max() > info.max:
+            raise InvalidInput(f"{where}: 'data' holds integers out of range for {dt.v2}")
+    if raw.ndim > 1 and raw.shape != shape:
+        raise InvalidInput(
+            f"{where}: nested 'data' has shape {list(raw.shape)}, but 'shape' is {list(shape)}"
+        )
+    expected = math.prod(shape)
+    if raw.size != expected:
+        raise InvalidInput(
+            f"{where}: 'data' holds {raw.size} values, but shape {list(shape)} needs {expected}"
+        )
+    raw = raw.reshape(shape)
+    if dt.name == "bfloat16":
+        return from_torch(torch.from_numpy(raw.astype(np.float32)).to(torch.bfloat16))
+    return raw.astype(dt.numpy)
+
+
+def _check_shape(shape: tuple[int, ...], spec: InputSpec, batched: bool, where: str) -> None:
+    """The shape against the model's, in the request's own axis numbers.
+    (``batching.validate`` checks every row again; this says it in OIP terms.)"""
+    expected = ([-1] if batched else []) + list(spec.shape)
+    if len(shape) != len(expected):
+        raise InvalidInput(
+            f"{where}: shape {list(shape)} has {len(shape)} dimension(s); the model expects "
+            f"{expected}" + (" (batch dimension first)" if batched else "")
+        )
+    limit = spec.max_length or DEFAULT_MAX_LENGTH
+    for axis, (got, want) in enumerate(zip(shape, expected)):
+        if axis == 0 and batched:
+            continue  # the batch dimension: checked against max_items later
+        if want == VARIABLE and not 1 <= got <= limit:
+            raise InvalidInput(
+                f"{where}: shape {list(shape)}: axis {axis} has length {got}; "
+                f"it must be between 1 and {limit}"
+            )
+        if want != VARIABLE and got != want:
+            raise InvalidInput(
+                f"{where}: shape {list(shape)}: axis {axis} must be {want} (the model expects "
+                f"{expected})"
+            )
+
+
+def _decode_input(
+    tensor: Any,
+    index: int,
+    specs: Mapping[str, InputSpec],
+    binary: memoryview,
+    offset: int,
+    batched: bool,
+) -> tuple[str, np.ndarray, int]:
+    """(name, host array, new binary offset) of one request input."""
+    if not isinstance(tensor, dict):
+        raise InvalidInput(f"inputs[{index}] must be a JSON object")
+    name = tensor.get("name")
+    if not isinstance(name, str):
+        raise InvalidInput(f"inputs[{index}]: 'name' must be a string")
+    where = f"input {name!r}"
+    spec = specs.get(name)
+    if spec is None:
+        raise InvalidInput(f"unexpected {where}; the model takes {', '.join(map(repr, specs))}")
+    dt = _datatype(tensor.get("datatype"), spec, where)
+    shape = check_shape(tensor.get("shape"), where)
+    _check_shape(shape, spec, batched, where)
+    parameters = _parameters(tensor.get("parameters"), where)
+    _refuse_unsupported(parameters, where)
+    size = parameters.get("binary_data_size")
+    if size is None:
+        if "data" not in tensor:
+            raise InvalidInput(f"{where}: give either 'data' or parameters.binary_data_size")
+        return name, from_json_data(tensor["data"], dt, shape, where), offset
+    if "data" in tensor:
+        raise InvalidInput(f"{where}: give either 'data' or parameters.binary_data_size, not both")
+    if not _is_int(size) or size < 0:
+        raise InvalidInput(f"{where}: binary_data_size must be a non-negative integer")
+    if offset + size > len(binary):
+        raise InvalidInput(
+            f"{where}: binary_data_size {size} runs past the end of the binary data "
+            f"({len(binary)} bytes after the {HEADER_LENGTH} header bytes)"
+        )
+    wire = from_bytes(dt.name, list(shape), binary[offset : offset + size], where)
+    return name, wire.array, offset + size
+
+
+def _requested_outputs(
+    value: Any, outputs: Sequence[OutputSpec], binary_default: bool
+) -> list[RequestedOutput]:
+    if value is None:
+        return [RequestedOutput(spec.name, binary_default) for spec in outputs]
+    if not isinstance(value, list):
+        raise InvalidInput("'outputs' must be a list")
+    known = [spec.name for spec in outputs]
+    requested: list[RequestedOutput] = []
+    for index, entry in enumerate(value):
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise InvalidInput(f"outputs[{index}] must be an object with a string 'name'")
+        name = entry["name"]
+        if name not in known:
+            raise InvalidInput(
+                f"unknown output {name!r}; the model produces {', '.join(map(repr, known))}"
+            )
+        if any(r.name == name for r in requested):
+            raise InvalidInput(f"output {name!r} is requested twice")
+        parameters = _parameters(entry.get("parameters"), f"output {name!r}")
+        _refuse_unsupported(parameters, f"output {name!r}")
+        binary = parameters.get("binary_data", binary_default)
+        if not isinstance(binary, bool):
+            raise InvalidInput(f"output {name!r}: parameters.binary_data must be a boolean")
+        requested.append(RequestedOutput(name, binary))
+    return requested
+
+
+def decode_request(
+    body: bytes, header_length: str | None, config: ModelConfig, max_items: int
+) -> InferRequest:
+    """Decode and check one request against the model; ``InvalidInput`` names
+    the input and what is wrong. Per-item checks (lengths, fixed axes) are
+    left to ``batching.validate`` like for every caller."""
+    header, binary = split_body(body, header_length)
+    message = _parse_json(header)
+    request_id = message.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInput("'id' must be a string")
+    timeout, priority, binary_default = _request_parameters(
+        _parameters(message.get("parameters"), "request")
+    )
+    tensors = message.get("inputs")
+    if not isinstance(tensors, list) or not tensors:
+        raise InvalidInput("'inputs' must be a non-empty list")
+    specs = {spec.name: spec for spec in config.input}
+    batched = config.batching
+    arrays: dict[str, np.ndarray] = {}
+    offset = 0
+    for index, tensor in enumerate(tensors):
+        name, array, offset = _decode_input(tensor, index, specs, binary, offset, batched)
+        if name in arrays:
+            raise InvalidInput(f"input {name!r} is given twice")
+        arrays[name] = array
+    if offset != len(binary):
+        raise InvalidInput(
+            f"the inputs' binary_data_size add up to {offset} bytes, but {len(binary)} bytes "
+            f"follow the JSON header"
+        )
+    missing = [name for name in specs if name not in arrays]
+    if missing:
+        raise InvalidInput(f"missing input(s) {', '.join(map(repr, missing))}")
+    outputs = _requested_outputs(message.get("outputs"), config.output, binary_default)
+    return InferRequest(
+        _split_rows(arrays, specs, batched, max_items), outputs, request_id, timeout, priority
+    )
+
+
+def _split_rows(
+    arrays: dict[str, np.ndarray], specs: Mapping[str, InputSpec], batched: bool, max_items: int
+) -> list[dict[str, WireTensor]]:
+    """Row ``i`` of every input is item ``i`` (views, no copies)."""
+    if not batched:
+        return [{name: WireTensor(specs[name].dtype, a) for name, a in arrays.items()}]
+    sizes = {name: array.shape[0] for name, array in arrays.items()}
+    if len(set(sizes.values())) > 1:
+        detail = ", ".join(f"{name!r}: {k}" for name, k in sizes.items())
+        raise InvalidInput(f"inputs disagree on the batch dimension (first axis): {detail}")
+    k = next(iter(sizes.values()))
+    if not 1 <= k <= max_items:
+        raise InvalidInput(f"the batch dimension is {k}; it must be between 1 and {max_items}")
+    return [
+        {name: WireTensor(specs[name].dtype, array[row]) for name, array in arrays.items()}
+        for row in range(k)
+    ]
+
+
+# ---------------------------------------------------------------------- encoding
+def stack_rows(results: Sequence[Mapping[str, np.ndarray]], name: str, batched: bool) -> np.ndarray:
+    """One output of a request: its items' un-padded rows, stacked."""
+    if not batched:
+        return results[0][name]
+    rows = [result[name] for result in results]
+    if any(row.shape != rows[0].shape for row in rows):
+        shapes = sorted({tuple(row.shape) for row in rows})
+        raise ModelFailure(
+            f"output {name!r}: the rows of one request came back with different shapes {shapes}"
+        )
+    return np.stack(rows)
+
+
+def _json_data(array: np.ndarray, dt: DType) -> list[Any]:
+    if dt.name == "bfloat16":
+        return as_torch(np.ascontiguousarray(array), dt).float().numpy().ravel().tolist()
+    return array.ravel().tolist()
+
+
+def encode_response(
+    model_name: str,
+    model_version: str,
+    request_id: str | None,
+    outputs: Sequence[tuple[RequestedOutput, DType, np.ndarray]],
+) -> tuple[list[bytes | memoryview], int | None]:
+    """Body chunks (JSON, then binary outputs in order) and the JSON's length
+    for ``Inference-Header-Content-Length`` (None when nothing is binary)."""
+    message: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if request_id is not None:
+        message["id"] = request_id
+    tensors: list[dict[str, Any]] = []
+    chunks: list[bytes | memoryview] = []
+    for requested, dt, array in outputs:
+        tensor: dict[str, Any] = {
+            "name": requested.name,
+            "datatype": dt.v2,
+            "shape": list(array.shape),
+        }
+        if requested.binary:
+            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+            tensor["parameters"] = {"binary_data_size": data.nbytes}
+            chunks.append(data)
+        else:
+            tensor["data"] = _json_data(array, dt)
+        tensors.append(tensor)
+    message["outputs"] = tensors
+    header = json.dumps(message, separators=(",", ":")).encode()
+    return [header, *chunks], (len(header) if chunks else None)
