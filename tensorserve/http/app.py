@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from tensorserve.http import handlers
+from tensorserve.http import handlers, infer, repository
 from tensorserve.http.errors import error_middleware
 from tensorserve.http.keys import METRICS, REGISTRY, SETTINGS
 from tensorserve.metrics import CONTENT_TYPE, Metrics
@@ -32,13 +32,17 @@ def _routes(app: web.Application) -> None:
     r.add_get("/v2/health/live", handlers.live)
     r.add_get("/v2/health/ready", handlers.ready)
     r.add_get("/v2/models", handlers.list_models)
+    r.add_get("/v2/models/stats", handlers.all_model_stats)  # before /v2/models/{model}
+    r.add_post("/v2/repository/index", repository.index)
+    r.add_post("/v2/repository/models/{model}/load", repository.load)
+    r.add_post("/v2/repository/models/{model}/unload", repository.unload)
     r.add_get("/metrics", _metrics)
     for base in (model, versioned):
         r.add_get(base, handlers.metadata)
         r.add_get(base + "/ready", handlers.model_ready)
         r.add_get(base + "/config", handlers.model_config)
         r.add_get(base + "/stats", handlers.model_stats)
-        r.add_post(base + "/infer", handlers.infer)
+        r.add_post(base + "/infer", infer.infer)
 
 
 def create_app(settings: Settings | None = None, *, wait_for_models: bool = False) -> web.Application:
@@ -46,7 +50,12 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
     every model has loaded (tests use this); otherwise loading runs in the
     background and ``/v2/health/ready`` tells when it is done."""
     settings = settings or Settings()
-    app = web.Application(client_max_size=settings.max_request_bytes, middlewares=[error_middleware])
+    app = web.Application(
+        client_max_size=settings.max_request_bytes,
+        middlewares=[error_middleware],
+        # Bodies are decompressed by http/bodies.py, bounded by max_request_bytes.
+        handler_args={"auto_decompress": False},
+    )
     registry = ModelRegistry(
         settings.model_repository,
         settings.model_overrides(),

@@ -1,19 +1,30 @@
-"""Thin HTTP handlers: parse the route, call the registry / model, encode."""
+"""Thin HTTP handlers: parse the route, call the registry / model, encode.
+
+Inference lives in ``infer.py``, the repository extension in ``repository.py``.
+"""
 
 from __future__ import annotations
 
-import time
+from typing import Any
 
 from aiohttp import web
 
 from tensorserve import __version__
-from tensorserve.errors import InvalidInput, ModelNotReady
-from tensorserve.http.keys import METRICS, REGISTRY, SETTINGS
+from tensorserve.errors import ModelNotReady
+from tensorserve.http.keys import REGISTRY
 from tensorserve.repository.registry import ModelState
-from tensorserve.wire import native
+from tensorserve.serving import ServedModel
+from tensorserve.wire import triton
 from tensorserve.wire.metadata import model_metadata
 
-EXTENSIONS = ["model_repository", "statistics", "binary_tensor_data", "tensorserve_padding"]
+# What Triton clients may rely on (KServe v2 server metadata "extensions").
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_configuration",
+    "model_repository",
+    "statistics",
+    "tensorserve_padding",
+]
 
 
 def _model(request: web.Request) -> tuple[str, str | None]:
@@ -56,41 +67,25 @@ async def model_config(request: web.Request) -> web.Response:
     entry = request.app[REGISTRY].get(*_model(request))
     if entry.config is None:
         raise ModelNotReady(f"model {entry.name!r} has no valid config: {entry.reason}")
-    return web.json_response({"name": entry.name, **entry.config.model_dump(mode="json")})
+    return web.json_response(triton.model_config(entry.name, entry.config))
+
+
+def _stat(served: ServedModel) -> dict[str, Any]:
+    snapshot = served.stats.snapshot(served.batcher.queue_depth)
+    return triton.model_stat(served.name, str(served.version), snapshot)
 
 
 async def model_stats(request: web.Request) -> web.Response:
+    """tensorserve's ``batching`` object at top level, and Triton's
+    ``model_stats`` list (which repeats it) for Triton clients."""
     entry = request.app[REGISTRY].get(*_model(request))
-    served = request.app[REGISTRY].ready(entry.name)
-    return web.json_response(
-        {
-            "name": entry.name,
-            "version": str(entry.version),
-            "batching": served.stats.snapshot(served.batcher.queue_depth),
-        }
-    )
+    stat = _stat(request.app[REGISTRY].ready(entry.name))
+    body = {"name": entry.name, "version": stat["version"], "batching": stat["batching"]}
+    return web.json_response({**body, "model_stats": [stat]})
 
 
-async def infer(request: web.Request) -> web.Response:
-    name, version = _model(request)
-    served = request.app[REGISTRY].ready(name, version)
-    settings = request.app[SETTINGS]
-    if request.content_type != native.CONTENT_TYPE:
-        raise InvalidInput(
-            f"unsupported Content-Type {request.content_type!r}; send {native.CONTENT_TYPE}"
-        )
-    started = time.perf_counter()
-    message = native.decode_request(await request.read(), settings.max_items_per_request)
-    timeout = message.parameters.get("timeout_ms")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise InvalidInput("parameters.timeout_ms must be a positive number")
-    results = await served.infer_many(message.items, timeout=timeout and timeout / 1000)
-    body = native.encode_response(
-        served.name,
-        str(served.version),
-        message.id,
-        results,
-        {spec.name: spec.dtype for spec in served.config.output},
-    )
-    request.app[METRICS].observe_request(served.name, time.perf_counter() - started)
-    return web.Response(body=body, content_type=native.CONTENT_TYPE)
+async def all_model_stats(request: web.Request) -> web.Response:
+    """Every served model, as Triton's ``GET /v2/models/stats``."""
+    entries = sorted(request.app[REGISTRY].entries.values(), key=lambda e: e.name)
+    stats = [_stat(e.served) for e in entries if e.state is ModelState.READY and e.served]
+    return web.json_response({"model_stats": stats})
