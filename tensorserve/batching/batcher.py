@@ -17,15 +17,20 @@ between the dispatcher and the finisher: the queue in front of the model is
 bounded, and items keep accumulating (forming bigger batches) while it is
 busy.
 
-When is a batch dispatched? When a slot is free and the queue holds a full
-batch, or the oldest item has waited ``max_queue_delay``, or (dispatch
-``eager``) a model instance is idle — a lone request then pays no timer.
+When is a batch dispatched?
+* while a model instance is idle: at once (dispatch ``eager``: a lone request
+  pays no timer), or (dispatch ``timer``) when a full batch waits or the
+  oldest item has waited ``max_queue_delay``;
+* while every instance is busy: only a full batch is formed ahead of time
+  (prefetch); a partial one would merely wait in front of the model, so the
+  queue keeps accumulating until an instance frees up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -97,6 +102,7 @@ class _Batch(Generic[P]):
 
 
 _STOP: Any = object()
+_UNTIL_NOTIFIED = math.inf
 
 
 @dataclass
@@ -239,7 +245,11 @@ class Batcher:
         opts = self.options
         if len(self._waiting) >= opts.max_batch_size or self._closing:
             return None
-        if opts.dispatch == "eager" and self._not_started + self._busy < self.runner.instance_count:
+        if self._not_started + self._busy >= self.runner.instance_count:
+            # Every instance is busy: a batch formed now would only wait in front
+            # of the model, so keep accumulating (the model thread wakes us).
+            return _UNTIL_NOTIFIED
+        if opts.dispatch == "eager":
             return None
         overdue_in = self._waiting[0].enqueued + opts.max_queue_delay_ms / 1000 - now
         return None if overdue_in <= 0 else overdue_in
@@ -257,7 +267,7 @@ class Batcher:
                 now = time.monotonic()
                 wait = self._ready_to_dispatch(now)
                 if wait is not None:
-                    self._cond.wait(wait)
+                    self._cond.wait(None if wait == _UNTIL_NOTIFIED else wait)
                     continue
                 window = self._waiting[: 16 * opts.max_batch_size]
                 overdue_at = now - opts.max_queue_delay_ms / 1000

@@ -70,6 +70,10 @@ class BatchStats:
                 "avg_batch_duration_ms": 1000 * self.batch_seconds / batches if batches else 0.0,
                 "avg_queue_ms": 1000 * self.queue_seconds / self.batch_items if self.batch_items else 0.0,
                 "queue_depth": queue_depth,
+                # Raw counters, so a client can compute exact deltas between two reads.
+                "batch_items": self.batch_items,
+                "real_elements": self.real_elements,
+                "padded_elements": self.padded_elements,
                 "padding_efficiency": (
                     self.real_elements / self.padded_elements if self.padded_elements else 1.0
                 ),
