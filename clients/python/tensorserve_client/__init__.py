@@ -1,0 +1,53 @@
+"""Python client for tensorserve: ``Client`` (blocking) and ``AsyncClient``
+(asyncio), twins with the same methods. See docs/client.md.
+
+    from tensorserve_client import Client
+
+    with Client("http://localhost:8000") as client:
+        out = client.infer("tagger", {"input_ids": ids, "attention_mask": mask})
+        out["logits"]  # np.ndarray
+"""
+
+from tensorserve_client._async import AsyncClient
+from tensorserve_client._retry import RetryPolicy
+from tensorserve_client._sync import Client
+from tensorserve_client._version import __version__
+from tensorserve_client.errors import (
+    BadRequest,
+    ConnectionError,
+    DeadlineExceeded,
+    InternalError,
+    InvalidInput,
+    ModelFailure,
+    ModelNotFound,
+    ModelNotReady,
+    ProtocolError,
+    RequestTimeout,
+    ServerBusy,
+    ServerError,
+    ServerUnavailable,
+    TensorServeError,
+    Timeout,
+)
+
+__all__ = [
+    "AsyncClient",
+    "BadRequest",
+    "Client",
+    "ConnectionError",
+    "DeadlineExceeded",
+    "InternalError",
+    "InvalidInput",
+    "ModelFailure",
+    "ModelNotFound",
+    "ModelNotReady",
+    "ProtocolError",
+    "RequestTimeout",
+    "RetryPolicy",
+    "ServerBusy",
+    "ServerError",
+    "ServerUnavailable",
+    "TensorServeError",
+    "Timeout",
+    "__version__",
+]

@@ -1,0 +1,274 @@
+"""What each client method sends and how its answer is read — with no I/O.
+
+A method is a ``Call``: the request (method, path, msgpack body) plus
+``complete``, which turns the final outcome (a ``Response``, or the transport
+error that stood in for one) into the method's result or raises the error the
+server's answer stands for. ``next_delay`` decides whether an outcome is worth
+another attempt and how long to wait first. ``Client`` and ``AsyncClient`` only
+carry calls to the server and back (``_transport.py``); everything else is here,
+once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+import msgpack
+
+from tensorserve_client._retry import RetryPolicy, parse_retry_after
+from tensorserve_client._tensors import decode_tensor, encode_item, pack_default, require_torch
+from tensorserve_client.errors import (
+    ConnectionError,
+    ProtocolError,
+    TensorServeError,
+    error_for,
+)
+
+T = TypeVar("T")
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+RETRY_STATUSES = frozenset({429, 503})
+
+Features = Mapping[str, Any]
+Result = dict[str, Any]  # output name -> np.ndarray (or torch.Tensor)
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """An HTTP answer, reduced to what the protocol reads."""
+
+    status: int
+    content_type: str  # media type, lower case, without parameters
+    body: bytes
+    retry_after: str | None = None
+    attempts: int = 1  # how many times the request was sent
+
+
+# A response, or the transport failure (ConnectionError, RequestTimeout) in its place.
+Outcome = Response | TensorServeError
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    method: str
+    path: str
+    complete: Callable[[Outcome], T]
+    body: bytes | None = None
+    timeout: float | None = None
+    """The caller's deadline for this call, all attempts included (None: only
+    the client's per-attempt timeout applies)."""
+    retry: bool = True
+    send: bool = True
+    """False: the answer is known without asking (an empty batch)."""
+
+
+# ----------------------------------------------------------------- retrying
+def retryable(outcome: Outcome) -> bool:
+    """ "Not now" answers: no connection, 503 (not ready, busy) and 429."""
+    if isinstance(outcome, Response):
+        return outcome.status in RETRY_STATUSES
+    return isinstance(outcome, ConnectionError)
+
+
+def next_delay(
+    policy: RetryPolicy,
+    call: Call[Any],
+    outcome: Outcome,
+    retry: int,
+    remaining: float | None,
+    rng: random.Random,
+    now: float,
+) -> float | None:
+    """Seconds before retry number ``retry`` of ``call``, or None: ``outcome`` is final.
+
+    ``remaining``: seconds left before the caller's deadline; ``now``: POSIX time
+    (for ``Retry-After`` dates).
+    """
+    if not call.retry or not retryable(outcome):
+        return None
+    retry_after = (
+        parse_retry_after(outcome.retry_after, now) if isinstance(outcome, Response) else None
+    )
+    return policy.delay(retry, retry_after, remaining, rng)
+
+
+# ----------------------------------------------------------------- reading answers
+def error_from(response: Response) -> TensorServeError:
+    """The error a non-2xx answer stands for, carrying the server's message."""
+    message, code = None, None
+    try:
+        if response.content_type == MSGPACK:
+            payload = msgpack.unpackb(response.body, raw=False)
+        elif response.content_type == JSON:
+            payload = json.loads(response.body)
+        else:
+            payload = None
+    except Exception:  # noqa: BLE001 - msgpack and json raise many unrelated types
+        payload = None
+    if isinstance(payload, dict) and isinstance(payload.get("error"), str):
+        message = payload["error"]
+        code = payload.get("code") if isinstance(payload.get("code"), str) else None
+    if message is None:  # not a tensorserve error body (a proxy, a stray server)
+        text = response.body.decode("utf-8", "replace").strip()[:500]
+        message = f"HTTP {response.status}" + (f": {text}" if text else "")
+    error = error_for(response.status, code, message)
+    error.attempts = response.attempts
+    return error
+
+
+def _ok(outcome: Outcome) -> Response:
+    if isinstance(outcome, TensorServeError):
+        raise outcome
+    if not 200 <= outcome.status < 300:
+        raise error_from(outcome)
+    return outcome
+
+
+def _json(outcome: Outcome) -> Any:
+    response = _ok(outcome)
+    try:
+        return json.loads(response.body)
+    except ValueError as exc:
+        raise ProtocolError(f"answer is not JSON: {exc}", status=response.status) from None
+
+
+def _outputs(outcome: Outcome, count: int, return_torch: bool) -> list[Result]:
+    response = _ok(outcome)
+    try:
+        message = msgpack.unpackb(response.body, raw=False)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many unrelated types
+        raise ProtocolError(f"answer is not msgpack: {exc}", status=response.status) from None
+    outputs = message.get("outputs") if isinstance(message, dict) else None
+    if not isinstance(outputs, list) or len(outputs) != count:
+        got = len(outputs) if isinstance(outputs, list) else "no"
+        raise ProtocolError(f"sent {count} items but the answer holds {got} outputs")
+    results = []
+    for index, output in enumerate(outputs):
+        if not isinstance(output, dict):
+            raise ProtocolError(f"output {index}: expected a map of output name to tensor")
+        results.append(
+            {
+                name: decode_tensor(tensor, f"output {index}, {name!r}", return_torch)
+                for name, tensor in output.items()
+            }
+        )
+    return results
+
+
+# ----------------------------------------------------------------- the calls
+def _model_path(model: str, version: str | int | None, suffix: str = "") -> str:
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty model name, got {model!r}")
+    path = f"/v2/models/{quote(model, safe='')}"
+    if version is not None:
+        path += f"/versions/{quote(str(version), safe='')}"
+    return path + suffix
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not math.isfinite(timeout)
+        or timeout <= 0
+    ):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
+def infer(
+    model: str,
+    items: Iterable[Features],
+    *,
+    version: str | int | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+    return_torch: bool = False,
+) -> Call[list[Result]]:
+    """Many items in one request; results in the items' order."""
+    path = _model_path(model, version, "/infer")
+    _check_timeout(timeout)
+    if return_torch:
+        require_torch()  # fail before sending, not after
+    encoded = [encode_item(features, index) for index, features in enumerate(items)]
+    count = len(encoded)
+    message: dict[str, Any] = {"items": encoded}
+    params = dict(parameters or {})
+    if timeout is not None:
+        params["timeout_ms"] = timeout * 1000.0  # the server drops the item past it: 504
+    if params:
+        message["parameters"] = params
+    return Call(
+        "POST",
+        path,
+        lambda outcome: _outputs(outcome, count, return_torch) if count else [],
+        body=msgpack.packb(message, default=pack_default) if count else None,
+        timeout=timeout,
+        send=count > 0,
+    )
+
+
+def infer_one(
+    model: str,
+    features: Features,
+    *,
+    version: str | int | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+    return_torch: bool = False,
+) -> Call[Result]:
+    many = infer(
+        model,
+        [features],
+        version=version,
+        parameters=parameters,
+        timeout=timeout,
+        return_torch=return_torch,
+    )
+    return Call(
+        many.method,
+        many.path,
+        lambda outcome: many.complete(outcome)[0],
+        body=many.body,
+        timeout=timeout,
+    )
+
+
+def _ready(outcome: Outcome) -> bool:
+    # A readiness probe: "not reachable" and 503 both mean "do not send work yet".
+    if isinstance(outcome, ConnectionError):
+        return False
+    if isinstance(outcome, Response) and outcome.status == 503:
+        return False
+    _ok(outcome)
+    return True
+
+
+def ready(model: str | None = None, version: str | int | None = None) -> Call[bool]:
+    path = "/v2/health/ready" if model is None else _model_path(model, version, "/ready")
+    return Call("GET", path, _ready, retry=False)
+
+
+def models() -> Call[list[dict[str, Any]]]:
+    def complete(outcome: Outcome) -> list[dict[str, Any]]:
+        index = _json(outcome)
+        if not isinstance(index, dict) or not isinstance(index.get("models"), list):
+            raise ProtocolError("model index has no 'models' list")
+        listed: list[dict[str, Any]] = index["models"]
+        return listed
+
+    return Call("GET", "/v2/models", complete)
+
+
+def metadata(model: str, version: str | int | None = None) -> Call[dict[str, Any]]:
+    return Call("GET", _model_path(model, version), _json)
+
+
+def stats(model: str, version: str | int | None = None) -> Call[dict[str, Any]]:
+    return Call("GET", _model_path(model, version, "/stats"), _json)

@@ -1,0 +1,256 @@
+"""``Client``: the blocking twin. Sends through the same ``Transport`` as
+``AsyncClient``, driven on one private event loop that runs on a background
+thread for the client's lifetime — never a loop per call. The loop only moves
+bytes: encoding happens before a call is handed to it and decoding after its
+answer is handed back, on the caller's thread. Safe to share between threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Coroutine, Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from tensorserve_client import _bulk, _protocol
+from tensorserve_client._protocol import Call, Features, Result
+from tensorserve_client._retry import RetryPolicy
+from tensorserve_client._transport import Transport
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
+
+T = TypeVar("T")
+
+
+class _LoopThread:
+    """An event loop on a daemon thread; coroutines are handed to it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.pid = os.getpid()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="tensorserve-client", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if os.getpid() != self.pid:
+            coroutine.close()
+            raise RuntimeError(
+                "a Client cannot be used in a forked child process; create a new one there"
+            )
+        if self.loop.is_closed():
+            coroutine.close()
+            raise RuntimeError("the client is closed")
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        future = self.submit(coroutine)
+        try:
+            return future.result()
+        except BaseException:  # KeyboardInterrupt included: stop the request too
+            future.cancel()
+            raise
+
+    def stop(self, last: Coroutine[Any, Any, Any]) -> None:
+        """Run ``last`` (the pool's clean-up), then stop and close the loop."""
+        if self.loop.is_closed():
+            last.close()
+            return
+        try:
+            self.run(last)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+            self.loop.close()
+
+
+def _shutdown(loop_thread: _LoopThread, transport: Transport) -> None:
+    # Also the finalizer of a Client that was never closed: must not refer to it.
+    if os.getpid() == loop_thread.pid:
+        loop_thread.stop(transport.aclose())
+
+
+class Client:
+    """A blocking tensorserve client with a keep-alive connection pool.
+
+    ``timeout``: seconds one attempt may take (None: no limit). ``retries``: how
+    many times a "not now" answer (no connection, 503, 429) is retried, or a
+    ``RetryPolicy``. ``headers`` are sent with every request. Use it as a
+    context manager, or call ``close()``.
+    """
+
+    def __init__(
+        self,
+        url: str = "http://localhost:8000",
+        *,
+        timeout: float | None = 60.0,
+        retries: int | RetryPolicy = 3,
+        headers: Mapping[str, str] | None = None,
+        max_connections: int = 100,
+    ) -> None:
+        self._transport = Transport(
+            url, timeout=timeout, retries=retries, headers=headers, max_connections=max_connections
+        )
+        self._loop = _LoopThread()
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._transport)
+
+    @property
+    def url(self) -> str:
+        return self._transport.url
+
+    def _call(self, call: Call[T]) -> T:
+        return call.complete(self._loop.run(self._transport.exchange(call)))
+
+    # ----------------------------------------------------------------- inference
+    def infer(
+        self,
+        model: str,
+        features: Features,
+        *,
+        version: str | int | None = None,
+        parameters: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        return_torch: bool = False,
+    ) -> Result:
+        """Run one item: ``{feature: array}`` in, ``{output: np.ndarray}`` out.
+
+        Features may be numpy arrays, torch tensors or nested lists (cast by the
+        server to the declared dtype). ``timeout``: the item's deadline in seconds,
+        enforced by the server (``DeadlineExceeded``); retries stop there too.
+        ``return_torch=True`` returns torch tensors instead of numpy arrays.
+        """
+        return self._call(
+            _protocol.infer_one(
+                model,
+                features,
+                version=version,
+                parameters=parameters,
+                timeout=timeout,
+                return_torch=return_torch,
+            )
+        )
+
+    def infer_batch(
+        self,
+        model: str,
+        items: Iterable[Features],
+        *,
+        version: str | int | None = None,
+        parameters: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        return_torch: bool = False,
+    ) -> list[Result]:
+        """Run many items in one request; results come back in the items' order."""
+        return self._call(
+            _protocol.infer(
+                model,
+                items,
+                version=version,
+                parameters=parameters,
+                timeout=timeout,
+                return_torch=return_torch,
+            )
+        )
+
+    def map(
+        self,
+        model: str,
+        iterable: Iterable[Features],
+        *,
+        batch_size: int = 32,
+        concurrency: int = 4,
+        progress: bool = False,
+        version: str | int | None = None,
+        parameters: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        return_torch: bool = False,
+    ) -> Iterator[Result]:
+        """Stream any number of items through the server; yields results in input order.
+
+        Items are read lazily, ``batch_size`` per request, with at most
+        ``concurrency`` requests in flight, so memory stays bounded however long
+        ``iterable`` is. The first error stops the map and is raised; requests
+        still in flight are cancelled. ``progress=True`` draws a tqdm bar.
+        """
+        _bulk.check_map_args(batch_size, concurrency)
+        make_bar = _bulk.progress_bar(progress, iterable, model)
+        options = {
+            "version": version,
+            "parameters": parameters,
+            "timeout": timeout,
+            "return_torch": return_torch,
+        }
+        return self._map(model, iterable, batch_size, concurrency, make_bar, options)
+
+    def _map(
+        self,
+        model: str,
+        iterable: Iterable[Features],
+        batch_size: int,
+        concurrency: int,
+        make_bar: Any,
+        options: dict[str, Any],
+    ) -> Iterator[Result]:
+        pending: deque[tuple[Call[list[Result]], concurrent.futures.Future[Any]]] = deque()
+        bar = make_bar()
+        try:
+            for chunk in _bulk.chunked(iterable, batch_size):
+                call = _protocol.infer(model, chunk, **options)
+                pending.append((call, self._loop.submit(self._transport.exchange(call))))
+                if len(pending) >= concurrency:
+                    call, future = pending.popleft()
+                    yield from _bulk.finish(call, future.result(), bar)
+            while pending:
+                call, future = pending.popleft()
+                yield from _bulk.finish(call, future.result(), bar)
+        finally:
+            for _, future in pending:
+                future.cancel()
+            bar.close()
+
+    # ----------------------------------------------------------------- server and models
+    def ready(self, model: str | None = None, *, version: str | int | None = None) -> bool:
+        """Whether the server (every model) or one model can take requests now.
+
+        False while loading or failed, and when the server cannot be reached;
+        never retried. An unknown model raises ``ModelNotFound``.
+        """
+        return self._call(_protocol.ready(model, version))
+
+    def models(self) -> list[dict[str, Any]]:
+        """The repository index: ``[{"name", "state", "version"?, "reason"?}]``."""
+        return self._call(_protocol.models())
+
+    def metadata(self, model: str, *, version: str | int | None = None) -> dict[str, Any]:
+        """The model's inputs and outputs (KServe v2 metadata)."""
+        return self._call(_protocol.metadata(model, version))
+
+    def stats(self, model: str, *, version: str | int | None = None) -> dict[str, Any]:
+        """The model's batching statistics (``stats["batching"]["avg_batch_size"]``...)."""
+        return self._call(_protocol.stats(model, version))
+
+    # ----------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Close the connection pool and stop the client's loop thread."""
+        self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.url!r})"

@@ -1,0 +1,153 @@
+"""The client's error tree. Every class the server can answer with is rebuilt
+from the response body's ``code`` (falling back to the HTTP status), and
+``str(error)`` is the server's own message, so it names the model, item or
+feature at fault.
+
+    TensorServeError                     .message .code .status .attempts
+    ├── BadRequest                  4xx  the request is wrong as sent; never retried
+    │   ├── InvalidInput            400  invalid_input: an item's dtype, shape or size
+    │   └── ModelNotFound           404  model_not_found: unknown model or version
+    ├── ServerUnavailable           503  try again later; retried with backoff
+    │   ├── ModelNotReady           503  model_not_ready: loading, failed or unloaded
+    │   └── ServerBusy         503, 429  server_busy: a bounded queue is full
+    ├── Timeout                          also a builtin TimeoutError
+    │   ├── DeadlineExceeded        504  deadline_exceeded: the server dropped the item
+    │   └── RequestTimeout               no answer within the client's timeout
+    ├── ServerError                 5xx  the server failed; never retried
+    │   ├── ModelFailure            500  model_failure: the model raised
+    │   └── InternalError           500  internal: a bug in the server
+    ├── ConnectionError                  also a builtin ConnectionError; retried
+    └── ProtocolError                    the answer is not a tensorserve answer
+
+``status`` is the HTTP status (``None`` when no answer came back); ``code`` is
+the server's stable error code (``"http_error"`` for HTTP-level refusals such
+as 413, ``None`` when no answer came back); ``attempts`` is how many times
+the request was sent, retries included.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+__all__ = [
+    "BadRequest",
+    "ConnectionError",
+    "DeadlineExceeded",
+    "InternalError",
+    "InvalidInput",
+    "ModelFailure",
+    "ModelNotFound",
+    "ModelNotReady",
+    "ProtocolError",
+    "RequestTimeout",
+    "ServerBusy",
+    "ServerError",
+    "ServerUnavailable",
+    "TensorServeError",
+    "Timeout",
+    "error_for",
+]
+
+
+class TensorServeError(Exception):
+    """Base class of every error the client raises for a request."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        attempts: int = 1,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.attempts = attempts
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, status={self.status}, code={self.code!r})"
+
+
+class BadRequest(TensorServeError):
+    """The server refused the request as sent (4xx); retrying will not help."""
+
+
+class InvalidInput(BadRequest):
+    """An item does not match the model's inputs (dtype, shape, size, names)."""
+
+
+class ModelNotFound(BadRequest):
+    """No such model, or no such version of it."""
+
+
+class ServerUnavailable(TensorServeError):
+    """The server cannot take the request now (503); retried with backoff."""
+
+
+class ModelNotReady(ServerUnavailable):
+    """The model is loading, failed to load, or was unloaded."""
+
+
+class ServerBusy(ServerUnavailable):
+    """A bounded queue is full (503 server_busy, or 429)."""
+
+
+class Timeout(TensorServeError, builtins.TimeoutError):
+    """The request took too long, on the server or on the way."""
+
+
+class DeadlineExceeded(Timeout):
+    """The server dropped the item after it waited longer than its timeout (504)."""
+
+
+class RequestTimeout(Timeout):
+    """No answer arrived within the client's timeout; the item may still run."""
+
+
+class ServerError(TensorServeError):
+    """The server failed to process a valid request (5xx)."""
+
+
+class ModelFailure(ServerError):
+    """The model raised while running the batch holding this item."""
+
+
+class InternalError(ServerError):
+    """An unexpected error inside the server."""
+
+
+class ConnectionError(TensorServeError, builtins.ConnectionError):
+    """The server could not be reached, or dropped the connection mid-request."""
+
+
+class ProtocolError(TensorServeError):
+    """The answer could not be understood (not msgpack/JSON, wrong shape)."""
+
+
+# The server's stable codes (tensorserve/errors.py) -> the class rebuilt here.
+BY_CODE: dict[str, type[TensorServeError]] = {
+    "invalid_input": InvalidInput,
+    "model_not_found": ModelNotFound,
+    "model_not_ready": ModelNotReady,
+    "server_busy": ServerBusy,
+    "deadline_exceeded": DeadlineExceeded,
+    "model_failure": ModelFailure,
+    "internal": InternalError,
+}
+
+# When the body carries no known code (a proxy, or an HTTP-level refusal).
+BY_STATUS: dict[int, type[TensorServeError]] = {
+    429: ServerBusy,
+    503: ServerUnavailable,
+    504: Timeout,
+}
+
+
+def error_for(status: int, code: str | None, message: str) -> TensorServeError:
+    """The error for an answer with a non-2xx ``status``."""
+    cls = BY_CODE.get(code or "") or BY_STATUS.get(status)
+    if cls is None:
+        cls = BadRequest if 400 <= status < 500 else ServerError
+    return cls(message, status=status, code=code)
