@@ -77,9 +77,13 @@ def test_map_stops_at_the_first_error_after_yielding_what_came_before(client: Cl
     items = [tokens(4, seed=i) for i in range(30)]
     items[17] = {"input_ids": np.arange(4, dtype=np.int32), "attention_mask": np.ones(4, np.int64)}
     got = []
-    with pytest.raises(InvalidInput, match="'input_ids': dtype int32"):
+    with pytest.raises(InvalidInput, match=r"'input_ids': dtype int32 .* \(map items 15-19\)$"):
         got.extend(client.map("tagger", items, batch_size=5, concurrency=2))
     assert len(got) == 15  # the three batches before the bad one
+
+    items[17] = {"input_ids": "oops", "attention_mask": np.ones(4, np.int64)}
+    with pytest.raises(TypeError, match="item 17, feature 'input_ids'"):  # its index in the stream
+        list(client.map("tagger", items, batch_size=5))
 
 
 def test_map_draws_a_progress_bar(client: Client, capsys: pytest.CaptureFixture[str]) -> None:

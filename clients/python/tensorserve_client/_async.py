@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -127,22 +127,21 @@ class AsyncClient:
         iterable: Iterable[Features] | AsyncIterable[Features],
         batch_size: int,
         concurrency: int,
-        make_bar: Any,
+        make_bar: Callable[[], _bulk.Bar],
         options: dict[str, Any],
     ) -> AsyncIterator[Result]:
-        pending: deque[tuple[Call[list[Result]], asyncio.Task[Outcome]]] = deque()
+        pending: deque[tuple[_bulk.Batch, asyncio.Task[Outcome]]] = deque()
         bar = make_bar()
         try:
-            async for chunk in _bulk.achunked(iterable, batch_size):
-                call = _protocol.infer(model, chunk, **options)
-                pending.append((call, asyncio.ensure_future(self._transport.exchange(call))))
+            async for batch in _bulk.abatches(model, iterable, batch_size, options):
+                pending.append((batch, asyncio.ensure_future(self._transport.exchange(batch.call))))
                 if len(pending) >= concurrency:
-                    call, task = pending.popleft()
-                    for result in _bulk.finish(call, await task, bar):
+                    batch, task = pending.popleft()
+                    for result in batch.finish(await task, bar):
                         yield result
             while pending:
-                call, task = pending.popleft()
-                for result in _bulk.finish(call, await task, bar):
+                batch, task = pending.popleft()
+                for result in batch.finish(await task, bar):
                     yield result
         finally:
             for _, task in pending:

@@ -1,5 +1,5 @@
-"""The pure parts of ``map``: argument checks, cutting an iterable into
-batches, and the optional progress bar.
+"""The pure parts of ``map``: argument checks, cutting a stream of items
+into requests that know where they sit in the stream, and the progress bar.
 
 What is not here is the ordered window of in-flight requests itself: it waits
 on ``concurrent.futures`` in ``Client.map`` and on asyncio tasks in
@@ -9,10 +9,13 @@ on ``concurrent.futures`` in ``Client.map`` and on asyncio tasks in
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Protocol, TypeVar
 
-from tensorserve_client._protocol import Call, Outcome, Result
+from tensorserve_client import _protocol
+from tensorserve_client._protocol import Call, Features, Outcome, Result
+from tensorserve_client.errors import TensorServeError
 
 T = TypeVar("T")
 
@@ -77,7 +80,48 @@ def progress_bar(enabled: bool, iterable: object, desc: str) -> Callable[[], Bar
     return lambda: tqdm(total=total, desc=desc, unit="item")
 
 
-def finish(call: Call[list[Result]], outcome: Outcome, bar: Bar) -> list[Result]:
-    results = call.complete(outcome)
-    bar.update(len(results))
-    return results
+@dataclass(frozen=True)
+class Batch:
+    """One request of a map, and where its items sit in the stream."""
+
+    call: Call[list[Result]]
+    first: int  # the stream index of its first item
+    size: int
+
+    def finish(self, outcome: Outcome, bar: Bar) -> list[Result]:
+        """The batch's results; an error says which items of the stream it concerns
+        (the server numbers items within its request)."""
+        try:
+            results = self.call.complete(outcome)
+        except TensorServeError as error:
+            error.message = f"{error.message} (map items {self.first}-{self.first + self.size - 1})"
+            error.args = (error.message,)
+            raise
+        bar.update(len(results))
+        return results
+
+
+def _batch(model: str, chunk: list[Features], first: int, options: dict[str, Any]) -> Batch:
+    call = _protocol.infer(model, chunk, first_index=first, **options)
+    return Batch(call, first, len(chunk))
+
+
+def batches(
+    model: str, iterable: Iterable[Features], size: int, options: dict[str, Any]
+) -> Iterator[Batch]:
+    first = 0
+    for chunk in chunked(iterable, size):
+        yield _batch(model, chunk, first, options)
+        first += len(chunk)
+
+
+async def abatches(
+    model: str,
+    iterable: Iterable[Features] | AsyncIterable[Features],
+    size: int,
+    options: dict[str, Any],
+) -> AsyncIterator[Batch]:
+    first = 0
+    async for chunk in achunked(iterable, size):
+        yield _batch(model, chunk, first, options)
+        first += len(chunk)

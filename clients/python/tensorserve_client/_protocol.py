@@ -190,13 +190,15 @@ def infer(
     parameters: Mapping[str, Any] | None = None,
     timeout: float | None = None,
     return_torch: bool = False,
+    first_index: int = 0,
 ) -> Call[list[Result]]:
-    """Many items in one request; results in the items' order."""
+    """Many items in one request; results in the items' order. ``first_index``
+    numbers the items in client-side errors (a map's position in its stream)."""
     path = _model_path(model, version, "/infer")
     _check_timeout(timeout)
     if return_torch:
         require_torch()  # fail before sending, not after
-    encoded = [encode_item(features, index) for index, features in enumerate(items)]
+    encoded = [encode_item(features, index) for index, features in enumerate(items, first_index)]
     count = len(encoded)
     message: dict[str, Any] = {"items": encoded}
     params = dict(parameters or {})

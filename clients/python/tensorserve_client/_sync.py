@@ -13,12 +13,12 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tensorserve_client import _bulk, _protocol
-from tensorserve_client._protocol import Call, Features, Result
+from tensorserve_client._protocol import Call, Features, Outcome, Result
 from tensorserve_client._retry import RetryPolicy
 from tensorserve_client._transport import Transport
 
@@ -176,8 +176,9 @@ class Client:
 
         Items are read lazily, ``batch_size`` per request, with at most
         ``concurrency`` requests in flight, so memory stays bounded however long
-        ``iterable`` is. The first error stops the map and is raised; requests
-        still in flight are cancelled. ``progress=True`` draws a tqdm bar.
+        ``iterable`` is. The first error stops the map and is raised, naming the
+        items of the stream it concerns; requests still in flight are cancelled.
+        ``progress=True`` draws a tqdm bar.
         """
         _bulk.check_map_args(batch_size, concurrency)
         make_bar = _bulk.progress_bar(progress, iterable, model)
@@ -195,21 +196,20 @@ class Client:
         iterable: Iterable[Features],
         batch_size: int,
         concurrency: int,
-        make_bar: Any,
+        make_bar: Callable[[], _bulk.Bar],
         options: dict[str, Any],
     ) -> Iterator[Result]:
-        pending: deque[tuple[Call[list[Result]], concurrent.futures.Future[Any]]] = deque()
+        pending: deque[tuple[_bulk.Batch, concurrent.futures.Future[Outcome]]] = deque()
         bar = make_bar()
         try:
-            for chunk in _bulk.chunked(iterable, batch_size):
-                call = _protocol.infer(model, chunk, **options)
-                pending.append((call, self._loop.submit(self._transport.exchange(call))))
+            for batch in _bulk.batches(model, iterable, batch_size, options):
+                pending.append((batch, self._loop.submit(self._transport.exchange(batch.call))))
                 if len(pending) >= concurrency:
-                    call, future = pending.popleft()
-                    yield from _bulk.finish(call, future.result(), bar)
+                    batch, future = pending.popleft()
+                    yield from batch.finish(future.result(), bar)
             while pending:
-                call, future = pending.popleft()
-                yield from _bulk.finish(call, future.result(), bar)
+                batch, future = pending.popleft()
+                yield from batch.finish(future.result(), bar)
         finally:
             for _, future in pending:
                 future.cancel()
