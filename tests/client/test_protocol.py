@@ -6,6 +6,8 @@ from __future__ import annotations
 import builtins
 import email.utils
 import random
+import subprocess
+import sys
 
 import msgpack
 import numpy as np
@@ -260,3 +262,31 @@ def test_settings_are_checked_with_a_sentence() -> None:
         Client("localhost:8000")
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         Client(timeout=-1)
+
+
+# ----------------------------------------------------------------- small footprint
+def test_the_client_never_imports_torch_itself() -> None:
+    code = (
+        "import sys, numpy as np\n"
+        "from tensorserve_client import _protocol, Client\n"
+        "_protocol.infer('m', [{'x': np.zeros(3, np.float32), 'y': [1, 2]}])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_missing_torch_or_tqdm_is_a_clear_error_before_sending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    with pytest.raises(ImportError, match="return_torch=True needs torch"):
+        _protocol.infer("m", [{"x": [1]}], return_torch=True)
+    with (
+        Client("http://127.0.0.1:9") as client,
+        pytest.raises(ImportError, match=r"progress=True needs tqdm: pip install"),
+    ):
+        client.map("m", [], progress=True)
