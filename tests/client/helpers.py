@@ -123,7 +123,7 @@ class ScriptedServer:
     async def _start(self) -> web.AppRunner:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._answer)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=0.1)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         return runner

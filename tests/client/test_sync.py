@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from tensorserve_client import Client, InvalidInput
 
-from tests.client.helpers import ScriptedServer, tokens
+from tests.client.helpers import Answer, ScriptedServer, tokens
 
 
 def test_infer_returns_one_numpy_array_per_output(client: Client) -> None:
@@ -138,3 +140,26 @@ def test_a_closed_client_says_so(server_url: str) -> None:
     client.close()  # idempotent
     with pytest.raises(RuntimeError, match="the client is closed"):
         client.ready()
+
+
+def test_closing_a_client_cancels_calls_other_threads_are_waiting_on(
+    scripted: ScriptedServer,
+) -> None:
+    scripted.answer(Answer(delay=5.0))
+    client = Client(scripted.url)
+    outcome: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.infer("m", {"x": [1.0]})
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=call)
+    waiter.start()
+    while not scripted.seen:  # the request reached the server
+        time.sleep(0.01)
+    client.close()
+    waiter.join(2)
+    assert not waiter.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], concurrent.futures.CancelledError)

@@ -59,16 +59,26 @@ class _LoopThread:
             raise
 
     def stop(self, last: Coroutine[Any, Any, Any]) -> None:
-        """Run ``last`` (the pool's clean-up), then stop and close the loop."""
+        """Cancel what is in flight (callers on other threads get CancelledError
+        rather than waiting forever), run ``last`` (the pool's clean-up), then
+        stop and close the loop."""
         if self.loop.is_closed():
             last.close()
             return
         try:
+            self.run(_cancel_in_flight())
             self.run(last)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
             self.loop.close()
+
+
+async def _cancel_in_flight() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _shutdown(loop_thread: _LoopThread, transport: Transport) -> None:

@@ -157,7 +157,8 @@ class Transport:
         except asyncio.TimeoutError as exc:
             return _failed(
                 RequestTimeout,
-                f"{call.method} {url}: no answer within {timeout:g} s",
+                f"{call.method} {url}: no answer within "
+                + (f"{timeout:g} s" if timeout is not None else "the transport's limits"),
                 exc,
                 attempts,
             )
