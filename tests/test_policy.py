@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tensorserve.batching.policy import FifoPolicy, LengthAwarePolicy, Waiting
+from tensorserve.batching.policy import BatchCostModel, FifoPolicy, LengthAwarePolicy, Waiting
 
 POLICIES = [FifoPolicy, LengthAwarePolicy]
 
@@ -70,3 +70,30 @@ def test_length_aware_wastes_less_padding_than_fifo_on_random_queues() -> None:
         fifo_total += waste(volumes, FifoPolicy().select(queue(volumes), 32))
         aware_total += waste(volumes, LengthAwarePolicy().select(queue(volumes), 32))
     assert aware_total < fifo_total / 2
+
+
+def test_the_cost_model_learns_fixed_and_per_volume_cost() -> None:
+    cost = BatchCostModel()
+    assert cost.overhead == float("inf")  # nothing learnt: prefer full batches
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        volume = float(rng.integers(100, 4000))
+        cost.observe(volume, 0.002 + 1e-5 * volume)  # 2 ms fixed, 10 us per element
+    assert cost.overhead == pytest.approx(200, rel=1e-6)
+
+
+def test_with_a_small_overhead_length_aware_splits_a_mixed_queue() -> None:
+    cost = BatchCostModel()
+    for volume in (100.0, 1000.0, 2000.0, 4000.0):
+        cost.observe(volume, 1e-5 * volume)  # no fixed cost at all
+    volumes = [8] * 8 + [128] * 8
+    chosen = LengthAwarePolicy(cost=cost).select(queue(volumes), 32)
+    assert len({volumes[i] for i in chosen}) == 1, "padding short items to 128 only costs"
+
+
+def test_with_a_large_overhead_length_aware_fills_the_batch() -> None:
+    cost = BatchCostModel()
+    for volume in (100.0, 1000.0, 2000.0, 4000.0):
+        cost.observe(volume, 0.05 + 1e-7 * volume)  # launch cost dominates
+    volumes = [8] * 8 + [128] * 8
+    assert len(LengthAwarePolicy(cost=cost).select(queue(volumes), 32)) == 16

@@ -374,6 +374,10 @@ class Batcher:
         if batch.error is not None:
             error = _as_model_failure(batch.error, self.name)
             results = [error] * len(entries)
+        elif self.options.policy.cost is not None:
+            # Teach the policy what a batch of this padded volume costs.
+            volume = len(entries) * max(e.volume for e in entries)
+            self.options.policy.cost.observe(volume, batch.seconds)
         queued = sum(batch.dispatched - e.enqueued for e in entries)
         real, padded = batch.padding
         self.stats.record_batch(len(entries), batch.seconds, queued, real, padded)

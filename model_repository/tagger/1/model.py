@@ -41,12 +41,10 @@ class Model(nn.Module):
             dropout=0.0,
             batch_first=True,
         )
-        # enable_nested_tensor=False: the nested-tensor fast path emits a
-        # "prototype" UserWarning on first use and would skip padded positions;
-        # a padding server should compute the padded batch as-is.  The fused
-        # eval-mode kernel (with the padding mask) is still used.
+        # The default nested-tensor fast path: in eval mode under inference_mode,
+        # padded positions (attention_mask == 0) are skipped, not computed.
         self.encoder = nn.TransformerEncoder(
-            layer, num_layers=n_layers, enable_nested_tensor=False
+            layer, num_layers=n_layers
         )
         self.head = nn.Linear(d_model, num_labels)
 
