@@ -38,7 +38,14 @@ def override_flags(overrides: Mapping[str, Any]) -> list[str]:
 class ServerProcess:
     """A ``python -m tensorserve serve`` child; ``start`` waits until it is ready."""
 
-    def __init__(self, repository: str, args: Sequence[str] = (), *, ready_timeout: float = 120.0):
+    def __init__(
+        self,
+        repository: str,
+        args: Sequence[str] = (),
+        *,
+        ready_timeout: float = 120.0,
+        env: Mapping[str, str] | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command = [
@@ -57,10 +64,11 @@ class ServerProcess:
             *args,
         ]
         self.ready_timeout = ready_timeout
+        self.env = {**os.environ, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerProcess:
-        self.process = subprocess.Popen(self.command, env=dict(os.environ))
+        self.process = subprocess.Popen(self.command, env=self.env)
         try:
             self._wait_ready()
         except BaseException:

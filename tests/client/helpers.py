@@ -4,7 +4,6 @@ server on its own thread that answers what a test tells it to."""
 from __future__ import annotations
 
 import asyncio
-import textwrap
 import threading
 import time
 from collections import deque
@@ -16,6 +15,8 @@ import msgpack
 import numpy as np
 from aiohttp import web
 from tensorserve_client import RetryPolicy
+
+from tests.helpers import write_model  # noqa: F401  (re-exported for the client tests)
 
 # Retries without waiting, for tests that count attempts.
 FAST = RetryPolicy(retries=3, backoff=0.001, max_backoff=0.01)
@@ -52,12 +53,6 @@ class Model(torch.nn.Module):
 '''
 
 
-def write_model(repository: Path, name: str, config: str, source: str) -> Path:
-    folder = repository / name
-    (folder / "1").mkdir(parents=True)
-    (folder / "config.toml").write_text(textwrap.dedent(config))
-    (folder / "1" / "model.py").write_text(textwrap.dedent(source))
-    return folder
 
 
 @dataclass

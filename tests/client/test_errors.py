@@ -21,7 +21,7 @@ from tensorserve_client import (
 )
 
 from tests.client.helpers import FAST, FaultyServer, tokens
-from tests.conftest import free_port
+from tensorserve.bench.server import free_port
 
 
 def test_unknown_model_or_version_is_model_not_found(client: Client) -> None:
