@@ -72,28 +72,30 @@ def test_length_aware_wastes_less_padding_than_fifo_on_random_queues() -> None:
     assert aware_total < fifo_total / 2
 
 
-def test_the_cost_model_learns_fixed_and_per_volume_cost() -> None:
+def test_the_cost_model_learns_fixed_per_element_and_per_step_cost() -> None:
     cost = BatchCostModel()
-    assert cost.overhead == float("inf")  # nothing learnt: prefer full batches
+    assert not cost.fitted  # nothing learnt: the policy prefers full batches
     rng = np.random.default_rng(3)
-    for _ in range(50):
-        volume = float(rng.integers(100, 4000))
-        cost.observe(volume, 0.002 + 1e-5 * volume)  # 2 ms fixed, 10 us per element
-    assert cost.overhead == pytest.approx(200, rel=1e-6)
+    for _ in range(60):
+        size, longest = int(rng.integers(1, 33)), int(rng.integers(8, 129))
+        cost.observe(size, longest, 0.002 + 1e-5 * size * longest + 3e-4 * longest)
+    assert cost.coefficients == pytest.approx((0.002, 1e-5, 3e-4), rel=1e-3)
 
 
-def test_with_a_small_overhead_length_aware_splits_a_mixed_queue() -> None:
+def learnt(fixed: float, per_element: float, per_step: float) -> BatchCostModel:
     cost = BatchCostModel()
-    for volume in (100.0, 1000.0, 2000.0, 4000.0):
-        cost.observe(volume, 1e-5 * volume)  # no fixed cost at all
+    for size, longest in ((1, 8), (32, 128), (8, 64), (16, 16), (4, 100), (32, 8)):
+        cost.observe(size, longest, fixed + per_element * size * longest + per_step * longest)
+    return cost
+
+
+def test_when_every_padded_element_costs_length_aware_splits_a_mixed_queue() -> None:
     volumes = [8] * 8 + [128] * 8
-    chosen = LengthAwarePolicy(cost=cost).select(queue(volumes), 32)
+    chosen = LengthAwarePolicy(cost=learnt(0, 1e-5, 0)).select(queue(volumes), 32)
     assert len({volumes[i] for i in chosen}) == 1, "padding short items to 128 only costs"
 
 
-def test_with_a_large_overhead_length_aware_fills_the_batch() -> None:
-    cost = BatchCostModel()
-    for volume in (100.0, 1000.0, 2000.0, 4000.0):
-        cost.observe(volume, 0.05 + 1e-7 * volume)  # launch cost dominates
+@pytest.mark.parametrize("cost", [learnt(0.05, 1e-7, 0), learnt(0, 1e-8, 1e-3)], ids=["launch", "steps"])
+def test_when_batches_cost_per_launch_or_per_step_length_aware_fills_the_batch(cost: BatchCostModel) -> None:
     volumes = [8] * 8 + [128] * 8
     assert len(LengthAwarePolicy(cost=cost).select(queue(volumes), 32)) == 16

@@ -376,8 +376,8 @@ class Batcher:
             results = [error] * len(entries)
         elif self.options.policy.cost is not None:
             # Teach the policy what a batch of this padded volume costs.
-            volume = len(entries) * max(e.volume for e in entries)
-            self.options.policy.cost.observe(volume, batch.seconds)
+            longest = max(e.volume for e in entries)
+            self.options.policy.cost.observe(len(entries), longest, batch.seconds)
         queued = sum(batch.dispatched - e.enqueued for e in entries)
         real, padded = batch.padding
         self.stats.record_batch(len(entries), batch.seconds, queued, real, padded)

@@ -12,7 +12,6 @@ the indices of the next batch. Two rules bind every policy:
 from __future__ import annotations
 
 from collections.abc import Sequence
-import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -57,44 +56,50 @@ class FifoPolicy:
 
 class BatchCostModel:
     """What a batch costs, learnt from the batches the model ran:
-    ``seconds ~ fixed + per_volume * padded_volume`` (least squares with
-    exponential forgetting, so it follows a model whose speed changes).
 
-    ``overhead`` is the fixed cost in units of padded volume (``fixed /
-    per_volume``): on a CPU, where time grows with every padded element, it is
-    small and short, tight batches win; on a GPU, where a launch costs as much
-    as many elements, it is large and big batches win. Until enough batches
-    with different volumes were seen it is ``inf`` (prefer the biggest batch).
-    Thread-safe enough: the finisher thread writes, the dispatcher reads a float.
+        seconds ~ fixed + per_element * size * longest + per_step * longest
+
+    (least squares with exponential forgetting, so it follows a model whose
+    speed changes). ``size * longest`` is the padded volume: a transformer on
+    a CPU pays for every padded element. ``longest`` alone is what a
+    recurrent model pays in sequential steps whatever the batch size; ``fixed``
+    is a launch or Python overhead, large on a GPU. The policy weighs real work
+    against this cost, so one mechanism serves all three kinds of model.
+    Until enough batches of different shapes were seen, ``fitted`` is False.
+    The finisher thread writes, the dispatcher thread reads one tuple.
     """
 
     MIN_BATCHES = 4
 
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
         self._count = 0
-        self.overhead = math.inf
+        self.coefficients: tuple[float, float, float] | None = None
 
-    def observe(self, padded_volume: float, seconds: float) -> None:
-        d = self.decay
-        self._w = d * self._w + 1
-        self._x = d * self._x + padded_volume
-        self._y = d * self._y + seconds
-        self._xx = d * self._xx + padded_volume * padded_volume
-        self._xy = d * self._xy + padded_volume * seconds
+    @property
+    def fitted(self) -> bool:
+        return self.coefficients is not None
+
+    def observe(self, size: int, longest: int, seconds: float) -> None:
+        x = np.array([1.0, size * longest, longest], dtype=np.float64)
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * seconds
         self._count += 1
         if self._count < self.MIN_BATCHES:
             return
-        spread = self._w * self._xx - self._x * self._x
-        if spread <= 1e-9 * self._xx * self._w:
-            return  # every batch had the same volume: slope unknown
-        slope = (self._w * self._xy - self._x * self._y) / spread
-        fixed = (self._y - slope * self._x) / self._w
-        if slope <= 0:
-            self.overhead = math.inf  # bigger batches cost nothing more: fill them
-        else:
-            self.overhead = max(0.0, fixed / slope)
+        # A whisper of ridge keeps the solve stable when shapes barely vary.
+        ridge = 1e-9 * np.diag(np.diag(self._xtx))
+        solution, *_ = np.linalg.lstsq(self._xtx + ridge, self._xty, rcond=None)
+        fixed, per_element, per_step = (max(0.0, float(v)) for v in solution)
+        if per_element + per_step > 0:
+            self.coefficients = (fixed, per_element, per_step)
+
+    def cost(self, size: int, longest: np.ndarray) -> np.ndarray:
+        assert self.coefficients is not None
+        fixed, per_element, per_step = self.coefficients
+        return fixed + per_element * size * longest + per_step * longest
 
 
 @dataclass(frozen=True)
@@ -103,11 +108,10 @@ class LengthAwarePolicy:
     items by size and take a run of neighbours.
 
     Of all runs (every length up to ``max_batch_size``, within the budget) it
-    takes the one that does the most real work per unit of cost,
-    ``real volume / (overhead + batch size x longest)``, with ``overhead``
-    from the ``BatchCostModel``. With an infinite overhead (nothing learnt
-    yet) that is the longest run that wastes the least padding. When the
-    oldest item is overdue, only runs that contain it are allowed.
+    takes the one that does the most real work per second the
+    ``BatchCostModel`` predicts it to take. Until the model has learnt
+    anything, it takes the longest run that wastes the least padding. When
+    the oldest item is overdue, only runs that contain it are allowed.
     """
 
     max_batch_tokens: int | None = None
@@ -123,7 +127,7 @@ class LengthAwarePolicy:
         ranked = volumes[order].astype(np.float64)
         prefix = np.concatenate(([0.0], np.cumsum(ranked)))
         forced = int(np.flatnonzero(order == 0)[0]) if waiting[0].overdue else None
-        overhead = self.cost.overhead
+        learnt = self.cost.fitted
         best: tuple[float, float, int, int] | None = None  # (score, -size, start, size)
         for size in range(1, min(max_batch_size, n) + 1):
             # Candidate runs ranked[start : start + size].
@@ -137,11 +141,11 @@ class LengthAwarePolicy:
                     break  # longer runs only get bigger
                 starts, padded = starts[fits], padded[fits]
             real = prefix[starts + size] - prefix[starts]
-            if math.isinf(overhead):
-                # Most items first, then least waste.
+            if learnt:
+                longest = ranked[starts + size - 1]
+                scores = real / np.maximum(self.cost.cost(size, longest), 1e-12)
+            else:  # most items first, then least waste
                 scores = size * 1e18 - (padded - real)
-            else:
-                scores = real / (overhead + padded)
             i = int(np.argmax(scores))
             candidate = (float(scores[i]), -size, int(starts[i]), size)
             if best is None or candidate[:2] > best[:2]:
