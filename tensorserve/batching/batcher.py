@@ -2,28 +2,28 @@
 
 Items go in with ``submit`` (thread-safe, from any thread or event loop) and
 each gets a ``concurrent.futures.Future`` that the batcher owns until it
-resolves it with the item's result or a ``TensorServeError``. Three kinds of
-threads form a pipeline joined by bounded hand-offs:
+resolves it with the item's result or a ``TensorServeError``. Two kinds of
+threads form a pipeline joined by a bounded hand-off:
 
-    dispatcher  waits for a batch-worthy queue, asks the policy which items
-                form the batch, pads them (runner.prepare)
-    model (xN)  runs the batch on the device (runner.execute), one thread per
-                model instance
+    model (xN)  one per model instance: takes the next batch from the queue
+                (the policy says which items), pads it (runner.prepare) and
+                runs it (runner.launch / runner.collect)
     finisher    un-pads the outputs and resolves the futures (runner.finish)
 
-So while the model runs batch N, the dispatcher pads batch N+1 and the
-finisher un-pads batch N-1. At most ``instance_count + prefetch`` batches are
-between the dispatcher and the finisher: the queue in front of the model is
-bounded, and items keep accumulating (forming bigger batches) while it is
-busy.
+The thread that just finished a batch forms the next one itself, so no
+thread hand-off sits between two batches on the model's critical path (a
+separate dispatcher thread cost a GIL hand-off per batch, measured in
+docs/performance.md). While the model runs batch N, the event loop decodes
+and validates the items of batch N+1 and the finisher un-pads batch N-1. On
+an accelerator, where ``launch`` only queues the work (``runner.overlaps``),
+a full batch N+1 is padded and launched while batch N still runs.
 
-When is a batch dispatched?
-* while a model instance is idle: at once (dispatch ``eager``: a lone request
+When is a batch formed?
+* by an idle model instance: at once (dispatch ``eager``: a lone request
   pays no timer), or (dispatch ``timer``) when a full batch waits or the
   oldest item has waited ``max_queue_delay``;
-* while every instance is busy: only a full batch is formed ahead of time
-  (prefetch); a partial one would merely wait in front of the model, so the
-  queue keeps accumulating until an instance frees up.
+* ahead of a busy accelerator: only a full batch; a partial one is left to
+  accumulate until the device is free.
 """
 
 from __future__ import annotations
@@ -74,7 +74,16 @@ class Runner(Protocol[P, E]):
         """Called once on each model thread before its first batch."""
         ...
 
-    def execute(self, prepared: P, instance: int) -> E: ...
+    overlaps: bool
+    """True when ``launch`` returns before the device has finished (CUDA)."""
+
+    def launch(self, prepared: P, instance: int) -> Any:
+        """Start the batch on the device (on a CPU: run it)."""
+        ...
+
+    def collect(self, launched: Any) -> E:
+        """Wait for a launched batch; its outputs on the host."""
+        ...
 
     def finish(self, executed: E, size: int) -> Sequence[Any]:
         """Per-item results (a result, or an Exception for that item alone)."""
@@ -95,8 +104,10 @@ class _Batch(Generic[P]):
     entries: list[Pending]
     dispatched: float
     prepared: Any = None
+    launched: Any = None
     executed: Any = None
     error: BaseException | None = None
+    started: float = 0.0  # perf_counter() at launch
     seconds: float = 0.0
     padding: tuple[int, int] = (0, 0)
 
@@ -112,15 +123,12 @@ class BatcherOptions:
     dispatch: str = "eager"  # "eager" | "timer"
     policy: BatchPolicy = field(default_factory=FifoPolicy)
     max_queue_size: int = 4096
-    prefetch: int = 1  # padded batches allowed to wait in front of a busy model
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("eager", "timer"):
             raise ValueError(f"dispatch must be 'eager' or 'timer', not {self.dispatch!r}")
         if self.max_queue_delay_ms < 0:
             raise ValueError("max_queue_delay_ms must be >= 0")
-        if self.prefetch < 0:
-            raise ValueError("prefetch must be >= 0")
         self.max_batch_size = max(1, self.max_batch_size)
 
 
@@ -147,17 +155,12 @@ class Batcher:
         self._accepting = False
         self._closing = False
         instances = runner.instance_count
-        self._slots = threading.Semaphore(instances + self.options.prefetch)
-        self._not_started = 0  # dispatched batches no model thread has picked up yet
-        self._busy = 0  # batches executing right now
-        self._to_model: queue.Queue[Any] = queue.Queue()  # bounded by _slots
         self._to_finisher: queue.Queue[Any] = queue.Queue(maxsize=instances + 1)
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> Batcher:
-        threads = [threading.Thread(target=self._dispatch_loop, name=f"{self.name}-dispatch")]
-        threads += [
+        threads = [
             threading.Thread(target=self._model_loop, args=(i,), name=f"{self.name}-model-{i}")
             for i in range(self.runner.instance_count)
         ]
@@ -240,33 +243,40 @@ class Batcher:
         return (await self.infer_many([item], timeout=timeout))[0]
 
     # ------------------------------------------------------------------ dispatcher
-    def _ready_to_dispatch(self, now: float) -> float | None:
-        """None if a batch should go now, else seconds until the oldest is overdue."""
+    def _due_in(self, now: float, ahead: bool) -> float | None:
+        """None if a batch should be formed now, else how long to wait.
+
+        ``ahead``: the asking instance still has a batch on the device."""
         opts = self.options
         if len(self._waiting) >= opts.max_batch_size or self._closing:
             return None
-        if self._not_started + self._busy >= self.runner.instance_count:
-            # Every instance is busy: a batch formed now would only wait in front
-            # of the model, so keep accumulating (the model thread wakes us).
-            return _UNTIL_NOTIFIED
+        if ahead:
+            return _UNTIL_NOTIFIED  # a partial batch would only wait for the device
         if opts.dispatch == "eager":
             return None
         overdue_in = self._waiting[0].enqueued + opts.max_queue_delay_ms / 1000 - now
         return None if overdue_in <= 0 else overdue_in
 
-    def _take_batch(self) -> list[Pending] | None:
-        """Block until a batch is due; remove and return its entries (None: stop)."""
+    def _take_batch(self, ahead: bool = False) -> list[Pending] | None:
+        """Remove and return the next batch's entries once one is due.
+
+        Blocks, unless ``ahead`` (then returns None at once when no batch is
+        due). Returns ``_STOP`` when closing and nothing is left."""
         opts = self.options
         with self._cond:
             while True:
                 if not self._waiting:
                     if self._closing:
+                        return _STOP
+                    if ahead:
                         return None
                     self._cond.wait()
                     continue
                 now = time.monotonic()
-                wait = self._ready_to_dispatch(now)
+                wait = self._due_in(now, ahead)
                 if wait is not None:
+                    if ahead:
+                        return None
                     self._cond.wait(None if wait == _UNTIL_NOTIFIED else wait)
                     continue
                 window = self._waiting[: 16 * opts.max_batch_size]
@@ -275,7 +285,6 @@ class Batcher:
                 chosen = set(opts.policy.select(views, opts.max_batch_size))
                 entries = [p for i, p in enumerate(window) if i in chosen]
                 self._waiting = [p for i, p in enumerate(self._waiting) if i not in chosen]
-                self._not_started += 1
                 return entries
 
     def _live_entries(self, entries: list[Pending], now: float) -> list[Pending]:
@@ -292,61 +301,52 @@ class Batcher:
             live.append(entry)
         return live
 
-    def _dispatch_loop(self) -> None:
-        try:
-            while True:
-                self._slots.acquire()
-                entries = self._take_batch()
-                if entries is None:
-                    self._slots.release()
-                    break
-                now = time.monotonic()
-                batch = _Batch(self._live_entries(entries, now), now)
-                if not batch.entries:
-                    with self._cond:
-                        self._not_started -= 1
-                        self._cond.notify()
-                    self._slots.release()
-                    continue
-                try:
-                    batch.prepared = self.runner.prepare([e.item for e in batch.entries])
-                    batch.padding = self.runner.padding(batch.prepared)
-                except BaseException as exc:  # a bug in padding fails this batch only
-                    batch.error = exc
-                self._to_model.put(batch)
-        except BaseException as exc:  # pragma: no cover - a bug: fail loudly, not silently
-            self._fatal(exc)
-        finally:
-            for _ in range(self.runner.instance_count):
-                self._to_model.put(_STOP)
-
     # ------------------------------------------------------------------ model threads
     def _model_loop(self, instance: int) -> None:
         try:
             self.runner.start_instance(instance)
-        except BaseException as exc:
+            on_device: _Batch[Any] | None = None  # launched, not yet collected
+            while True:
+                entries = self._take_batch(ahead=on_device is not None)
+                if entries is _STOP:
+                    break
+                launched = self._launch(entries, instance) if entries else None
+                if on_device is not None:
+                    self._collect(on_device)
+                if launched is not None and not self.runner.overlaps:
+                    self._collect(launched)  # on a CPU the batch already ran
+                    launched = None
+                on_device = launched
+            if on_device is not None:
+                self._collect(on_device)
+        except BaseException as exc:  # pragma: no cover - a bug: fail loudly, not silently
             self._fatal(exc)
-        while True:
-            batch = self._to_model.get()
-            if batch is _STOP:
-                self._to_finisher.put(_STOP)
-                return
-            with self._cond:
-                self._not_started -= 1
-                self._busy += 1
-            if batch.error is None:
-                started = time.perf_counter()
-                try:
-                    batch.executed = self.runner.execute(batch.prepared, instance)
-                except BaseException as exc:
-                    batch.error = exc
-                batch.seconds = time.perf_counter() - started
-            batch.prepared = None  # free padded inputs before the finisher runs
-            with self._cond:
-                self._busy -= 1
-                self._cond.notify()  # an idle instance may trigger an eager dispatch
-            self._slots.release()
-            self._to_finisher.put(batch)
+        finally:
+            self._to_finisher.put(_STOP)
+
+    def _launch(self, entries: list[Pending], instance: int) -> _Batch[Any] | None:
+        now = time.monotonic()
+        batch: _Batch[Any] = _Batch(self._live_entries(entries, now), now)
+        if not batch.entries:
+            return None
+        try:
+            batch.prepared = self.runner.prepare([e.item for e in batch.entries])
+            batch.padding = self.runner.padding(batch.prepared)
+            batch.started = time.perf_counter()
+            batch.launched = self.runner.launch(batch.prepared, instance)
+        except BaseException as exc:  # the model (or padding) failed: this batch only
+            batch.error = exc
+        return batch
+
+    def _collect(self, batch: _Batch[Any]) -> None:
+        if batch.error is None:
+            try:
+                batch.executed = self.runner.collect(batch.launched)
+            except BaseException as exc:
+                batch.error = exc
+            batch.seconds = time.perf_counter() - batch.started
+        batch.prepared = batch.launched = None  # free device/pinned memory early
+        self._to_finisher.put(batch)
 
     # ------------------------------------------------------------------ finisher
     def _finish_loop(self) -> None:

@@ -59,14 +59,18 @@ class DeviceContext:
             return dict(features)
         return {name: t.to(self.device, non_blocking=True) for name, t in features.items()}
 
-    def to_host(self, outputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def to_host(
+        self, outputs: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+        """Outputs on the host, and (on CUDA) the event that says the copies
+        are done: the caller synchronises once per batch, when it needs them."""
         if self.device.type == "cpu":
-            return {name: t.contiguous() for name, t in outputs.items()}
+            return {name: t.contiguous() for name, t in outputs.items()}, None
         host = {}
         for name, t in outputs.items():
             buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             buffer.copy_(t, non_blocking=True)
             host[name] = buffer
-        assert self.stream is not None
-        self.stream.synchronize()  # one wait per batch, after every copy is queued
-        return host
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        return host, done

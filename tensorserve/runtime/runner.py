@@ -4,10 +4,11 @@
 repository model or any batch function given pad values:
 
     prepare  (dispatcher thread)  pad into one host tensor per feature, pinned on CUDA
-    execute  (model thread)       one non_blocking host->device copy per feature,
+    launch   (model thread)       one non_blocking host->device copy per feature,
                                   forward under inference_mode, outputs cast to
-                                  their declared dtype and copied back to the host
-                                  once per batch
+                                  their declared dtype and copied back to pinned
+                                  host memory once per batch (queued on CUDA)
+    collect  (model thread)       one synchronisation per batch
     finish   (finisher thread)    slice each row back to its item's true extents
 
 A batch function may return one tensor (single output), a dict of output
@@ -30,6 +31,14 @@ from tensorserve.errors import ModelFailure
 from tensorserve.repository.config import ModelConfig
 from tensorserve.runtime.device import DeviceContext
 from tensorserve.wire.dtypes import from_torch
+
+
+@dataclass
+class Launched:
+    batch: collate.PaddedBatch
+    host: dict[str, torch.Tensor] | None  # batched outputs (pinned, still filling on CUDA)
+    done: torch.cuda.Event | None  # recorded after the last device->host copy
+    per_item: list[Any] | None
 
 
 @dataclass
@@ -59,6 +68,9 @@ class PaddedRunner:
         self._primary = next((s for s in config.input if s.variable_axes), None)
         self._pad_multiple = config.dynamic_batching.pad_to_multiple_of
         self._contexts = [DeviceContext(device, intra_op_threads) for _ in range(instance_count)]
+        # On CUDA, launch returns once the work is queued: the batcher pads and
+        # launches the next full batch while this one runs.
+        self.overlaps = device.type == "cuda"
 
     # -- for the policy
     def volume(self, item: Mapping[str, np.ndarray]) -> int:
@@ -82,18 +94,28 @@ class PaddedRunner:
     def start_instance(self, instance: int) -> None:
         self._contexts[instance].enter_thread()
 
-    def execute(self, prepared: collate.PaddedBatch, instance: int) -> Executed:
+    def launch(self, prepared: collate.PaddedBatch, instance: int) -> Launched:
+        """Queue the batch on the device (on a CPU this runs it to the end)."""
         context = self._contexts[instance]
         with context.running():
             features = context.to_device(prepared.features)
             result = self.fn(**features)
             if isinstance(result, (list, tuple)):
-                return Executed(prepared, None, list(result))
+                return Launched(prepared, None, None, list(result))
             outputs = self._named_outputs(result)
-            host = context.to_host(
+            host, done = context.to_host(
                 {spec.name: outputs[spec.name].to(spec.dt.torch) for spec in self._outputs}
             )
-        return Executed(prepared, {name: from_torch(t) for name, t in host.items()}, None)
+        return Launched(prepared, host, done, None)
+
+    def collect(self, launched: Launched) -> Executed:
+        """Wait for the device (one synchronisation per batch); host arrays."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        outputs = None
+        if launched.host is not None:
+            outputs = {name: from_torch(t) for name, t in launched.host.items()}
+        return Executed(launched.batch, outputs, launched.per_item)
 
     def _named_outputs(self, result: Any) -> Mapping[str, torch.Tensor]:
         if isinstance(result, torch.Tensor):
