@@ -23,7 +23,7 @@ COPY tensorserve ./tensorserve
 COPY clients/python ./clients/python
 # Local paths, not registry names: their dependency ranges live in pyproject.toml.
 # hadolint ignore=DL3013
-RUN pip install ".[uvloop]" ./clients/python
+RUN pip install . ./clients/python
 
 COPY model_repository /models
 
