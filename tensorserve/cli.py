@@ -75,12 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tensorserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    try:
-        from tensorserve.bench.cli import add_parser as add_bench_parser
-    except ImportError:  # pragma: no cover
-        add_bench_parser = None
-    if add_bench_parser is not None:
-        add_bench_parser(sub)
+    from tensorserve.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(settings_from_args(args))

@@ -27,8 +27,13 @@ class Waiting:
 
 
 class BatchPolicy(Protocol):
-    name: str
-    cost: BatchCostModel | None
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def cost(self) -> BatchCostModel | None:
+        """The cost model the batcher teaches after every batch, if any."""
+        ...
 
     def select(self, waiting: Sequence[Waiting], max_batch_size: int) -> list[int]:
         """Indices (into ``waiting``) of the next batch; never empty if waiting isn't."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +146,7 @@ class ModelRegistry:
             config,
             loaded.module,
             version=loaded.version,
-            on_fatal=lambda exc, name=source.name: self._mark_failed(name, exc),
+            on_fatal=functools.partial(self._mark_failed, source.name),
             intra_op_threads=self.intra_op_threads,
         )
         served.start()
