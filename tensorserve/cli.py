@@ -22,6 +22,7 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--max-request-bytes", type=int)
     p.add_argument("--max-items-per-request", type=int)
     p.add_argument("--intra-op-threads", type=int, help="torch threads per model thread")
+    p.add_argument("--switch-interval-ms", type=float, help="GIL switch interval (default 0.1)")
     group = p.add_argument_group("overrides applied to every model's config.toml")
     group.add_argument("--max-batch-size", type=int)
     group.add_argument("--max-queue-delay-ms", type=float)
@@ -58,6 +59,7 @@ def serve(settings: Settings) -> None:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     _install_uvloop()
+    sys.setswitchinterval(settings.switch_interval_ms / 1000)
     app = create_app(settings)
     web.run_app(
         app,
