@@ -106,3 +106,17 @@ def test_output_with_wrong_batch_size_fails_with_a_sentence() -> None:
     batch = pad([{"x": np.ones(2, np.float32)}] * 3, inputs)
     with pytest.raises(ModelFailure, match=r"expected a batch of 3 items"):
         unpad({"y": np.zeros((2, 2), np.float32)}, batch, outputs, {"y": "x"})
+
+
+def test_a_batch_of_one_matches_the_general_path() -> None:
+    inputs = [spec("image", [-1, -1], pad_value=3.0), spec("x", [-1], "bfloat16")]
+    bits = torch.tensor([0.5, -1.0, 2.0], dtype=torch.bfloat16).view(torch.uint16).numpy()
+    item = {"image": rng.normal(size=(4, 6)).astype(np.float32), "x": bits}
+    alone = pad([item], inputs)
+    pair = pad([item, item], inputs)
+    for name in ("image", "x"):
+        assert alone.features[name].dtype == pair.features[name].dtype
+        assert torch.equal(alone.features[name][0], pair.features[name][0])
+        assert alone.features[name].shape[0] == 1
+    assert alone.extents["image"].tolist() == [[4, 6]]
+    assert alone.real_elements == alone.padded_elements == 27

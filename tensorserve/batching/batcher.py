@@ -229,8 +229,11 @@ class Batcher:
         """All items' results in order; if one fails, the call fails (and the
         others still queued are cancelled)."""
         futures = [asyncio.wrap_future(f) for f in self.submit_many(items, timeout=timeout)]
+        # One item (the common case) needs no gather: one loop iteration less.
+        waiting = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
         try:
-            return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
+            results = await asyncio.wait_for(waiting, timeout)
+            return [results] if len(futures) == 1 else list(results)
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
                 f"model {self.name!r}: no result within {timeout} s"
@@ -346,7 +349,11 @@ class Batcher:
                 batch.error = exc
             batch.seconds = time.perf_counter() - batch.started
         batch.prepared = batch.launched = None  # free device/pinned memory early
-        self._to_finisher.put(batch)
+        if not self._waiting and self._to_finisher.empty():
+            # Nothing to run next: the finisher would only add a hand-off.
+            self._finish(batch)
+        else:
+            self._to_finisher.put(batch)
 
     # ------------------------------------------------------------------ finisher
     def _finish_loop(self) -> None:

@@ -68,6 +68,8 @@ def pad(
 ) -> PaddedBatch:
     """Pad validated items (shapes already checked against ``inputs``)."""
     batch = len(items)
+    if batch == 1 and not pad_to_multiple_of and not pin_memory:
+        return _single(items[0], inputs)
     features: dict[str, torch.Tensor] = {}
     extents: dict[str, np.ndarray] = {}
     real = padded = 0
@@ -93,6 +95,19 @@ def pad(
         real += int(shapes.prod(axis=1).sum())
         padded += host.size
     return PaddedBatch(features, extents, real, padded)
+
+
+def _single(item: Item, inputs: Sequence[InputSpec]) -> PaddedBatch:
+    """A batch of one has nothing to pad: one copy per feature (a lone request
+    at low load is the latency-critical case)."""
+    features, extents, elements = {}, {}, 0
+    for spec in inputs:
+        array = np.array(item[spec.name])  # owned and writable, as torch wants
+        tensor = torch.from_numpy(array[None])
+        features[spec.name] = tensor.view(torch.bfloat16) if spec.dt.name == "bfloat16" else tensor
+        extents[spec.name] = np.array([[array.shape[a] for a in spec.variable_axes]], dtype=np.int64)
+        elements += array.size
+    return PaddedBatch(features, extents, elements, elements)
 
 
 def check_output(name: str, array: np.ndarray, spec: OutputSpec, batch: int) -> None:

@@ -95,8 +95,11 @@ class BatchCostModel:
         if self._count < self.MIN_BATCHES:
             return
         # A whisper of ridge keeps the solve stable when shapes barely vary.
-        ridge = 1e-9 * np.diag(np.diag(self._xtx))
-        solution, *_ = np.linalg.lstsq(self._xtx + ridge, self._xty, rcond=None)
+        ridge = 1e-9 * np.diag(np.diag(self._xtx)) + 1e-18 * np.eye(3)
+        try:
+            solution = np.linalg.solve(self._xtx + ridge, self._xty)
+        except np.linalg.LinAlgError:
+            return
         fixed, per_element, per_step = (max(0.0, float(v)) for v in solution)
         if per_element + per_step > 0:
             self.coefficients = (fixed, per_element, per_step)
