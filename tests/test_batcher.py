@@ -223,3 +223,21 @@ def test_bad_items_are_rejected_before_they_are_queued() -> None:
             model.submit_many([{"x": np.ones((2, 2), np.float32)}])
         assert model.infer_sync({"x": [1, 2]})["y"].tolist() == [1.0, 3.0]  # lists are cast
     assert seen == [1]
+
+
+async def test_an_async_caller_that_leaves_while_queued_is_skipped() -> None:
+    gate = Gate()
+    async with gated_model(gate) as model:
+        first = asyncio.ensure_future(model.infer({"x": np.array([0.0], np.float32)}))
+        assert await asyncio.to_thread(gate.entered.wait, 5)
+        leaving = asyncio.ensure_future(model.infer({"x": np.array([7.0], np.float32)}))
+        staying = asyncio.ensure_future(model.infer({"x": np.array([8.0], np.float32)}))
+        await asyncio.sleep(0.01)
+        leaving.cancel()  # e.g. the HTTP client disconnected
+        await asyncio.sleep(0.01)
+        gate.release.set()
+        assert (await first)["y"].tolist() == [0.0]
+        assert (await staying)["y"].tolist() == [8.0]
+        with pytest.raises(asyncio.CancelledError):
+            await leaving
+    assert 7.0 not in gate.seen

@@ -1,8 +1,11 @@
 """The dynamic batcher: a queue, deadlines and futures; nothing of HTTP.
 
-Items go in with ``submit`` (thread-safe, from any thread or event loop) and
-each gets a ``concurrent.futures.Future`` that the batcher owns until it
-resolves it with the item's result or a ``TensorServeError``. Two kinds of
+Items go in with ``submit_many`` (thread-safe, from any thread) or
+``infer_many`` (a coroutine). Each gets a future that the batcher owns until
+it resolves it with the item's result or a ``TensorServeError``: a
+``concurrent.futures.Future`` for threads, an ``asyncio.Future`` of the
+caller's loop for coroutines, resolved with one ``call_soon_threadsafe`` per
+batch and loop (not one wake-up of the loop per item). Two kinds of
 threads form a pipeline joined by a bounded hand-off:
 
     model (xN)  one per model instance: takes the next batch from the queue
@@ -94,9 +97,22 @@ class Runner(Protocol[P, E]):
 class Pending:
     item: Any
     volume: int
-    future: Future
+    future: Future | asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop | None  # set for asyncio futures
     enqueued: float  # time.monotonic()
     deadline: float | None
+
+    def caller_left(self) -> bool:
+        """True if the caller cancelled; for a thread's future this also marks
+        it running, so a later cancel() cannot race with the result."""
+        if self.loop is None:
+            return not self.future.set_running_or_notify_cancel()  # type: ignore[union-attr]
+        # Read from another thread: a stale "not yet" only runs an item whose
+        # caller is about to leave; its result is then dropped.
+        return self.future.cancelled()
+
+
+Outcome = tuple[Pending, Any, bool]  # (entry, result or exception, failed)
 
 
 @dataclass(eq=False)
@@ -193,12 +209,28 @@ class Batcher:
         return len(self._waiting)
 
     # ------------------------------------------------------------------ submitting
-    def submit_many(self, items: Sequence[Any], *, timeout: float | None = None) -> list[Future]:
-        """Queue a request's items; one future per item, in order."""
+    def submit_many(
+        self,
+        items: Sequence[Any],
+        *,
+        timeout: float | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> list[Any]:
+        """Queue a request's items; one future per item, in order:
+        ``asyncio.Future``s of ``loop`` (call from that loop), else
+        ``concurrent.futures.Future``s."""
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         entries = [
-            Pending(item, self.runner.volume(item), Future(), now, deadline) for item in items
+            Pending(
+                item,
+                self.runner.volume(item),
+                loop.create_future() if loop is not None else Future(),
+                loop,
+                now,
+                deadline,
+            )
+            for item in items
         ]
         with self._cond:
             if not self._accepting:
@@ -228,7 +260,7 @@ class Batcher:
     async def infer_many(self, items: Sequence[Any], *, timeout: float | None = None) -> list[Any]:
         """All items' results in order; if one fails, the call fails (and the
         others still queued are cancelled)."""
-        futures = [asyncio.wrap_future(f) for f in self.submit_many(items, timeout=timeout)]
+        futures = self.submit_many(items, timeout=timeout, loop=asyncio.get_running_loop())
         # One item (the common case) needs no gather: one loop iteration less.
         waiting = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
         try:
@@ -292,16 +324,16 @@ class Batcher:
 
     def _live_entries(self, entries: list[Pending], now: float) -> list[Pending]:
         """Drop items whose caller has gone (cancelled) or whose deadline passed."""
-        live = []
+        live, expired = [], []
         for entry in entries:
-            if not entry.future.set_running_or_notify_cancel():
+            if entry.caller_left():
                 continue
             if entry.deadline is not None and now > entry.deadline:
-                entry.future.set_exception(
-                    DeadlineExceeded(f"model {self.name!r}: item waited past its deadline")
-                )
+                error = DeadlineExceeded(f"model {self.name!r}: item waited past its deadline")
+                expired.append((entry, error, True))
                 continue
             live.append(entry)
+        _settle(expired)
         return live
 
     # ------------------------------------------------------------------ model threads
@@ -388,13 +420,14 @@ class Batcher:
         queued = sum(batch.dispatched - e.enqueued for e in entries)
         real, padded = batch.padding
         self.stats.record_batch(len(entries), batch.seconds, queued, real, padded)
-        failures = 0
-        for entry, result in zip(entries, results):
-            if isinstance(result, BaseException):
-                failures += 1
-                _resolve(entry.future, exception=_as_model_failure(result, self.name))
-            else:
-                _resolve(entry.future, result=result)
+        outcomes: list[Outcome] = [
+            (entry, _as_model_failure(result, self.name), True)
+            if isinstance(result, BaseException)
+            else (entry, result, False)
+            for entry, result in zip(entries, results)
+        ]
+        _settle(outcomes)
+        failures = sum(failed for _, _, failed in outcomes)
         if failures:
             self.stats.record_failures(failures)
 
@@ -404,9 +437,7 @@ class Batcher:
             self._accepting = False
             waiting, self._waiting = self._waiting, []
         error = ModelFailure(f"model {self.name!r}: internal batcher failure: {exc!r}")
-        for entry in waiting:
-            if entry.future.set_running_or_notify_cancel():
-                entry.future.set_exception(error)
+        _settle([(entry, error, True) for entry in waiting])
         if self._on_fatal is not None:
             self._on_fatal(exc)
 
@@ -417,14 +448,33 @@ def _as_model_failure(exc: BaseException, model: str) -> TensorServeError:
     return ModelFailure(f"model {model!r} failed: {type(exc).__name__}: {exc}")
 
 
-def _resolve(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
-    # A caller that gave up (timeout, disconnect) may have cancelled meanwhile.
-    if future.done():
-        return
-    try:
-        if exception is not None:
-            future.set_exception(exception)
+def _settle(outcomes: Sequence[Outcome]) -> None:
+    """Deliver results: thread futures directly, asyncio futures with one
+    ``call_soon_threadsafe`` per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}
+    for outcome in outcomes:
+        loop = outcome[0].loop
+        if loop is None:
+            _deliver([outcome])
         else:
-            future.set_result(result)
-    except Exception:  # pragma: no cover - raced with cancel(); nothing to deliver
-        pass
+            by_loop.setdefault(loop, []).append(outcome)
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:  # the loop is closed: its callers are gone
+            pass
+
+
+def _deliver(outcomes: Sequence[Outcome]) -> None:
+    for entry, value, failed in outcomes:
+        future = entry.future
+        # A caller that gave up (timeout, disconnect) may have cancelled meanwhile.
+        if future.done():
+            continue
+        try:
+            if failed:
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+        except Exception:  # pragma: no cover - raced with cancel(); nothing to deliver
+            pass
