@@ -65,6 +65,10 @@ def benchmark_repository() -> Path:
     for model in ("tagger", "gru_tagger"):
         if not (CACHE / model / "1" / "model.safetensors").exists():
             make_variant(ROOT / "model_repository" / model, CACHE / model, {"vocab_size": 30000})
+            # The policy section sets budgets explicitly: the copies start without one.
+            config = CACHE / model / "config.toml"
+            lines = config.read_text().splitlines(keepends=True)
+            config.write_text("".join(l for l in lines if not l.startswith("max_batch_tokens")))
     return CACHE
 
 
@@ -109,6 +113,7 @@ async def policy(repo: Path, args: Any) -> dict[str, Any]:
         Variant("fifo", {"policy": "fifo"}),
         Variant("length_aware", {"policy": "length_aware"}),
         Variant("length_aware, budget 2048", {"policy": "length_aware", "max_batch_tokens": 2048}),
+        Variant("length_aware, budget 1024", {"policy": "length_aware", "max_batch_tokens": 1024}),
     ]
     rows: list[PointResult] = []
     for model in ("tagger", "gru_tagger"):
