@@ -71,7 +71,7 @@ class BatchCostModel:
     is a launch or Python overhead, large on a GPU. The policy weighs real work
     against this cost, so one mechanism serves all three kinds of model.
     Until enough batches of different shapes were seen, ``fitted`` is False.
-    The finisher thread writes, the dispatcher thread reads one tuple.
+    The finisher thread writes, a model thread reads one tuple.
     """
 
     MIN_BATCHES = 4

@@ -3,7 +3,7 @@
 ``PaddedRunner`` is the ``Runner`` the batcher drives for every model, a
 repository model or any batch function given pad values:
 
-    prepare  (dispatcher thread)  pad into one host tensor per feature, pinned on CUDA
+    prepare  (model thread)       pad into one host tensor per feature, pinned on CUDA
     launch   (model thread)       one non_blocking host->device copy per feature,
                                   forward under inference_mode, outputs cast to
                                   their declared dtype and copied back to pinned
@@ -78,7 +78,7 @@ class PaddedRunner:
             return 1
         return math.prod(collate.variable_extents(item[self._primary.name], self._primary))
 
-    # -- dispatcher thread
+    # -- model thread: forming the batch
     def prepare(self, items: list[Mapping[str, np.ndarray]]) -> collate.PaddedBatch:
         return collate.pad(
             items,
