@@ -8,8 +8,10 @@ Sections (each alternates its contenders, repeated ``--repeats`` times, so
 that ratios come from the same minutes of the same machine):
 
   overhead   HTTP server vs the in-process ceiling (no HTTP), tagger, c=32
-  policy     fifo vs length_aware (+ a padded-volume budget), c=64, for the
-             tagger and for gru_tagger (whose compute grows with padded length)
+  policy     fifo vs length_aware (+ padded-volume budgets), c=64, for the
+             tagger, gru_tagger (a GRU: pays per sequential step) and
+             attention_tagger (hand-written attention: pays for every padded
+             element)
   dispatch   eager vs timer dispatch over HTTP at c=1, 8, 32
   latency    c=1 HTTP p50 minus the model's own batch-1 forward time
 
@@ -62,7 +64,7 @@ LENGTHS = uniform(8, 128)
 
 def benchmark_repository() -> Path:
     """The bundled tagger and gru_tagger at the issue's size (vocab 30000)."""
-    for model in ("tagger", "gru_tagger"):
+    for model in ("tagger", "gru_tagger", "attention_tagger"):
         if not (CACHE / model / "1" / "model.safetensors").exists():
             make_variant(ROOT / "model_repository" / model, CACHE / model, {"vocab_size": 30000})
             # The policy section sets budgets explicitly: the copies start without one.
@@ -116,7 +118,7 @@ async def policy(repo: Path, args: Any) -> dict[str, Any]:
         Variant("length_aware, budget 1024", {"policy": "length_aware", "max_batch_tokens": 1024}),
     ]
     rows: list[PointResult] = []
-    for model in ("tagger", "gru_tagger"):
+    for model in ("tagger", "gru_tagger", "attention_tagger"):
         for repeat in range(args.repeats):
             named = [Variant(f"{model} {v.name} #{repeat + 1}", v.overrides) for v in variants]
             by_name = {n.name: v for n, v in zip(named, variants)}

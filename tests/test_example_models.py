@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent / "model_repository"
-MODELS = ["tagger", "embedder", "image_filter", "gru_tagger"]
+MODELS = ["tagger", "embedder", "image_filter", "gru_tagger", "attention_tagger"]
 ATOL = 1e-5
 RTOL = 1e-5
 

@@ -168,7 +168,8 @@ async def test_health_metadata_and_model_list(client: Any) -> None:
     assert (await client.get("/v2/health/ready")).status == 200
     models = (await (await client.get("/v2/models")).json())["models"]
     assert {m["name"]: m["state"] for m in models} == {
-        "embedder": "READY", "gru_tagger": "READY", "image_filter": "READY", "tagger": "READY"
+        "attention_tagger": "READY", "embedder": "READY", "gru_tagger": "READY",
+        "image_filter": "READY", "tagger": "READY",
     }
     meta = await (await client.get("/v2/models/tagger")).json()
     assert meta["inputs"][0] == {

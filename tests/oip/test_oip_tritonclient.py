@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 from tests.helpers import MSGPACK, body, from_wire
 
 rng = np.random.default_rng(4)
-MODELS = ["embedder", "gru_tagger", "image_filter", "tagger"]
+MODELS = ["attention_tagger", "embedder", "gru_tagger", "image_filter", "tagger"]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_several_rows_per_request(client: triton_http.InferenceServerClient) -> 
         np.testing.assert_allclose(alone.as_numpy("embedding")[0], expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model", ["tagger", "gru_tagger"])
+@pytest.mark.parametrize("model", ["tagger", "gru_tagger", "attention_tagger"])
 def test_variable_lengths_across_concurrent_requests(
     client: triton_http.InferenceServerClient, model: str
 ) -> None:
