@@ -255,7 +255,7 @@ def main() -> int:
         },
     }
     args.output.write_text(json.dumps(serializable, indent=1))
-    print(f"\nwrote {args.output.relative_to(ROOT)}")
+    print(f"\nwrote {args.output}")
     return 0
 
 
