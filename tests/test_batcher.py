@@ -241,3 +241,21 @@ async def test_an_async_caller_that_leaves_while_queued_is_skipped() -> None:
         with pytest.raises(asyncio.CancelledError):
             await leaving
     assert 7.0 not in gate.seen
+
+
+def test_a_failure_while_finishing_a_batch_answers_its_callers_and_keeps_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model, _ = cumsum_model(max_batch_size=4)
+    calls = []
+
+    def broken_record(*args: object) -> None:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("stats bug")
+
+    monkeypatch.setattr(model.stats, "record_batch", broken_record)
+    with model:
+        with pytest.raises(ModelFailure, match="finishing the batch failed: RuntimeError"):
+            model.infer_sync({"x": np.ones(2, np.float32)}, timeout=5)
+        assert model.infer_sync({"x": np.ones(2, np.float32)}, timeout=5)["y"].tolist() == [1.0, 2.0]

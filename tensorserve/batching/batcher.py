@@ -398,6 +398,16 @@ class Batcher:
             self._finish(batch)
 
     def _finish(self, batch: _Batch[Any]) -> None:
+        """Un-pad, record and deliver; whatever goes wrong, every caller of the
+        batch gets an answer (a thread that died here would leave them hanging)."""
+        try:
+            self._finish_batch(batch)
+        except BaseException as exc:  # a bug in un-padding, stats or the cost model
+            log.exception("batcher %s: finishing a batch failed", self.name)
+            error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
+            _settle([(entry, error, True) for entry in batch.entries])
+
+    def _finish_batch(self, batch: _Batch[Any]) -> None:
         entries = batch.entries
         results: Sequence[Any]
         if batch.error is None:
