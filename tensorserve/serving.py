@@ -94,6 +94,7 @@ class ServedModel:
             dispatch=batching.dispatch,
             policy=make_policy(batching.policy, batching.max_batch_tokens),
             max_queue_size=batching.max_queue_size,
+            max_batch_elements=batching.max_batch_elements,
         )
         self.batcher = Batcher(self.runner, options, name=name, stats=self.stats, on_fatal=on_fatal)
 
@@ -201,4 +202,5 @@ _BATCHING_FIELDS = {
     "max_batch_tokens",
     "pad_to_multiple_of",
     "max_queue_size",
+    "max_batch_elements",
 }

@@ -259,3 +259,24 @@ def test_a_failure_while_finishing_a_batch_answers_its_callers_and_keeps_serving
         with pytest.raises(ModelFailure, match="finishing the batch failed: RuntimeError"):
             model.infer_sync({"x": np.ones(2, np.float32)}, timeout=5)
         assert model.infer_sync({"x": np.ones(2, np.float32)}, timeout=5)["y"].tolist() == [1.0, 2.0]
+
+
+def test_items_of_very_different_shapes_are_not_padded_into_one_huge_batch() -> None:
+    shapes: list[tuple[int, ...]] = []
+
+    def fn(image: torch.Tensor) -> torch.Tensor:
+        shapes.append(tuple(image.shape))
+        return image
+
+    spec = dict(
+        inputs=[{"name": "image", "dtype": "float32", "shape": [-1, -1]}],
+        outputs=[{"name": "out", "dtype": "float32", "shape": [-1, -1], "unpad_like": "image"}],
+        max_batch_size=8, max_queue_delay_ms=200, dispatch="timer",
+    )
+    tall, wide = np.ones((50, 1), np.float32), np.ones((1, 50), np.float32)
+    for cap, expected in ((10_000, [(2, 50, 50)]), (1_000, [(1, 50, 1), (1, 1, 50)])):
+        shapes.clear()
+        with ServedModel.from_function(fn, max_batch_elements=cap, **spec) as model:
+            results = model.infer_many_sync([{"image": tall}, {"image": wide}], timeout=5)
+        assert sorted(shapes) == sorted(expected)
+        assert [r["out"].shape for r in results] == [(50, 1), (1, 50)]

@@ -67,6 +67,10 @@ class Runner(Protocol[P, E]):
         """Padded-size proxy of one item, for length-aware policies."""
         ...
 
+    def padded_elements(self, items: list[Any]) -> int:
+        """Elements a padded batch of these items would allocate."""
+        ...
+
     def prepare(self, items: list[Any]) -> P: ...
 
     def padding(self, prepared: P) -> tuple[int, int]:
@@ -139,6 +143,7 @@ class BatcherOptions:
     dispatch: str = "eager"  # "eager" | "timer"
     policy: BatchPolicy = field(default_factory=FifoPolicy)
     max_queue_size: int = 4096
+    max_batch_elements: int | None = None  # hard cap on one padded batch's elements
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("eager", "timer"):
@@ -317,10 +322,23 @@ class Batcher:
                 window = self._waiting[: 16 * opts.max_batch_size]
                 overdue_at = now - opts.max_queue_delay_ms / 1000
                 views = [Waiting(p.volume, p.enqueued <= overdue_at) for p in window]
-                chosen = set(opts.policy.select(views, opts.max_batch_size))
-                entries = [p for i, p in enumerate(window) if i in chosen]
-                self._waiting = [p for i, p in enumerate(self._waiting) if i not in chosen]
+                chosen = sorted(opts.policy.select(views, opts.max_batch_size))
+                chosen = self._within_element_cap(window, chosen)
+                taken = set(chosen)
+                entries = [window[i] for i in chosen]
+                self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
                 return entries
+
+    def _within_element_cap(self, window: list[Pending], chosen: list[int]) -> list[int]:
+        """Leave the newest items waiting until the padded batch fits the cap
+        (items of very different shapes could otherwise pad to a huge tensor).
+        One item always fits: its own size is bounded by validation."""
+        cap = self.options.max_batch_elements
+        if cap is None:
+            return chosen
+        while len(chosen) > 1 and self.runner.padded_elements([window[i].item for i in chosen]) > cap:
+            chosen.pop()
+        return chosen
 
     def _live_entries(self, entries: list[Pending], now: float) -> list[Pending]:
         """Drop items whose caller has gone (cancelled) or whose deadline passed."""

@@ -88,6 +88,13 @@ class DynamicBatching(_Strict):
         None, ge=1, description="Round each padded variable axis up to a multiple of this."
     )
     max_queue_size: int = Field(4096, ge=1, description="Items waiting beyond this get ServerBusy.")
+    max_batch_elements: int = Field(
+        1 << 26,
+        ge=1,
+        description="Hard cap on the elements one padded batch allocates (all features): "
+        "items of very different shapes (a tall image and a wide one) are not batched "
+        "into one huge padded tensor.",
+    )
 
 
 class Warmup(_Strict):

@@ -28,7 +28,7 @@ import torch
 
 from tensorserve.batching import collate
 from tensorserve.errors import ModelFailure
-from tensorserve.repository.config import ModelConfig
+from tensorserve.repository.config import VARIABLE, ModelConfig
 from tensorserve.runtime.device import DeviceContext
 from tensorserve.wire.dtypes import from_torch
 
@@ -77,6 +77,17 @@ class PaddedRunner:
         if self._primary is None:
             return 1
         return math.prod(collate.variable_extents(item[self._primary.name], self._primary))
+
+    def padded_elements(self, items: list[Mapping[str, np.ndarray]]) -> int:
+        """Elements a padded batch of ``items`` would allocate, all features."""
+        total = 0
+        for spec in self._inputs:
+            shape = [
+                max(item[spec.name].shape[axis] for item in items) if dim == VARIABLE else dim
+                for axis, dim in enumerate(spec.shape)
+            ]
+            total += len(items) * math.prod(shape)
+        return total
 
     # -- model thread: forming the batch
     def prepare(self, items: list[Mapping[str, np.ndarray]]) -> collate.PaddedBatch:
