@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -60,6 +61,9 @@ def serve(settings: Settings) -> None:
     )
     _install_uvloop()
     sys.setswitchinterval(settings.switch_interval_ms / 1000)
+    # nn.TransformerEncoder's default fast path announces itself on every start:
+    # noise for operators, not a problem of theirs.
+    warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
     app = create_app(settings)
     web.run_app(
         app,
