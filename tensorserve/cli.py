@@ -31,6 +31,7 @@ def _serve_parser(sub: Any) -> None:
     group.add_argument("--dispatch", choices=["eager", "timer"])
     group.add_argument("--policy", choices=["fifo", "length_aware"])
     group.add_argument("--instance-count", type=int)
+    group.add_argument("--max-batch-tokens", type=int, help="padded-volume budget per batch")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -20,6 +20,7 @@ MODEL_OVERRIDES = (
     "dispatch",
     "policy",
     "instance_count",
+    "max_batch_tokens",
 )
 
 
@@ -55,6 +56,7 @@ class Settings(BaseSettings):
     dispatch: Literal["eager", "timer"] | None = None
     policy: Literal["fifo", "length_aware"] | None = None
     instance_count: int | None = Field(None, ge=1)
+    max_batch_tokens: int | None = Field(None, ge=1)
 
     def model_overrides(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in MODEL_OVERRIDES if getattr(self, key) is not None}
