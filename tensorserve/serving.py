@@ -39,7 +39,7 @@ from tensorserve.batching.batcher import Batcher, BatcherOptions
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
 from tensorserve.batching.validate import validate_item
-from tensorserve.repository.config import VARIABLE, ModelConfig, parse_config
+from tensorserve.repository.config import VARIABLE, DynamicBatching, ModelConfig, parse_config
 from tensorserve.repository.loader import discover, load_model, read_config
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.runner import PaddedRunner
@@ -112,7 +112,7 @@ class ServedModel:
         """Batch any callable ``fn(**padded_features)``; ``config`` takes the
         config.toml fields (``max_batch_size``, ``device``, ``dynamic_batching``...)
         and, for convenience, the ``dynamic_batching`` ones at top level."""
-        batching = {k: config.pop(k) for k in list(config) if k in _BATCHING_FIELDS}
+        batching = {k: config.pop(k) for k in list(config) if k in DynamicBatching.model_fields}
         data = {"input": list(inputs), "output": list(outputs), "device": "cpu", **config}
         data["dynamic_batching"] = {**data.get("dynamic_batching", {}), **batching}
         return cls(name, parse_config(data, f"{name} (from_function)"), fn)
@@ -194,13 +194,3 @@ class ServedModel:
             self.infer_many_sync(batch, timeout=600)
         self.stats.reset()  # stats describe real traffic only
 
-
-_BATCHING_FIELDS = {
-    "max_queue_delay_ms",
-    "dispatch",
-    "policy",
-    "max_batch_tokens",
-    "pad_to_multiple_of",
-    "max_queue_size",
-    "max_batch_elements",
-}

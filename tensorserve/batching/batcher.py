@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
 from tensorserve.batching.stats import BatchStats
@@ -120,7 +120,7 @@ Outcome = tuple[Pending, Any, bool]  # (entry, result or exception, failed)
 
 
 @dataclass(eq=False)
-class _Batch(Generic[P]):
+class _Batch:
     entries: list[Pending]
     dispatched: float
     prepared: Any = None
@@ -358,7 +358,7 @@ class Batcher:
     def _model_loop(self, instance: int) -> None:
         try:
             self.runner.start_instance(instance)
-            on_device: _Batch[Any] | None = None  # launched, not yet collected
+            on_device: _Batch | None = None  # launched, not yet collected
             while True:
                 entries = self._take_batch(ahead=on_device is not None)
                 if entries is _STOP:
@@ -377,9 +377,9 @@ class Batcher:
         finally:
             self._to_finisher.put(_STOP)
 
-    def _launch(self, entries: list[Pending], instance: int) -> _Batch[Any] | None:
+    def _launch(self, entries: list[Pending], instance: int) -> _Batch | None:
         now = time.monotonic()
-        batch: _Batch[Any] = _Batch(self._live_entries(entries, now), now)
+        batch: _Batch = _Batch(self._live_entries(entries, now), now)
         if not batch.entries:
             return None
         try:
@@ -391,7 +391,7 @@ class Batcher:
             batch.error = exc
         return batch
 
-    def _collect(self, batch: _Batch[Any]) -> None:
+    def _collect(self, batch: _Batch) -> None:
         if batch.error is None:
             try:
                 batch.executed = self.runner.collect(batch.launched)
@@ -415,7 +415,7 @@ class Batcher:
                 continue
             self._finish(batch)
 
-    def _finish(self, batch: _Batch[Any]) -> None:
+    def _finish(self, batch: _Batch) -> None:
         """Un-pad, record and deliver; whatever goes wrong, every caller of the
         batch gets an answer (a thread that died here would leave them hanging)."""
         try:
@@ -425,7 +425,7 @@ class Batcher:
             error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
             _settle([(entry, error, True) for entry in batch.entries])
 
-    def _finish_batch(self, batch: _Batch[Any]) -> None:
+    def _finish_batch(self, batch: _Batch) -> None:
         entries = batch.entries
         results: Sequence[Any]
         if batch.error is None:
