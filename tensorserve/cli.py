@@ -32,6 +32,9 @@ def _serve_parser(sub: Any) -> None:
     group.add_argument("--policy", choices=["fifo", "length_aware"])
     group.add_argument("--instance-count", type=int)
     group.add_argument("--max-batch-tokens", type=int, help="padded-volume budget per batch")
+    group.add_argument(
+        "--isolation", choices=["thread", "process"], help="run each model instance in a thread or its own process"
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -33,16 +33,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from tensorserve.batching.batcher import Batcher, BatcherOptions
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
 from tensorserve.batching.validate import validate_item
 from tensorserve.repository.config import VARIABLE, DynamicBatching, ModelConfig, parse_config
-from tensorserve.repository.loader import discover, load_model, read_config
+from tensorserve.repository.loader import (
+    ModelSource,
+    discover,
+    load_model,
+    read_config,
+    resolve_version,
+)
 from tensorserve.runtime.device import resolve_device
-from tensorserve.runtime.runner import PaddedRunner
+from tensorserve.runtime.isolated import ProcessRunner
+from tensorserve.runtime.runner import PaddedRunner, on_device
 
 Item = Mapping[str, Any]
 Result = dict[str, np.ndarray]
@@ -62,31 +68,38 @@ class ServedModel:
         self,
         name: str,
         config: ModelConfig,
-        fn: Callable[..., Any],
+        fn: Callable[..., Any] | None,
         *,
+        runner: PaddedRunner | None = None,
         version: int = 1,
         on_fatal: Callable[[BaseException], None] | None = None,
         intra_op_threads: int | None = None,
     ) -> None:
+        """Serve ``fn`` (a batch function or ``nn.Module``) in model threads, or
+        give a ready ``runner`` (a ``ProcessRunner`` for isolated models)."""
         self.name = name
         self.version = version
         self.config = config
         self.device = resolve_device(config.device)
-        if hasattr(fn, "to"):
-            fn = fn.to(self.device)
-        if config.compile != "off":
-            # Compiled lazily per shape; warm-up over the configured grid pays for it
-            # before the model reports ready.
-            fn = torch.compile(fn, mode=None if config.compile == "default" else config.compile)
-        self.fn = fn
         self.stats = BatchStats()
-        self.runner = PaddedRunner(
-            fn,
-            config,
-            self.device,
-            instance_count=config.instance_count,
-            intra_op_threads=intra_op_threads or default_intra_op_threads(),
-        )
+        self.fn: Callable[..., Any] | None = None
+        if runner is None:
+            if fn is None:
+                raise TypeError("ServedModel needs a batch function or a runner")
+            if config.isolation == "process":
+                raise ValueError(
+                    f"{name}: isolation = 'process' needs a repository model (its worker "
+                    f"process imports the model's model.py); use from_repository"
+                )
+            self.fn = on_device(fn, config, self.device)
+            runner = PaddedRunner(
+                self.fn,
+                config,
+                self.device,
+                instance_count=config.instance_count,
+                intra_op_threads=intra_op_threads or default_intra_op_threads(),
+            )
+        self.runner = runner
         batching = config.dynamic_batching
         options = BatcherOptions(
             max_batch_size=config.max_batch_size if config.batching else 1,
@@ -124,9 +137,35 @@ class ServedModel:
         sources = discover(Path(repository))
         if name not in sources:
             raise KeyError(f"no model {name!r} in {repository}; found {', '.join(sources)}")
-        config = read_config(sources[name], overrides)
-        loaded = load_model(sources[name], version, config)
-        return cls(name, config, loaded.module, version=loaded.version)
+        return cls.from_source(sources[name], version, read_config(sources[name], overrides))
+
+    @classmethod
+    def from_source(
+        cls,
+        source: ModelSource,
+        version: int | None,
+        config: ModelConfig,
+        *,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        intra_op_threads: int | None = None,
+    ) -> ServedModel:
+        """Load one version of a repository model: here (``isolation = "thread"``)
+        or in worker processes that load it themselves (``"process"``)."""
+        threads = intra_op_threads or default_intra_op_threads()
+        if config.isolation == "process":
+            version = resolve_version(source, version)
+            runner = ProcessRunner(source, version, config, intra_op_threads=threads)
+            runner.start()  # the workers load the model; a failure raises ConfigError
+            return cls(source.name, config, None, runner=runner, version=version, on_fatal=on_fatal)
+        loaded = load_model(source, version, config)
+        return cls(
+            source.name,
+            config,
+            loaded.module,
+            version=loaded.version,
+            on_fatal=on_fatal,
+            intra_op_threads=threads,
+        )
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> ServedModel:
@@ -134,7 +173,8 @@ class ServedModel:
         return self
 
     def close(self) -> None:
-        self.batcher.close()
+        self.batcher.close()  # queued items run first
+        self.runner.close()
 
     def __enter__(self) -> ServedModel:
         return self.start()

@@ -1,8 +1,9 @@
 """Server settings: defaults < environment (``TENSORSERVE_*``) < CLI flags.
 
 The per-model overrides (``max_batch_size``, ``max_queue_delay_ms``,
-``device``, ``dispatch``, ``policy``, ``instance_count``) apply to every model
-of the repository on top of its config.toml, as MLServer's settings do.
+``device``, ``dispatch``, ``policy``, ``instance_count``, ``max_batch_tokens``,
+``isolation``) apply to every model of the repository on top of its
+config.toml, as MLServer's settings do.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ MODEL_OVERRIDES = (
     "policy",
     "instance_count",
     "max_batch_tokens",
+    "isolation",
 )
 
 
@@ -57,6 +59,7 @@ class Settings(BaseSettings):
     policy: Literal["fifo", "length_aware"] | None = None
     instance_count: int | None = Field(None, ge=1)
     max_batch_tokens: int | None = Field(None, ge=1)
+    isolation: Literal["thread", "process"] | None = None
 
     def model_overrides(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in MODEL_OVERRIDES if getattr(self, key) is not None}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from tensorserve import DeadlineExceeded, InvalidInput, ModelFailure, ServedModel, ServerBusy
+from tensorserve.batching.batcher import Batcher, BatcherOptions
+from tensorserve.batching.policy import BatchPolicy, make_policy
 
 X_IN = [{"name": "x", "dtype": "float32", "shape": [-1], "pad_value": -1.0}]
 Y_OUT = [{"name": "y", "dtype": "float32", "shape": [-1], "unpad_like": "x"}]
@@ -280,3 +283,77 @@ def test_items_of_very_different_shapes_are_not_padded_into_one_huge_batch() -> 
             results = model.infer_many_sync([{"image": tall}, {"image": wide}], timeout=5)
         assert sorted(shapes) == sorted(expected)
         assert [r["out"].shape for r in results] == [(50, 1), (1, 50)]
+
+
+class OverlappingDevice:
+    """A fake accelerator for the Batcher: ``launch`` returns at once,
+    ``collect`` waits until the test opens the gate; records how many batches
+    were launched before the first one was collected."""
+
+    instance_count = 1
+    overlaps = True
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.launched: list[list[np.ndarray]] = []
+        self.launched_before_first_collect: int | None = None
+
+    def volume(self, item: np.ndarray) -> int:
+        return len(item)
+
+    def padded_elements(self, items: list[np.ndarray]) -> int:
+        return len(items) * max(len(i) for i in items)
+
+    def prepare(self, items: list[np.ndarray]) -> list[np.ndarray]:
+        return items
+
+    def padding(self, prepared: list[np.ndarray]) -> tuple[int, int]:
+        return (1, 1)
+
+    def start_instance(self, instance: int) -> None:
+        pass
+
+    def launch(self, prepared: list[np.ndarray], instance: int) -> list[np.ndarray]:
+        self.launched.append(prepared)
+        return prepared
+
+    def collect(self, launched: list[np.ndarray]) -> list[np.ndarray]:
+        if self.launched_before_first_collect is None:
+            self.launched_before_first_collect = len(self.launched)
+        assert self.gate.wait(10)
+        return launched
+
+    def finish(self, executed: list[np.ndarray], size: int) -> list[np.ndarray]:
+        return [row * 2 for row in executed]
+
+
+@pytest.mark.parametrize(
+    ("policy", "ahead"),
+    [
+        # The budget (2 items of 10) cuts the next batch short of the 4 waiting:
+        # it is as big as it gets, so it is launched while batch 1 still runs.
+        (make_policy("length_aware", 20), 2),
+        # FIFO would take all 2 waiting of a possible 4: that batch could still
+        # grow, so it waits for the device.
+        (make_policy("fifo", None), 1),
+    ],
+)
+def test_a_full_batch_is_launched_ahead_of_a_busy_device_and_a_growing_one_waits(
+    policy: BatchPolicy, ahead: int
+) -> None:
+    device = OverlappingDevice()
+    options = BatcherOptions(max_batch_size=4 if ahead == 1 else 8, policy=policy)
+    inputs = [np.full(10, float(i)) for i in range(6)]
+    with Batcher(device, options) as batcher:
+        futures = batcher.submit_many(inputs)
+        deadline = time.monotonic() + 10
+        while device.launched_before_first_collect is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)  # a wrongly launched batch would show up meanwhile
+        assert device.launched_before_first_collect == ahead
+        assert len(device.launched) == ahead
+        device.gate.set()
+        results = [f.result(10) for f in futures]
+    for item, result in zip(inputs, results):  # nothing reordered or lost
+        np.testing.assert_array_equal(result, item * 2)
+    assert sum(len(b) for b in device.launched) == 6

@@ -18,15 +18,18 @@ thread hand-off sits between two batches on the model's critical path (with
 a separate dispatcher thread, py-spy showed the model thread idle about a
 third of the time at c=32, waiting for the GIL and for its next batch). While the model runs batch N, the event loop decodes
 and validates the items of batch N+1 and the finisher un-pads batch N-1. On
-an accelerator, where ``launch`` only queues the work (``runner.overlaps``),
-a full batch N+1 is padded and launched while batch N still runs.
+an accelerator or in a worker process, where ``launch`` only queues the work
+(``runner.overlaps``), a full batch N+1 is padded and launched while batch N
+still runs.
 
 When is a batch formed?
 * by an idle model instance: at once (dispatch ``eager``: a lone request
   pays no timer), or (dispatch ``timer``) when a full batch waits or the
   oldest item has waited ``max_queue_delay``;
-* ahead of a busy accelerator: only a full batch; a partial one is left to
-  accumulate until the device is free.
+* ahead of a busy device (``runner.overlaps``: CUDA, or a worker process):
+  only a full batch, one of max_batch_size or one the policy cut short of
+  the items waiting (e.g. at its ``max_batch_tokens`` budget); a batch that
+  could still grow is left to accumulate until the device is free.
 """
 
 from __future__ import annotations
@@ -291,7 +294,9 @@ class Batcher:
         if len(self._waiting) >= opts.max_batch_size or self._closing:
             return None
         if ahead:
-            return _UNTIL_NOTIFIED  # a partial batch would only wait for the device
+            # A partial batch would only wait for the device (_take_batch still
+            # forms one the policy has cut short of what is waiting).
+            return _UNTIL_NOTIFIED
         if opts.dispatch == "eager":
             return None
         overdue_in = self._waiting[0].enqueued + opts.max_queue_delay_ms / 1000 - now
@@ -314,9 +319,7 @@ class Batcher:
                     continue
                 now = time.monotonic()
                 wait = self._due_in(now, ahead)
-                if wait is not None:
-                    if ahead:
-                        return None
+                if wait is not None and not ahead:
                     self._cond.wait(None if wait == _UNTIL_NOTIFIED else wait)
                     continue
                 window = self._waiting[: 16 * opts.max_batch_size]
@@ -324,6 +327,10 @@ class Batcher:
                 views = [Waiting(p.volume, p.enqueued <= overdue_at) for p in window]
                 chosen = sorted(opts.policy.select(views, opts.max_batch_size))
                 chosen = self._within_element_cap(window, chosen)
+                if wait is not None and len(chosen) == len(window):
+                    # Ahead of a busy device, and the batch could still grow
+                    # (the policy took everything waiting): let it accumulate.
+                    return None
                 taken = set(chosen)
                 entries = [window[i] for i in chosen]
                 self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
@@ -439,7 +446,7 @@ class Batcher:
             except BaseException as exc:
                 batch.error = exc
         if batch.error is not None:
-            error = _as_model_failure(batch.error, self.name)
+            error = as_model_failure(batch.error, self.name)
             results = [error] * len(entries)
         elif self.options.policy.cost is not None:
             # Teach the policy what a batch of this padded volume costs.
@@ -449,7 +456,7 @@ class Batcher:
         real, padded = batch.padding
         self.stats.record_batch(len(entries), batch.seconds, queued, real, padded)
         outcomes: list[Outcome] = [
-            (entry, _as_model_failure(result, self.name), True)
+            (entry, as_model_failure(result, self.name), True)
             if isinstance(result, BaseException)
             else (entry, result, False)
             for entry, result in zip(entries, results)
@@ -470,7 +477,8 @@ class Batcher:
             self._on_fatal(exc)
 
 
-def _as_model_failure(exc: BaseException, model: str) -> TensorServeError:
+def as_model_failure(exc: BaseException, model: str) -> TensorServeError:
+    """What a caller sees when the model raised ``exc``."""
     if isinstance(exc, TensorServeError):
         return exc
     return ModelFailure(f"model {model!r} failed: {type(exc).__name__}: {exc}")

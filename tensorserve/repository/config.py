@@ -116,6 +116,13 @@ class ModelConfig(_Strict):
     max_batch_size: int = Field(32, ge=0, le=65_536, description="0 or 1: no batching.")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     instance_count: int = Field(1, ge=1, le=16, description="Model copies executing in parallel.")
+    isolation: Literal["thread", "process"] = Field(
+        "thread",
+        description="thread: each instance runs in a thread of the server process. process: "
+        "each instance runs in a worker process of its own, so the event loop never holds "
+        "the GIL the forward needs (costs one socket copy of the padded inputs and the "
+        "outputs per batch; repository models only). See docs/threading.md.",
+    )
     dynamic_batching: DynamicBatching = Field(default_factory=DynamicBatching)
     parameters: dict[str, Any] = Field(default_factory=dict, description="Model(**parameters).")
     input: list[InputSpec] = Field(min_length=1)

@@ -101,11 +101,17 @@ class LoadedModel:
     module: torch.nn.Module
 
 
-def load_model(source: ModelSource, version: int | None, config: ModelConfig) -> LoadedModel:
-    """Import, construct and load weights of one version (on the CPU)."""
+def resolve_version(source: ModelSource, version: int | None) -> int:
+    """The version to serve: the one asked for, else the highest."""
     version = source.latest if version is None else version
     if version is None or version not in source.versions:
         raise ConfigError(f"{source.name}: no version folder (e.g. {source.name}/1/model.py)")
+    return version
+
+
+def load_model(source: ModelSource, version: int | None, config: ModelConfig) -> LoadedModel:
+    """Import, construct and load weights of one version (on the CPU)."""
+    version = resolve_version(source, version)
     folder = source.path / str(version)
     module_file = folder / MODULE_FILE
     if not module_file.is_file():

@@ -21,7 +21,7 @@ from typing import Any
 
 from tensorserve.errors import ConfigError, ModelNotFound, ModelNotReady
 from tensorserve.repository.config import ModelConfig
-from tensorserve.repository.loader import ModelSource, discover, load_model, read_config
+from tensorserve.repository.loader import ModelSource, discover, read_config
 from tensorserve.serving import ServedModel
 
 log = logging.getLogger(__name__)
@@ -140,12 +140,10 @@ class ModelRegistry:
 
     def _build(self, source: ModelSource) -> ServedModel:
         config = read_config(source, self.overrides)
-        loaded = load_model(source, None, config)
-        served = ServedModel(
-            source.name,
+        served = ServedModel.from_source(
+            source,
+            None,
             config,
-            loaded.module,
-            version=loaded.version,
             on_fatal=functools.partial(self._mark_failed, source.name),
             intra_op_threads=self.intra_op_threads,
         )

@@ -33,12 +33,23 @@ from tensorserve.runtime.device import DeviceContext
 from tensorserve.wire.dtypes import from_torch
 
 
+def on_device(fn: Callable[..., Any], config: ModelConfig, device: torch.device) -> Callable[..., Any]:
+    """The model moved to its device and, if the config asks, ``torch.compile``d
+    (compiled lazily per shape: the warm-up grid pays for it before ready)."""
+    if hasattr(fn, "to"):
+        fn = fn.to(device)
+    if config.compile != "off":
+        fn = torch.compile(fn, mode=None if config.compile == "default" else config.compile)
+    return fn
+
+
 @dataclass
 class Launched:
     batch: collate.PaddedBatch
     host: dict[str, torch.Tensor] | None  # batched outputs (pinned, still filling on CUDA)
     done: torch.cuda.Event | None  # recorded after the last device->host copy
     per_item: list[Any] | None
+    worker: tuple[int, int] | None = None  # (instance, ticket) of a worker process's batch
 
 
 @dataclass
@@ -146,7 +157,8 @@ class PaddedRunner:
             f"or a list with one result per item"
         )
 
-    def _item_result(self, entry: Any) -> Any:
+    def item_result(self, entry: Any) -> Any:
+        """One entry of a per-item result list, as host arrays (or the item's Exception)."""
         if isinstance(entry, BaseException):
             return entry  # fails this item alone
         named = self._named_outputs(entry)
@@ -155,9 +167,12 @@ class PaddedRunner:
             for spec in self._outputs
         }
 
+    def close(self) -> None:
+        """Nothing to release: the model threads belong to the batcher."""
+
     # -- finisher thread
     def finish(self, executed: Executed, size: int) -> list[Any]:
         if executed.per_item is not None:  # the batcher checks its length
-            return [self._item_result(entry) for entry in executed.per_item]
+            return [self.item_result(entry) for entry in executed.per_item]
         assert executed.outputs is not None
         return collate.unpad(executed.outputs, executed.batch, self._outputs, self._sources)

@@ -1,0 +1,114 @@
+"""A model's worker process: ``python -m tensorserve.runtime.worker FD``.
+
+Started by ``ProcessRunner`` (``isolation = "process"``) with one end of a
+socketpair as file descriptor FD. The first message says which model to
+load and how; the worker loads it itself (model.py, safetensors weights),
+answers ``ready`` (or the reason it could not), then runs one padded batch
+per message with the same ``PaddedRunner`` the threads use, on its own main
+thread, holding its own GIL. It exits when the server closes the socket,
+whether the server stopped or died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tensorserve.batching.batcher import as_model_failure
+from tensorserve.batching.collate import PaddedBatch
+from tensorserve.errors import ConfigError
+from tensorserve.repository.config import ModelConfig, parse_config
+from tensorserve.repository.loader import ModelSource, load_model
+from tensorserve.runtime import ipc
+from tensorserve.runtime.device import resolve_device
+from tensorserve.runtime.runner import PaddedRunner, on_device
+from tensorserve.wire.dtypes import as_torch
+
+log = logging.getLogger("tensorserve.worker")
+
+
+def _load(hello: dict[str, Any]) -> tuple[ModelConfig, PaddedRunner]:
+    name, version = hello["name"], hello["version"]
+    config = parse_config(hello["config"], f"{name} (worker)")
+    source = ModelSource(name, Path(hello["path"]), (version,))
+    loaded = load_model(source, version, config)
+    device = resolve_device(config.device)
+    runner = PaddedRunner(
+        on_device(loaded.module, config, device),
+        config,
+        device,
+        intra_op_threads=hello["intra_op_threads"],
+    )
+    runner.start_instance(0)  # threads, inference mode, CUDA stream: on this thread
+    return config, runner
+
+
+def _run_batch(
+    name: str, config: ModelConfig, runner: PaddedRunner, features: dict[str, np.ndarray]
+) -> ipc.Message:
+    """Reply to one batch: its outputs, one result per item, or the error."""
+    batch = PaddedBatch(
+        {spec.name: as_torch(features[spec.name], spec.dt) for spec in config.input}, {}, 0, 0
+    )
+    try:
+        executed = runner.collect(runner.launch(batch, 0))
+        if executed.per_item is None:
+            assert executed.outputs is not None
+            return {}, executed.outputs
+        failed: list[tuple[int, str]] = []  # msgpack maps take string keys only
+        tensors: dict[str, np.ndarray] = {}
+        for i, entry in enumerate(executed.per_item):
+            result = runner.item_result(entry)
+            if isinstance(result, BaseException):
+                failed.append((i, as_model_failure(result, name).message))
+            else:
+                tensors.update({f"{i}/{key}": value for key, value in result.items()})
+        return {"items": len(executed.per_item), "failed": failed}, tensors
+    except Exception as exc:  # the model failed: this batch only
+        return {"error": as_model_failure(exc, name).message}, {}
+
+
+def serve(sock: socket.socket) -> int:
+    hello, _ = ipc.recv(sock)
+    logging.basicConfig(
+        level=hello.get("log_level", "INFO"),
+        format=f"%(asctime)s %(levelname)s %(name)s[{hello['name']}:{os.getpid()}]: %(message)s",
+    )
+    try:
+        config, runner = _load(hello)
+    except Exception as exc:
+        reason = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+        ipc.send(sock, {"error": reason})
+        return 1
+    ipc.send(sock, {"ready": True, "pid": os.getpid()})
+    while True:
+        try:
+            header, features = ipc.recv(sock)
+        except (EOFError, ConnectionError):
+            return 0  # the server closed its end: stopped or gone
+        if header.get("stop"):
+            return 0
+        reply, tensors = _run_batch(hello["name"], config, runner, features)
+        ipc.send(sock, reply, tensors)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    # Ctrl-C reaches the whole process group; the server decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
+    with socket.socket(fileno=int(args[0])) as sock:
+        return serve(sock)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

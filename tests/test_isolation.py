@@ -1,0 +1,241 @@
+"""Models in worker processes (``isolation = "process"``): the same answers as
+in a thread, failures that stay with their batch, workers that die and come
+back, and no worker left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tensorserve import ModelFailure, ServedModel
+from tensorserve.errors import ConfigError
+from tensorserve.runtime import ipc
+
+from tests.conftest import REPOSITORY
+from tests.helpers import ECHO_CONFIG, POISON_MODEL, token_item, write_model
+
+pytestmark = pytest.mark.timeout(120)
+rng = np.random.default_rng(7)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def _pids(model: ServedModel) -> list[int]:
+    return [w.pid for w in model.runner.workers]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["tagger", "image_filter", "embedder"])
+def test_a_worker_process_gives_the_same_rows_as_a_model_thread(name: str) -> None:
+    lengths = [int(n) for n in rng.integers(3, 40, size=12)]
+    if name == "image_filter":
+        batch = [{"image": rng.normal(size=(n, n // 2 + 2)).astype(np.float32)} for n in lengths]
+    else:
+        batch = [token_item(n, rng) for n in lengths]
+    with ServedModel.from_repository(REPOSITORY, name) as here:
+        expected = here.infer_many_sync(batch)
+    with ServedModel.from_repository(REPOSITORY, name, isolation="process") as isolated:
+        assert _pids(isolated)[0] != os.getpid()
+        got = isolated.infer_many_sync(batch)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].shape == b[key].shape and a[key].dtype == b[key].dtype
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_pipelined_batches_through_a_worker_never_reorder_or_lose_items() -> None:
+    items = [token_item(int(n), rng) for n in rng.integers(8, 128, size=200)]
+    with ServedModel.from_repository(REPOSITORY, "tagger") as here:
+        expected = here.infer_many_sync(items)
+    # A tight budget cuts batches short of what waits: batches are formed and
+    # sent ahead while the worker still runs the previous one.
+    with ServedModel.from_repository(
+        REPOSITORY, "tagger", isolation="process", max_batch_tokens=512
+    ) as isolated, ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(isolated.infer_sync, items))
+        assert isolated.stats.snapshot(0)["total_batches"] > 10
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a["logits"], b["logits"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def toy_repo(tmp_path: Path) -> Path:
+    # isolation is a top-level key: it comes before the [tables].
+    process = '\n    isolation = "process"' + ECHO_CONFIG
+    write_model(tmp_path, "poison", process, POISON_MODEL)
+    write_model(tmp_path, "mortal", process, """
+        import os, signal, torch
+
+        class Model(torch.nn.Module):
+            def forward(self, x):
+                if (x == 7).any():
+                    os._exit(7)
+                if (x == 9).any():
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return x * 2
+    """)
+    write_model(tmp_path, "per_item", process, """
+        import torch
+
+        class Model(torch.nn.Module):
+            def forward(self, x):
+                return [ValueError("negative start") if row[0, 0] < 0 else {"y": row} for row in x]
+    """)
+    write_model(tmp_path, "broken", process, """
+        import torch
+        raise ImportError("no such helper")
+    """)
+    write_model(tmp_path, "halves", """
+        isolation = "process"
+        max_batch_size = 8
+        [[input]]
+        name = "x"
+        dtype = "bfloat16"
+        shape = [-1]
+        [[output]]
+        name = "y"
+        dtype = "bfloat16"
+        shape = [-1]
+    """, """
+        import torch
+
+        class Model(torch.nn.Module):
+            def forward(self, x):
+                return x / 2
+    """)
+    return tmp_path
+
+
+def _x(value: float, length: int = 3) -> dict[str, np.ndarray]:
+    return {"x": np.full((length, 4), value, np.float32)}
+
+
+def test_a_model_that_raises_in_its_worker_fails_its_batch_only(toy_repo: Path) -> None:
+    with ServedModel.from_repository(toy_repo, "poison") as model:
+        pid = _pids(model)[0]
+        with pytest.raises(ModelFailure, match="model 'poison' failed: RuntimeError: poison value 13"):
+            model.infer_sync(_x(13))
+        assert model.infer_sync(_x(2))["y"].tolist() == [[4.0] * 4] * 3
+        assert _pids(model) == [pid]  # an exception is not a crash
+
+
+def test_a_per_item_error_list_crosses_the_process_boundary(toy_repo: Path) -> None:
+    with ServedModel.from_repository(toy_repo, "per_item", max_queue_delay_ms=200,
+                                     dispatch="timer") as model:
+        futures = model.submit_many([_x(1.0), _x(-1.0, 2), _x(3.0, 5)])
+        # A per-item list is the model's own rows: padded, as in a thread.
+        np.testing.assert_array_equal(futures[0].result(10)["y"][:3], _x(1.0)["x"])
+        with pytest.raises(ModelFailure, match="ValueError: negative start"):
+            futures[1].result(10)
+        np.testing.assert_array_equal(futures[2].result(10)["y"], _x(3.0, 5)["x"])
+
+
+@pytest.mark.parametrize(("poison", "how"), [(7, "exit code 7"), (9, "killed by signal SIGKILL")])
+def test_a_worker_that_dies_fails_its_batch_and_a_new_one_serves_the_next(
+    toy_repo: Path, poison: int, how: str
+) -> None:
+    with ServedModel.from_repository(toy_repo, "mortal") as model:
+        first = _pids(model)[0]
+        with pytest.raises(ModelFailure, match=rf"died while running this batch \({how}\)"):
+            model.infer_sync(_x(poison))
+        assert not _alive(first)
+        assert model.infer_sync(_x(1))["y"].tolist() == [[2.0] * 4] * 3
+        assert _pids(model)[0] not in (None, first)
+
+
+def test_a_model_that_cannot_load_in_its_worker_reports_why(toy_repo: Path) -> None:
+    with pytest.raises(ConfigError, match="import failed: ImportError: no such helper"):
+        ServedModel.from_repository(toy_repo, "broken")
+
+
+def test_bfloat16_crosses_the_process_boundary_as_its_bit_patterns(toy_repo: Path) -> None:
+    import torch
+
+    values = torch.tensor([1.5, -3.0, 0.0078125], dtype=torch.bfloat16)
+    with ServedModel.from_repository(toy_repo, "halves") as model:
+        out = model.infer_sync({"x": values})["y"]  # host results: uint16 bit patterns
+    assert torch.from_numpy(out).view(torch.bfloat16).tolist() == [0.75, -1.5, 0.00390625]
+
+
+def test_each_instance_has_its_own_worker_and_close_stops_them(toy_repo: Path) -> None:
+    model = ServedModel.from_repository(toy_repo, "poison", instance_count=2)
+    with model, ThreadPoolExecutor(8) as pool:
+        pids = _pids(model)
+        assert len(set(pids)) == 2
+        values = [float(i) for i in range(40) if i != 13]  # 13 poisons a batch
+        results = list(pool.map(model.infer_sync, [_x(v) for v in values]))
+    assert [r["y"][0, 0] for r in results] == [2.0 * v for v in values]
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_thread_isolation_refuses_nothing_and_process_needs_a_repository_model() -> None:
+    with pytest.raises(ValueError, match="needs a repository model"):
+        ServedModel.from_function(
+            lambda x: x, isolation="process",
+            inputs=[{"name": "x", "dtype": "float32", "shape": [-1]}],
+            outputs=[{"name": "y", "dtype": "float32", "shape": [-1]}],
+        )
+
+
+async def test_the_event_loop_is_free_while_a_worker_runs(toy_repo: Path) -> None:
+    # The server's side of a batch is a socket wait: the loop keeps turning.
+    async with ServedModel.from_repository(toy_repo, "poison") as model:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        values = [float(i) for i in range(20) if i != 13]  # 13 poisons a batch
+        results = await asyncio.gather(*(model.infer(_x(v, 50)) for v in values))
+        ticker.cancel()
+    assert [r["y"][0, 0] for r in results] == [2.0 * v for v in values]
+    assert ticks > 20
+
+
+# ---------------------------------------------------------------------- the framing
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "int64", "float16", "float32", "float64"])
+def test_ipc_messages_round_trip_tensors_of_every_shape(dtype: str) -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        tensors = {
+            "m": (rng.normal(size=(3, 5, 2)) * 10).astype(dtype),
+            "empty": np.zeros((0, 4), dtype),
+            "scalar": np.array(3).astype(dtype),
+            "strided": np.arange(20).astype(dtype).reshape(4, 5)[:, ::2],
+        }
+        ipc.send(a, {"k": 1}, tensors)
+        header, got = ipc.recv(b)
+    assert header == {"k": 1}
+    assert got.keys() == tensors.keys()
+    for name, array in tensors.items():
+        assert got[name].dtype == array.dtype and got[name].shape == array.shape
+        np.testing.assert_array_equal(got[name], array)
+
+
+def test_ipc_recv_says_eof_when_the_other_end_has_gone() -> None:
+    a, b = socket.socketpair()
+    with b:
+        ipc.send(a, {"k": 1}, {"x": np.arange(1000)})
+        a.close()
+        ipc.recv(b)  # the whole message still arrives
+        with pytest.raises(EOFError):
+            ipc.recv(b)
