@@ -8,13 +8,15 @@ Sections (each alternates its contenders, repeated ``--repeats`` times, so
 that ratios come from the same minutes of the same machine):
 
   overhead   HTTP server vs the in-process ceiling (no HTTP), tagger with its
-             shipped 1024-token budget, c=32
+             shipped 1024-token budget, c=32; each with the model in a
+             thread and in a worker process (isolation)
   policy     fifo vs length_aware (+ padded-volume budgets), c=64, for the
              tagger, gru_tagger (a GRU: pays per sequential step) and
              attention_tagger (hand-written attention: pays for every padded
              element)
   dispatch   eager vs timer dispatch over HTTP at c=1, 8, 32
-  latency    c=1 HTTP p50 minus the model's own batch-1 forward time
+  latency    c=1 HTTP p50 minus the model's own batch-1 forward time, the
+             model in a thread and in a worker process
 
 The tagger is the bundled model.py at the issue's benchmark size:
 Embedding(30000,128) -> 2-layer TransformerEncoder(128, 4 heads, ff 256) ->
@@ -66,7 +68,12 @@ LENGTHS = uniform(8, 128)
 def benchmark_repository() -> Path:
     """The bundled tagger and gru_tagger at the issue's size (vocab 30000)."""
     for model in ("tagger", "gru_tagger", "attention_tagger"):
-        if not (CACHE / model / "1" / "model.safetensors").exists():
+        source, copy = ROOT / "model_repository" / model, CACHE / model
+        stale = not (copy / "1" / "model.safetensors").exists() or any(
+            (source / f).stat().st_mtime > (copy / f).stat().st_mtime
+            for f in ("config.toml", "1/model.py")
+        )
+        if stale:
             make_variant(ROOT / "model_repository" / model, CACHE / model, {"vocab_size": 30000})
             # The policy section sets budgets explicitly: the copies start without one.
             config = CACHE / model / "config.toml"
@@ -99,29 +106,44 @@ def flags(overrides: dict[str, Any]) -> list[str]:
 SHIPPED = {"max_batch_tokens": 1024}
 
 
+OVERHEAD_CONTENDERS = [
+    ("in-process, thread", "in-process", "thread"),
+    ("in-process, process", "in-process", "process"),
+    ("http, thread", "http", "thread"),
+    ("http, process", "http", "process"),  # the tagger as shipped
+]
+
+
 async def overhead(repo: Path, args: Any) -> dict[str, Any]:
+    """HTTP vs in-process, each with the model in a thread and in a worker
+    process. The ceiling of a repeat is its best in-process figure."""
     rows: list[PointResult] = []
     for repeat in range(args.repeats):
-        for kind in ("in-process", "http"):
-            variant = Variant(f"{kind} #{repeat + 1}")
+        for name, kind, isolation in OVERHEAD_CONTENDERS:
+            overrides = {**SHIPPED, "isolation": isolation}
             if kind == "in-process":
-                target = lambda v: InProcessTarget(str(repo), "tagger", overrides=SHIPPED)  # noqa: E731
+                target = lambda v, o=overrides: InProcessTarget(str(repo), "tagger", overrides=o)  # noqa: E731
             else:
-                target = lambda v: ServedHttpTarget(str(repo), "tagger", flags(SHIPPED))  # noqa: E731
-            rows += await measure(target, [variant], [32], args)
-    ratios = [
-        http.items_per_s / inproc.items_per_s
-        for inproc, http in zip(rows[0::2], rows[1::2])
-    ]
-    return {"points": rows, "http_over_inprocess": ratios}
+                target = lambda v, o=overrides: ServedHttpTarget(str(repo), "tagger", flags(o))  # noqa: E731
+            rows += await measure(target, [Variant(f"{name} #{repeat + 1}")], [32], args)
+    per_repeat = [rows[i : i + len(OVERHEAD_CONTENDERS)] for i in range(0, len(rows), len(OVERHEAD_CONTENDERS))]
+    ceilings = [max(r[0].items_per_s, r[1].items_per_s) for r in per_repeat]
+    return {
+        "points": rows,
+        "http_process_over_ceiling": [r[3].items_per_s / c for r, c in zip(per_repeat, ceilings)],
+        "http_thread_over_ceiling": [r[2].items_per_s / c for r, c in zip(per_repeat, ceilings)],
+        "http_thread_over_inprocess_thread": [r[2].items_per_s / r[0].items_per_s for r in per_repeat],
+    }
 
 
 async def policy(repo: Path, args: Any) -> dict[str, Any]:
+    # In-process, the model in a thread: the policies' own effect, no IPC.
+    inproc = {"isolation": "thread"}
     variants = [
-        Variant("fifo", {"policy": "fifo"}),
-        Variant("length_aware", {"policy": "length_aware"}),
-        Variant("length_aware, budget 2048", {"policy": "length_aware", "max_batch_tokens": 2048}),
-        Variant("length_aware, budget 1024", {"policy": "length_aware", "max_batch_tokens": 1024}),
+        Variant("fifo", {**inproc, "policy": "fifo"}),
+        Variant("length_aware", {**inproc, "policy": "length_aware"}),
+        Variant("length_aware, budget 2048", {**inproc, "policy": "length_aware", "max_batch_tokens": 2048}),
+        Variant("length_aware, budget 1024", {**inproc, "policy": "length_aware", "max_batch_tokens": 1024}),
     ]
     rows: list[PointResult] = []
     for model in ("tagger", "gru_tagger", "attention_tagger"):
@@ -152,8 +174,9 @@ async def dispatch(repo: Path, args: Any) -> dict[str, Any]:
 
 def batch1_forward_ms(repo: Path, samples: int, seed: int) -> float:
     """Median time of the bare model on one unpadded item, same lengths."""
-    model = ServedModel.from_repository(repo, "tagger")
+    model = ServedModel.from_repository(repo, "tagger", isolation="thread")
     module = model.fn
+    assert module is not None
     rng = np.random.default_rng(seed)
     times = []
     with torch.inference_mode():
@@ -171,10 +194,14 @@ async def latency(repo: Path, args: Any) -> dict[str, Any]:
     rows: list[PointResult] = []
     forward: list[float] = []
     for repeat in range(args.repeats):
-        forward.append(batch1_forward_ms(repo, 200, args.seed))
-        rows += await measure(
-            lambda v: ServedHttpTarget(str(repo), "tagger"), [Variant(f"c=1 #{repeat + 1}")], [1], args
-        )
+        for isolation in ("thread", "process"):
+            forward.append(batch1_forward_ms(repo, 200, args.seed))
+            rows += await measure(
+                lambda v, i=isolation: ServedHttpTarget(str(repo), "tagger", flags({"isolation": i})),
+                [Variant(f"c=1, {isolation} #{repeat + 1}")],
+                [1],
+                args,
+            )
     overheads = [p.latency_ms["p50"] - f for p, f in zip(rows, forward)]
     return {"points": rows, "forward_ms": forward, "p50_minus_forward_ms": overheads}
 
