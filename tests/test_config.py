@@ -67,3 +67,22 @@ def test_environment_overrides_config_and_flags_override_environment(
     config = read_config(source, from_flag.model_overrides())
     assert config.max_batch_size == 16 and config.dynamic_batching.policy == "fifo"
     assert read_config(source).max_batch_size == 8  # the file itself is untouched
+
+
+def test_isolation_comes_from_the_config_the_environment_or_a_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from tensorserve.cli import main
+
+    write_model(tmp_path, "echo", 'isolation = "process"\n' + ECHO_CONFIG, POISON_MODEL)
+    source = discover(tmp_path)["echo"]
+    assert read_config(source).isolation == "process"
+    monkeypatch.setenv("TENSORSERVE_ISOLATION", "thread")
+    from_env = settings_from_args(argparse.Namespace(isolation=None))
+    assert read_config(source, from_env.model_overrides()).isolation == "thread"
+    from_flag = settings_from_args(argparse.Namespace(isolation="process"))
+    assert read_config(source, from_flag.model_overrides()).isolation == "process"
+    with pytest.raises(SystemExit):  # argparse refuses anything else
+        main(["serve", "--isolation", "fork"])

@@ -6,19 +6,31 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+import msgpack
 import numpy as np
 import pytest
+import torch
 
 from tensorserve import ModelFailure, ServedModel
 from tensorserve.errors import ConfigError
 from tensorserve.runtime import ipc
-
-from tests.conftest import REPOSITORY
-from tests.helpers import ECHO_CONFIG, POISON_MODEL, token_item, write_model
+from tests.conftest import REPOSITORY, ServerProcess
+from tests.helpers import (
+    ECHO_CONFIG,
+    MSGPACK,
+    POISON_MODEL,
+    body,
+    from_wire,
+    token_item,
+    write_model,
+)
 
 pytestmark = pytest.mark.timeout(120)
 rng = np.random.default_rng(7)
@@ -96,6 +108,14 @@ def toy_repo(tmp_path: Path) -> Path:
             def forward(self, x):
                 return [ValueError("negative start") if row[0, 0] < 0 else {"y": row} for row in x]
     """)
+    write_model(tmp_path, "sleepy", process.replace("max_batch_size = 8", "max_batch_size = 2"), """
+        import time, torch
+
+        class Model(torch.nn.Module):
+            def forward(self, x):
+                time.sleep(0.05)
+                return x
+    """)
     write_model(tmp_path, "broken", process, """
         import torch
         raise ImportError("no such helper")
@@ -158,14 +178,25 @@ def test_a_worker_that_dies_fails_its_batch_and_a_new_one_serves_the_next(
         assert _pids(model)[0] not in (None, first)
 
 
+def test_batch_duration_is_the_workers_own_time_not_the_wait_behind_a_batch_ahead(
+    toy_repo: Path,
+) -> None:
+    with ServedModel.from_repository(toy_repo, "sleepy", policy="fifo") as model:
+        # Three full batches of 2: batches 2 and 3 are sent while 1 runs, so
+        # launch-to-collect would be ~100 ms for them; the model takes 50.
+        futures = model.submit_many([_x(float(i)) for i in range(6)])
+        assert [f.result(10)["y"][0, 0] for f in futures] == [float(i) for i in range(6)]
+        stats = model.stats.snapshot(0)
+    assert stats["total_batches"] == 3
+    assert 45 <= stats["avg_batch_duration_ms"] < 75
+
+
 def test_a_model_that_cannot_load_in_its_worker_reports_why(toy_repo: Path) -> None:
     with pytest.raises(ConfigError, match="import failed: ImportError: no such helper"):
         ServedModel.from_repository(toy_repo, "broken")
 
 
 def test_bfloat16_crosses_the_process_boundary_as_its_bit_patterns(toy_repo: Path) -> None:
-    import torch
-
     values = torch.tensor([1.5, -3.0, 0.0078125], dtype=torch.bfloat16)
     with ServedModel.from_repository(toy_repo, "halves") as model:
         out = model.infer_sync({"x": values})["y"]  # host results: uint16 bit patterns
@@ -239,3 +270,42 @@ def test_ipc_recv_says_eof_when_the_other_end_has_gone() -> None:
         ipc.recv(b)  # the whole message still arrives
         with pytest.raises(EOFError):
             ipc.recv(b)
+
+
+# ---------------------------------------------------------------------- a real server
+def _workers_of(pid: int) -> list[int]:
+    """Worker processes whose parent is ``pid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().split(")")[-1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except OSError:
+            continue
+        if ppid == pid and b"tensorserve.runtime.worker" in command:
+            found.append(int(entry))
+    return found
+
+
+def test_a_server_killed_outright_leaves_no_worker_behind(tmp_path: Path) -> None:
+    write_model(tmp_path, "poison", ECHO_CONFIG, POISON_MODEL)
+    server = ServerProcess(tmp_path, "--isolation", "process")
+    try:
+        workers = _workers_of(server.process.pid)
+        assert len(workers) == 1
+        reply = httpx.post(f"{server.url}/v2/models/poison/infer", content=body([_x(4.0)]),
+                           headers=MSGPACK)
+        assert reply.status_code == 200
+        assert from_wire(msgpack.unpackb(reply.content)["outputs"][0]["y"]).tolist() == [[8.0] * 4] * 3
+        server.process.send_signal(signal.SIGKILL)  # no shutdown code runs
+        server.process.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(workers[0]), "the worker outlived its server"
+    finally:
+        server.stop()

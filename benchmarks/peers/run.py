@@ -52,7 +52,7 @@ PLOT = ROOT / "docs" / "img" / "peers.png"
 BENCH_PY = VENVS / "bench" / "bin" / "python"
 HOST_PY_ENV = "TS_PEERS_HOST_PYTHON"
 
-ALL_PEERS = ["tensorserve", "pytriton", "mlserver", "litserve", "batched"]
+ALL_PEERS = ["tensorserve", "ts-thread", "pytriton", "mlserver", "litserve", "batched"]
 VOCAB_SIZE = 30000
 CHECK_TOL = 1e-3
 
@@ -68,7 +68,7 @@ def bootstrap(argv: list[str], peers: list[str], skip_setup: bool) -> None:
     if _in_bench_venv():
         return
     if not skip_setup:
-        wanted = ["bench"] + [p for p in peers if p != "tensorserve"]
+        wanted = ["bench"] + [p for p in peers if p not in ("tensorserve", "ts-thread")]
         subprocess.run(["bash", str(HERE / "setup.sh"), *wanted], check=True)
     env = dict(os.environ)
     env.setdefault(HOST_PY_ENV, sys.executable)
@@ -287,6 +287,14 @@ def tensorserve_command(ctx: Ctx) -> list[str] | None:
     return None
 
 
+def launch_tensorserve_thread(ctx: Ctx, stats_dir: Path) -> Launch:
+    """tensorserve with the model in a thread of the server instead of the
+    worker process the bundled config asks for."""
+    launch = launch_tensorserve(ctx, stats_dir)
+    launch.argv += ["--isolation", "thread"]
+    return launch
+
+
 def launch_tensorserve(ctx: Ctx, stats_dir: Path) -> Launch:
     cmd = tensorserve_command(ctx)
     if cmd is None:
@@ -347,6 +355,8 @@ PAD = ("client pad 128", 128)
 PEERS: dict[str, Peer] = {
     "tensorserve": Peer("tensorserve", "msgpack", [TRUE], launch_tensorserve,
                         "server pads each batch to its longest item, un-pads per caller"),
+    "ts-thread": Peer("ts-thread", "msgpack", [TRUE], launch_tensorserve_thread,
+                      "tensorserve with the model in a thread (--isolation thread)"),
     # Triton/MLServer: pad first, so a failing true-length run can't disturb it
     "pytriton": Peer("pytriton", "kserve-binary", [PAD, TRUE], launch_pytriton,
                      "Triton dynamic batcher (same-shape requests only)"),

@@ -405,6 +405,11 @@ class Batcher:
             except BaseException as exc:
                 batch.error = exc
             batch.seconds = time.perf_counter() - batch.started
+            # A batch launched ahead waited for the one before it: prefer the
+            # runner's own figure of the model's time, which the cost model learns.
+            reported = getattr(batch.executed, "seconds", None)
+            if reported is not None:
+                batch.seconds = reported
         batch.prepared = batch.launched = None  # free device/pinned memory early
         if not self._waiting and self._to_finisher.empty():
             # Nothing to run next: the finisher would only add a hand-off.

@@ -219,14 +219,14 @@ class ProcessRunner(PaddedRunner):
         if "error" in header:
             raise ModelFailure(header["error"])
         if "items" not in header:
-            return Executed(launched.batch, tensors, None)
+            return Executed(launched.batch, tensors, None, header["seconds"])
         failed = dict(header["failed"])
         per_item: list[Any] = [
             ModelFailure(failed[i]) if i in failed
             else {spec.name: tensors[f"{i}/{spec.name}"] for spec in self._outputs}
             for i in range(header["items"])
         ]
-        return Executed(launched.batch, None, per_item)
+        return Executed(launched.batch, None, per_item, header["seconds"])
 
     def finish(self, executed: Executed, size: int) -> list[Any]:
         if executed.per_item is not None:

@@ -57,6 +57,10 @@ class Executed:
     batch: collate.PaddedBatch
     outputs: dict[str, np.ndarray] | None  # batched host outputs
     per_item: list[Any] | None  # or: the batch function's own per-item list
+    # Time the model itself took, when the runner knows it better than the
+    # batcher's launch-to-collect clock (a worker process with a batch queued
+    # behind another reports its own compute time).
+    seconds: float | None = None
 
 
 class PaddedRunner:

@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,10 +61,12 @@ def _run_batch(
         {spec.name: as_torch(features[spec.name], spec.dt) for spec in config.input}, {}, 0, 0
     )
     try:
+        started = time.perf_counter()
         executed = runner.collect(runner.launch(batch, 0))
+        seconds = time.perf_counter() - started
         if executed.per_item is None:
             assert executed.outputs is not None
-            return {}, executed.outputs
+            return {"seconds": seconds}, executed.outputs
         failed: list[tuple[int, str]] = []  # msgpack maps take string keys only
         tensors: dict[str, np.ndarray] = {}
         for i, entry in enumerate(executed.per_item):
@@ -72,7 +75,7 @@ def _run_batch(
                 failed.append((i, as_model_failure(result, name).message))
             else:
                 tensors.update({f"{i}/{key}": value for key, value in result.items()})
-        return {"items": len(executed.per_item), "failed": failed}, tensors
+        return {"items": len(executed.per_item), "failed": failed, "seconds": seconds}, tensors
     except Exception as exc:  # the model failed: this batch only
         return {"error": as_model_failure(exc, name).message}, {}
 
