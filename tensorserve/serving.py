@@ -156,7 +156,12 @@ class ServedModel:
             version = resolve_version(source, version)
             runner = ProcessRunner(source, version, config, intra_op_threads=threads)
             runner.start()  # the workers load the model; a failure raises ConfigError
-            return cls(source.name, config, None, runner=runner, version=version, on_fatal=on_fatal)
+            try:
+                return cls(source.name, config, None, runner=runner, version=version,
+                           on_fatal=on_fatal)
+            except BaseException:
+                runner.close()  # no worker outlives a model that failed to build
+                raise
         loaded = load_model(source, version, config)
         return cls(
             source.name,

@@ -92,7 +92,9 @@ class Runner(Protocol[P, E]):
         ...
 
     def collect(self, launched: Any) -> E:
-        """Wait for a launched batch; its outputs on the host."""
+        """Wait for a launched batch; its outputs on the host. If the result
+        has a ``seconds`` attribute that is not None, it is the model's own
+        time for the batch and is used instead of the launch-to-collect clock."""
         ...
 
     def finish(self, executed: E, size: int) -> Sequence[Any]:

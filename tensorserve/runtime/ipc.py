@@ -42,9 +42,9 @@ def send(sock: socket.socket, header: Mapping[str, Any], tensors: Mapping[str, n
     head = msgpack.packb(
         {
             **header,
-            "tensors": [
-                [name, _dtype_name(a), list(a.shape)] for name, a in zip(names, arrays)
-            ],
+            # bfloat16 arrays are uint16 here; the receiver's config says
+            # which features are bfloat16, exactly as on the wire.
+            "tensors": [[name, a.dtype.name, list(a.shape)] for name, a in zip(names, arrays)],
         }
     )
     sock.sendall(_LENGTH.pack(len(head)) + head)
@@ -68,12 +68,6 @@ def recv(sock: socket.socket) -> Message:
                                      offset=offset).reshape(shape)
         offset += size
     return header, tensors
-
-
-def _dtype_name(array: np.ndarray) -> str:
-    # bfloat16 arrays arrive here as uint16; the receiver knows from its own
-    # config which features are bfloat16, exactly as with the wire format.
-    return array.dtype.name
 
 
 def _read(sock: socket.socket, size: int) -> bytearray:

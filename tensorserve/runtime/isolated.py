@@ -9,9 +9,10 @@ through a socketpair per batch.
 
 The batcher does not know the difference: ``ProcessRunner`` is a
 ``PaddedRunner`` whose ``launch`` sends the padded batch to the instance's
-worker (``tensorserve/runtime/worker.py``) and waits for the reply, with
-the GIL released. Padding and un-padding stay in the server, so the
-worker only ever sees whole padded batches.
+worker (``tensorserve/runtime/worker.py``) and whose ``collect`` waits for
+the reply with the GIL released; like CUDA, it ``overlaps``, so a full next
+batch can be sent while the worker runs this one. Padding and un-padding
+stay in the server, so the worker only ever sees whole padded batches.
 
 A worker that dies (a segfault in a native extension, the OOM killer, an
 ``os._exit`` in model code) fails the batch it was running with a message
@@ -88,11 +89,9 @@ class WorkerProcess:
             reply, _ = ipc.recv(ours)
             ours.settimeout(None)
         except (EOFError, OSError) as exc:
+            why = "timed out" if isinstance(exc, TimeoutError) else _died(process.poll())
             self.stop()
-            raise ConfigError(
-                f"{self.label}: the worker process did not start "
-                f"({_died(process.poll()) if not isinstance(exc, TimeoutError) else 'timed out'})"
-            ) from None
+            raise ConfigError(f"{self.label}: the worker process did not start ({why})") from None
         if "error" in reply:
             self.stop()
             raise ConfigError(reply["error"])
