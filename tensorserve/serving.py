@@ -26,6 +26,7 @@ queued, so a bad item raises ``InvalidInput`` for its caller alone.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -191,7 +192,9 @@ class ServedModel:
         return self.start()
 
     async def __aexit__(self, *exc: object) -> None:
-        self.close()
+        # Not on the loop's thread: a batch the loop drives itself (a worker
+        # process's direct path) must be able to finish while close() waits.
+        await asyncio.to_thread(self.close)
 
     # ------------------------------------------------------------------ inference
     def validate(self, items: Sequence[Item]) -> list[dict[str, np.ndarray]]:

@@ -8,9 +8,11 @@ import asyncio
 import os
 import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgpack
@@ -242,6 +244,94 @@ async def test_the_event_loop_is_free_while_a_worker_runs(toy_repo: Path) -> Non
     assert ticks > 20
 
 
+# ---------------------------------------------------------------------- the direct path
+def _on_loops(make_coroutine: Any) -> None:
+    """Run the coroutine on asyncio's own loop and on uvloop (the server's)."""
+    import uvloop
+
+    for factory in (asyncio.new_event_loop, uvloop.new_event_loop):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(make_coroutine())
+
+
+def _record_launch_threads(model: ServedModel) -> list[int]:
+    threads: list[int] = []
+    launch = model.runner.launch
+
+    def recording(*args: Any) -> Any:
+        threads.append(threading.get_ident())
+        return launch(*args)
+
+    model.runner.launch = recording  # type: ignore[method-assign]
+    return threads
+
+
+def test_an_idle_worker_gets_its_batch_from_the_event_loop_then_from_the_model_thread() -> None:
+    items = [token_item(int(n), rng) for n in rng.integers(8, 128, size=60)]
+    with ServedModel.from_repository(REPOSITORY, "tagger") as here:
+        expected = here.infer_many_sync(items)
+
+    async def run() -> None:
+        async with ServedModel.from_repository(REPOSITORY, "tagger", isolation="process") as model:
+            launched_on = _record_launch_threads(model)
+            loop_thread = threading.get_ident()
+            # A lone caller: the loop sends the batch and reads the reply.
+            lone = await model.infer(items[0])
+            assert launched_on == [loop_thread]
+            # A burst: the first batch goes direct, the rest queue behind it
+            # and the model thread takes them, with blocking reads on the
+            # same socket (uvloop had made it non-blocking).
+            burst = await asyncio.gather(*(model.infer(item) for item in items[1:]))
+            assert launched_on[1] == loop_thread
+            assert any(thread != loop_thread for thread in launched_on[2:])
+            for got, want in zip([lone, *burst], expected, strict=True):
+                np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
+            # And alone again: direct once more, once the model thread that
+            # ran the last batch has gone back to waiting.
+            await asyncio.sleep(0.05)
+            launched_on.clear()
+            await model.infer(items[0])
+            assert launched_on == [loop_thread]
+
+    _on_loops(run)
+
+
+def test_direct_batches_fail_alone_and_a_dead_worker_is_replaced_off_the_loop(toy_repo: Path) -> None:
+    async def run() -> None:
+        async with ServedModel.from_repository(toy_repo, "mortal") as model:
+            first = _pids(model)[0]
+            with pytest.raises(ModelFailure, match=r"died while running this batch \(exit code 7\)"):
+                await model.infer(_x(7))
+            launched_on = _record_launch_threads(model)
+            # The worker is dead: a model thread starts a new one and runs it.
+            assert (await model.infer(_x(1)))["y"].tolist() == [[2.0] * 4] * 3
+            assert launched_on[0] != threading.get_ident()
+            assert _pids(model)[0] not in (None, first)
+            await asyncio.sleep(0.05)  # the model thread goes back to waiting
+            assert (await model.infer(_x(2)))["y"].tolist() == [[4.0] * 4] * 3
+            assert launched_on[1] == threading.get_ident()  # direct again
+        async with ServedModel.from_repository(toy_repo, "poison") as model:
+            with pytest.raises(ModelFailure, match="model 'poison' failed: RuntimeError: poison value 13"):
+                await model.infer(_x(13))
+            assert (await model.infer(_x(3)))["y"].tolist() == [[6.0] * 4] * 3
+
+    _on_loops(run)
+
+
+def test_close_from_another_thread_waits_for_the_batch_the_loop_is_driving(toy_repo: Path) -> None:
+    async def run() -> None:
+        model = ServedModel.from_repository(toy_repo, "sleepy").start()
+        pid = _pids(model)[0]
+        pending = asyncio.ensure_future(model.infer(_x(5.0)))
+        await asyncio.sleep(0.01)  # sent; the worker sleeps 50 ms
+        assert not pending.done()
+        await asyncio.to_thread(model.close)
+        assert (await pending)["y"][0, 0] == 5.0
+        assert not _alive(pid)
+
+    _on_loops(run)
+
+
 # ---------------------------------------------------------------------- the framing
 @pytest.mark.parametrize("dtype", ["bool", "uint8", "int64", "float16", "float32", "float64"])
 def test_ipc_messages_round_trip_tensors_of_every_shape(dtype: str) -> None:
@@ -270,6 +360,39 @@ def test_ipc_recv_says_eof_when_the_other_end_has_gone() -> None:
         ipc.recv(b)  # the whole message still arrives
         with pytest.raises(EOFError):
             ipc.recv(b)
+
+
+def _wire(header: dict[str, Any], tensors: dict[str, np.ndarray] | None = None) -> bytes:
+    """The bytes ``ipc.send`` puts on the stream for one message."""
+    a, b = socket.socketpair()
+    with a, b:
+        ipc.send(a, header, tensors)
+        a.shutdown(socket.SHUT_WR)
+        return b"".join(iter(lambda: b.recv(1 << 16), b""))
+
+
+def test_the_loops_reader_reassembles_a_dribbled_message_and_reads_no_further() -> None:
+    tensors = {"x": rng.normal(size=(300, 7)).astype(np.float32), "none": np.zeros(0, np.int64)}
+    first, second = _wire({"k": 2}, tensors), _wire({"next": True})
+    a, b = socket.socketpair()
+    with a, b:
+        reader = ipc.MessageReader()
+        assert reader.feed(b) is None  # nothing sent yet: it does not block
+        pieces = [first[i : i + 997] for i in range(0, len(first), 997)]  # odd-sized
+        for piece in pieces[:-1]:
+            a.sendall(piece)
+            assert reader.feed(b) is None
+        a.sendall(pieces[-1] + second)
+        message = reader.feed(b)
+        assert message is not None
+        header, got = message
+        assert header == {"k": 2} and got.keys() == tensors.keys()
+        for name, array in tensors.items():
+            np.testing.assert_array_equal(got[name], array)
+        assert ipc.recv(b) == ({"next": True}, {})  # not one byte of it was read
+        a.close()
+        with pytest.raises(EOFError):
+            ipc.MessageReader().feed(b)
 
 
 # ---------------------------------------------------------------------- a real server

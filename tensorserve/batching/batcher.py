@@ -22,6 +22,11 @@ an accelerator or in a worker process, where ``launch`` only queues the work
 (``runner.overlaps``), a full batch N+1 is padded and launched while batch N
 still runs.
 
+A lone request to an idle worker process (``runner.direct``) skips the
+threads: the event loop that submits it sends the batch and reads the reply
+itself (``_run_direct``), so the worker is the only other party. Any batch
+that finds the queue busy or the instance busy takes the threads' path.
+
 When is a batch formed?
 * by an idle model instance: at once (dispatch ``eager``: a lone request
   pays no timer), or (dispatch ``timer``) when a full batch waits or the
@@ -100,6 +105,23 @@ class Runner(Protocol[P, E]):
     def finish(self, executed: E, size: int) -> Sequence[Any]:
         """Per-item results (a result, or an Exception for that item alone)."""
         ...
+
+
+class DirectRunner(Runner[P, E], Protocol):
+    """A runner whose ``launch`` is cheap enough for the event loop's thread
+    (it only hands the batch to another process) and that can deliver the
+    result on the loop without blocking it: the batcher's direct path."""
+
+    direct: bool
+
+    def can_run_direct(self, instance: int) -> bool: ...
+
+    def collect_soon(
+        self,
+        launched: Any,
+        loop: asyncio.AbstractEventLoop,
+        done: Callable[[E | None, BaseException | None], None],
+    ) -> None: ...
 
 
 @dataclass(eq=False)
@@ -183,6 +205,12 @@ class Batcher:
         instances = runner.instance_count
         self._to_finisher: queue.Queue[Any] = queue.Queue(maxsize=instances + 1)
         self._threads: list[threading.Thread] = []
+        # The direct path (_run_direct): instances whose model thread waits in
+        # _take_batch with nothing on the device, and those an event loop is
+        # driving; the model thread leaves a driven instance alone.
+        self._direct_capable = getattr(runner, "direct", False) and self.options.dispatch == "eager"
+        self._parked: set[int] = set()
+        self._driven: set[int] = set()
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> Batcher:
@@ -250,9 +278,15 @@ class Batcher:
                     f"model {self.name!r} queue is full ({len(self._waiting)} items waiting, "
                     f"limit {self.options.max_queue_size}); retry later"
                 )
+            idle = not self._waiting
             self._waiting.extend(entries)
-            self._cond.notify()
+            driven = self._drive_idle_instance(now) if idle and loop is not None else None
+            if self._waiting:
+                self._wake()
         self.stats.record_request(len(entries))
+        if driven is not None:
+            assert loop is not None
+            self._run_direct(*driven, loop)
         return [entry.future for entry in entries]
 
     def submit(self, item: Any, *, timeout: float | None = None) -> Future:
@@ -304,39 +338,62 @@ class Batcher:
         overdue_in = self._waiting[0].enqueued + opts.max_queue_delay_ms / 1000 - now
         return None if overdue_in <= 0 else overdue_in
 
-    def _take_batch(self, ahead: bool = False) -> list[Pending] | None:
+    def _take_batch(self, instance: int, ahead: bool = False) -> list[Pending] | None:
         """Remove and return the next batch's entries once one is due.
 
         Blocks, unless ``ahead`` (then returns None at once when no batch is
         due). Returns ``_STOP`` when closing and nothing is left."""
-        opts = self.options
         with self._cond:
-            while True:
-                if not self._waiting:
-                    if self._closing:
-                        return _STOP
-                    if ahead:
-                        return None
-                    self._cond.wait()
-                    continue
-                now = time.monotonic()
-                wait = self._due_in(now, ahead)
-                if wait is not None and not ahead:
-                    self._cond.wait(None if wait == _UNTIL_NOTIFIED else wait)
-                    continue
-                window = self._waiting[: 16 * opts.max_batch_size]
-                overdue_at = now - opts.max_queue_delay_ms / 1000
-                views = [Waiting(p.volume, p.enqueued <= overdue_at) for p in window]
-                chosen = sorted(opts.policy.select(views, opts.max_batch_size))
-                chosen = self._within_element_cap(window, chosen)
-                if wait is not None and len(chosen) == len(window):
-                    # Ahead of a busy device, and the batch could still grow
-                    # (the policy took everything waiting): let it accumulate.
-                    return None
-                taken = set(chosen)
-                entries = [window[i] for i in chosen]
-                self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
-                return entries
+            if not ahead:
+                self._parked.add(instance)
+            try:
+                while True:
+                    if instance in self._driven:
+                        self._cond.wait()  # an event loop runs a batch on this instance
+                        continue
+                    if not self._waiting:
+                        if self._closing:
+                            return _STOP
+                        if ahead:
+                            return None
+                        self._cond.wait()
+                        continue
+                    now = time.monotonic()
+                    wait = self._due_in(now, ahead)
+                    if wait is not None and not ahead:
+                        self._cond.wait(None if wait == _UNTIL_NOTIFIED else wait)
+                        continue
+                    return self._select(now, leave_growing=wait is not None)
+            finally:
+                self._parked.discard(instance)
+
+    def _select(self, now: float, leave_growing: bool = False) -> list[Pending] | None:
+        """Take the policy's choice out of the queue (the lock held). With
+        ``leave_growing``, None if the policy would take everything waiting
+        (a batch that could still grow)."""
+        opts = self.options
+        window = self._waiting[: 16 * opts.max_batch_size]
+        overdue_at = now - opts.max_queue_delay_ms / 1000
+        views = [Waiting(p.volume, p.enqueued <= overdue_at) for p in window]
+        chosen = sorted(opts.policy.select(views, opts.max_batch_size))
+        chosen = self._within_element_cap(window, chosen)
+        if leave_growing and len(chosen) == len(window):
+            # Ahead of a busy device, and the batch could still grow
+            # (the policy took everything waiting): let it accumulate.
+            return None
+        taken = set(chosen)
+        entries = [window[i] for i in chosen]
+        self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
+        return entries
+
+    def _wake(self) -> None:
+        """Wake a model thread for the queue (the lock held). With an instance
+        driven by an event loop, its thread may be the one a plain notify
+        wakes, and it would go back to sleep: then wake them all."""
+        if self._driven:
+            self._cond.notify_all()
+        else:
+            self._cond.notify()
 
     def _within_element_cap(self, window: list[Pending], chosen: list[int]) -> list[int]:
         """Leave the newest items waiting until the padded batch fits the cap
@@ -369,7 +426,7 @@ class Batcher:
             self.runner.start_instance(instance)
             on_device: _Batch | None = None  # launched, not yet collected
             while True:
-                entries = self._take_batch(ahead=on_device is not None)
+                entries = self._take_batch(instance, ahead=on_device is not None)
                 if entries is _STOP:
                     break
                 launched = self._launch(entries, instance) if entries else None
@@ -403,21 +460,76 @@ class Batcher:
     def _collect(self, batch: _Batch) -> None:
         if batch.error is None:
             try:
-                batch.executed = self.runner.collect(batch.launched)
+                self._collected(batch, self.runner.collect(batch.launched), None)
             except BaseException as exc:
-                batch.error = exc
-            batch.seconds = time.perf_counter() - batch.started
-            # A batch launched ahead waited for the one before it: prefer the
-            # runner's own figure of the model's time, which the cost model learns.
-            reported = getattr(batch.executed, "seconds", None)
-            if reported is not None:
-                batch.seconds = reported
+                self._collected(batch, None, exc)
         batch.prepared = batch.launched = None  # free device/pinned memory early
         if not self._waiting and self._to_finisher.empty():
             # Nothing to run next: the finisher would only add a hand-off.
             self._finish(batch)
         else:
             self._to_finisher.put(batch)
+
+    def _collected(self, batch: _Batch, executed: Any, error: BaseException | None) -> None:
+        batch.executed, batch.error = executed, error
+        batch.seconds = time.perf_counter() - batch.started
+        # A batch launched ahead waited for the one before it: prefer the
+        # runner's own figure of the model's time, which the cost model learns.
+        reported = getattr(executed, "seconds", None)
+        if reported is not None:
+            batch.seconds = reported
+
+    # ------------------------------------------------------------------ direct path
+    # A lone request to an idle worker process would otherwise cross three
+    # threads: the loop wakes the model thread, which sends the batch to the
+    # worker, wakes when the reply comes and wakes the loop. Each hand-off
+    # costs ~0.1 ms on a small VM. When a caller on an event loop finds the
+    # queue empty and an instance idle, the loop sends the batch itself and
+    # reads the reply with add_reader: the worker is the only other party.
+    # Under load no instance is idle and the model threads pipeline as usual.
+    def _drive_idle_instance(self, now: float) -> tuple[list[Pending], int] | None:
+        """Claim an idle instance and the batch it should run (the lock held)."""
+        if not self._direct_capable:
+            return None
+        runner: DirectRunner[Any, Any] = self.runner  # type: ignore[assignment]
+        for instance in sorted(self._parked - self._driven):
+            if runner.can_run_direct(instance):
+                entries = self._select(now)
+                if not entries:
+                    return None
+                self._driven.add(instance)
+                return entries, instance
+        return None
+
+    def _run_direct(self, entries: list[Pending], instance: int, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop's thread: pad and send the batch, and finish it when
+        the reply arrives (the loop never blocks on the worker)."""
+        batch = self._launch(entries, instance)
+        if batch is None or batch.error is not None:
+            self._release(batch, instance)
+            return
+        runner: DirectRunner[Any, Any] = self.runner  # type: ignore[assignment]
+
+        def done(executed: Any, error: BaseException | None) -> None:
+            self._collected(batch, executed, error)
+            batch.prepared = batch.launched = None
+            self._release(batch, instance)
+
+        try:
+            runner.collect_soon(batch.launched, loop, done)
+        except BaseException as exc:  # could not even watch the socket
+            done(None, exc)
+
+    def _release(self, batch: _Batch | None, instance: int) -> None:
+        """Finish a directly driven batch, then hand the instance back to its
+        model thread (before the callers resume: a caller that then closes
+        the model finds nothing in flight)."""
+        if batch is not None:
+            self._finish(batch)
+        with self._cond:
+            self._driven.discard(instance)
+            if self._waiting or self._closing:
+                self._cond.notify_all()
 
     # ------------------------------------------------------------------ finisher
     def _finish_loop(self) -> None:
@@ -493,7 +605,7 @@ def as_model_failure(exc: BaseException, model: str) -> TensorServeError:
 
 def _settle(outcomes: Sequence[Outcome]) -> None:
     """Deliver results: thread futures directly, asyncio futures with one
-    ``call_soon_threadsafe`` per loop."""
+    ``call_soon_threadsafe`` per loop (directly when already on that loop)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}
     for outcome in outcomes:
         loop = outcome[0].loop
@@ -502,10 +614,20 @@ def _settle(outcomes: Sequence[Outcome]) -> None:
         else:
             by_loop.setdefault(loop, []).append(outcome)
     for loop, batch in by_loop.items():
+        if _running_loop() is loop:
+            _deliver(batch)  # the direct path runs on the loop: no self-pipe round
+            continue
         try:
             loop.call_soon_threadsafe(_deliver, batch)
         except RuntimeError:  # the loop is closed: its callers are gone
             pass
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # a model or finisher thread
+        return None
 
 
 def _deliver(outcomes: Sequence[Outcome]) -> None:

@@ -56,18 +56,67 @@ def send(sock: socket.socket, header: Mapping[str, Any], tensors: Mapping[str, n
 def recv(sock: socket.socket) -> Message:
     """The next message; ``EOFError`` if the other end has gone."""
     (length,) = _LENGTH.unpack(_read(sock, _LENGTH.size))
+    header, sizes = _header(_read(sock, _checked(length)))
+    return header, _arrays(header.pop("tensors"), sizes, _read(sock, sum(sizes)))
+
+
+class MessageReader:
+    """Reassembles one message from the reads an event loop's ``add_reader``
+    callback makes: ``feed`` never blocks and never reads past the message."""
+
+    def __init__(self) -> None:
+        # Grows to each part's known size, then filled in place (recv_into).
+        self._data = bytearray(_LENGTH.size)
+        self._filled = 0
+        self._header: dict[str, Any] | None = None
+        self._sizes: list[int] = []
+
+    def feed(self, sock: socket.socket) -> Message | None:
+        """Read what the socket has; the message once it is complete.
+        ``EOFError`` if the other end has gone."""
+        while True:
+            if self._filled < len(self._data):
+                try:
+                    received = sock.recv_into(
+                        memoryview(self._data)[self._filled :], 0, socket.MSG_DONTWAIT
+                    )
+                except BlockingIOError:
+                    return None
+                if received == 0:
+                    raise EOFError("the other end closed the connection")
+                self._filled += received
+            elif len(self._data) == _LENGTH.size:  # the length is in: the header next
+                (length,) = _LENGTH.unpack(self._data)
+                self._data.extend(bytes(_checked(length)))
+            elif self._header is None:  # the header is in: the tensors next
+                self._header, self._sizes = _header(self._data[_LENGTH.size :])
+                self._data.extend(bytes(sum(self._sizes)))
+            else:
+                payload = memoryview(self._data)[len(self._data) - sum(self._sizes) :]
+                return self._header, _arrays(self._header.pop("tensors"), self._sizes, payload)
+
+
+def _checked(length: int) -> int:
     if length > MAX_HEADER_BYTES:
         raise ConnectionError(f"message header of {length} bytes: the stream is corrupt")
-    header = msgpack.unpackb(_read(sock, length))
-    specs = header.pop("tensors")
-    sizes = [math.prod(shape) * dtype(name).itemsize for _, name, shape in specs]
-    payload = _read(sock, sum(sizes))
+    return length
+
+
+def _header(raw: bytearray) -> tuple[dict[str, Any], list[int]]:
+    """The decoded header and the byte size of each tensor it announces."""
+    header = msgpack.unpackb(raw)
+    sizes = [math.prod(shape) * dtype(name).itemsize for _, name, shape in header["tensors"]]
+    return header, sizes
+
+
+def _arrays(specs: list[Any], sizes: list[int], payload: Any) -> dict[str, np.ndarray]:
+    """Zero-copy views of ``payload``, one per announced tensor."""
     tensors, offset = {}, 0
     for (key, name, shape), size in zip(specs, sizes):
         tensors[key] = np.frombuffer(payload, dtype=dtype(name).numpy, count=math.prod(shape),
                                      offset=offset).reshape(shape)
         offset += size
-    return header, tensors
+    return tensors
 
 
 def _read(sock: socket.socket, size: int) -> bytearray:

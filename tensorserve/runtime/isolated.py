@@ -21,11 +21,13 @@ saying how it died; the next batch starts a fresh worker.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import numpy as np
@@ -117,6 +119,46 @@ class WorkerProcess:
             return ipc.recv(self.sock)
         except (EOFError, OSError):
             self._lost("while running this batch")
+
+    @property
+    def alive(self) -> bool:
+        return self.sock is not None and self.process is not None and self.process.poll() is None
+
+    def receive_soon(
+        self,
+        ticket: int,
+        loop: asyncio.AbstractEventLoop,
+        on_reply: Callable[[ipc.Message | None, BaseException | None], None],
+    ) -> None:
+        """``receive`` for an event loop that must not block: the loop reads
+        the reply as it arrives and calls ``on_reply(message, None)`` on its
+        own thread, or ``on_reply(None, ModelFailure)`` if the worker died."""
+        sock = self.sock
+        if ticket != self.generation or sock is None:
+            on_reply(None, ModelFailure(f"{self.label}: the worker process died before running this batch"))
+            return
+        reader = ipc.MessageReader()
+
+        def stop_reading() -> None:
+            loop.remove_reader(sock)
+            # uvloop (libuv) leaves the descriptor non-blocking, and the model
+            # thread's next receive() expects a blocking socket.
+            sock.setblocking(True)
+
+        def readable() -> None:
+            try:
+                message = reader.feed(sock)
+            except (EOFError, OSError):
+                stop_reading()
+                # Waiting for its exit status may take a moment: not on the loop.
+                died = loop.run_in_executor(None, self._lost, "while running this batch")
+                died.add_done_callback(lambda f: on_reply(None, f.exception()))
+                return
+            if message is not None:
+                stop_reading()
+                on_reply(message, None)
+
+        loop.add_reader(sock, readable)
 
     def _lost(self, when: str) -> NoReturn:
         assert self.process is not None
@@ -214,7 +256,42 @@ class ProcessRunner(PaddedRunner):
     def collect(self, launched: Launched) -> Executed:
         assert launched.worker is not None
         instance, ticket = launched.worker
-        header, tensors = self.workers[instance].receive(ticket)
+        return self._executed(launched, self.workers[instance].receive(ticket))
+
+    # -- the event loop's direct path (see Batcher._run_direct)
+    direct = True
+
+    def can_run_direct(self, instance: int) -> bool:
+        """An idle instance whose worker is up: a dead one restarts on a model
+        thread, never on the event loop."""
+        return self.workers[instance].alive
+
+    def collect_soon(
+        self,
+        launched: Launched,
+        loop: asyncio.AbstractEventLoop,
+        done: Callable[[Executed | None, BaseException | None], None],
+    ) -> None:
+        """``collect`` without blocking ``loop``: ``done(executed, error)`` runs
+        on the loop's thread once the worker has answered."""
+        assert launched.worker is not None
+        instance, ticket = launched.worker
+
+        def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
+            if message is None:
+                done(None, error)
+                return
+            try:
+                executed = self._executed(launched, message)
+            except BaseException as exc:
+                done(None, exc)
+            else:
+                done(executed, None)
+
+        self.workers[instance].receive_soon(ticket, loop, on_reply)
+
+    def _executed(self, launched: Launched, message: ipc.Message) -> Executed:
+        header, tensors = message
         if "error" in header:
             raise ModelFailure(header["error"])
         if "items" not in header:
