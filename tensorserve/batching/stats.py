@@ -72,6 +72,7 @@ class BatchStats:
                 "queue_depth": queue_depth,
                 # Raw counters, so a client can compute exact deltas between two reads.
                 "batch_items": self.batch_items,
+                "batch_seconds": self.batch_seconds,
                 "real_elements": self.real_elements,
                 "padded_elements": self.padded_elements,
                 "padding_efficiency": (

@@ -63,6 +63,7 @@ class PointResult:
     # CPU seconds this process used over the window: the load generator's own
     # cost over HTTP; in-process it includes the batcher and the model.
     client_cpu_s: float = 0.0
+    avg_batch_ms: float | None = None  # the model's own time per batch (server counters)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -273,6 +274,7 @@ async def run_point(
         batch_size_histogram=delta.histogram,
         error_samples=recorder.samples,
         client_cpu_s=cpu,
+        avg_batch_ms=delta.avg_batch_ms,
     )
 
 

@@ -16,6 +16,7 @@ COLUMNS = (
     ("p99 ms", ">"),
     ("errors", ">"),
     ("batch", ">"),
+    ("model ms", ">"),
     ("pad eff", ">"),
 )
 
@@ -41,6 +42,7 @@ def point_row(point: PointResult) -> list[str]:
         _number(point.latency_ms["p99"], 2),
         errors,
         _number(point.avg_batch_size, 2),
+        _number(point.avg_batch_ms, 2),
         efficiency,
     ]
 

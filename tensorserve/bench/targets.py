@@ -43,6 +43,9 @@ class Counters:
     padded_elements: int | None = None
     padding_efficiency: float = 1.0  # cumulative, as reported
     histogram: Mapping[str, int] = field(default_factory=dict)  # bucket upper bound -> batches
+    # The model's own time over all batches (on a worker process or a GPU,
+    # its compute, not the wait in line); None from servers that don't say.
+    batch_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class BatchingDelta:
     padding_efficiency: float | None
     padding_efficiency_exact: bool  # False: the server's cumulative ratio
     histogram: dict[str, int]
+    avg_batch_ms: float | None  # the model's own time per batch
 
     @classmethod
     def between(cls, before: Counters, after: Counters) -> BatchingDelta:
@@ -80,6 +84,9 @@ class BatchingDelta:
             efficiency = after.padding_efficiency if batches else None  # the window is all there is
         else:
             efficiency, exact = after.padding_efficiency, False
+        model_ms = None
+        if batches and after.batch_seconds is not None and before.batch_seconds is not None:
+            model_ms = 1000 * (after.batch_seconds - before.batch_seconds) / batches
         return cls(
             batches=batches,
             items=items,
@@ -87,6 +94,7 @@ class BatchingDelta:
             padding_efficiency=efficiency,
             padding_efficiency_exact=exact,
             histogram=dict(sorted(histogram.items(), key=lambda kv: float(kv[0]))),
+            avg_batch_ms=model_ms,
         )
 
 
@@ -105,6 +113,7 @@ def counters_from_snapshot(snapshot: Mapping[str, Any]) -> Counters:
         padded_elements=int(padded) if padded is not None else None,
         padding_efficiency=float(snapshot.get("padding_efficiency", 1.0)),
         histogram={str(k): int(v) for k, v in snapshot.get("batch_size_histogram", {}).items()},
+        batch_seconds=float(seconds) if (seconds := snapshot.get("batch_seconds")) is not None else None,
     )
 
 

@@ -25,6 +25,8 @@ def check_point(point: dict[str, Any]) -> None:
     assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"] <= latency["max"]
     assert point["avg_batch_size"] >= 1
     assert 0 < point["padding_efficiency"] <= 1
+    # The model's own time per batch: real, and within a request's latency.
+    assert 0 < point["avg_batch_ms"] < latency["max"]
     histogram = point["batch_size_histogram"]
     assert histogram and sum(histogram.values()) == point["batches"]
 

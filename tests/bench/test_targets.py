@@ -36,3 +36,12 @@ def test_counters_from_a_stats_snapshot() -> None:
     assert counters.histogram == {"2": 2, "4": 2}
     exact = counters_from_snapshot({**snapshot, "real_elements": 3, "padded_elements": 4})
     assert (exact.real_elements, exact.padded_elements) == (3, 4)
+
+
+def test_model_time_per_batch_comes_from_the_summed_seconds_between_two_reads() -> None:
+    before = counters_from_snapshot({"total_batches": 10, "batch_items": 20, "batch_seconds": 0.5})
+    after = counters_from_snapshot({"total_batches": 14, "batch_items": 30, "batch_seconds": 0.58})
+    assert BatchingDelta.between(before, after).avg_batch_ms == pytest.approx(20.0)
+    # A server that does not report it (or a window with no batches): unknown.
+    assert BatchingDelta.between(Counters(), Counters(3, 3)).avg_batch_ms is None
+    assert BatchingDelta.between(after, after).avg_batch_ms is None
