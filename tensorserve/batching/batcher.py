@@ -494,9 +494,8 @@ class Batcher:
         runner: DirectRunner[Any, Any] = self.runner  # type: ignore[assignment]
         for instance in sorted(self._parked - self._driven):
             if runner.can_run_direct(instance):
-                entries = self._select(now)
-                if not entries:
-                    return None
+                entries = self._select(now)  # the queue is not empty: never None
+                assert entries
                 self._driven.add(instance)
                 return entries, instance
         return None
