@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from generate_example_weights import make_variant  # noqa: E402
 
 from tensorserve import ServedModel  # noqa: E402
-from tensorserve.serving import default_intra_op_threads  # noqa: E402
+from tensorserve.runtime.device import default_intra_op_threads  # noqa: E402
 from tensorserve.bench import (  # noqa: E402
     InProcessTarget,
     ServedHttpTarget,

@@ -1,9 +1,15 @@
 """tensorserve: a Triton-style tensor inference server that dynamically
-batches variable-length inputs by padding them, and un-pads every output."""
+batches variable-length inputs by padding them, and un-pads every output.
 
-__version__ = "0.1.0"
+``import tensorserve`` is cheap: the error types load at once, and
+``ServedModel`` (which needs torch) only when it is first used, so the
+command line's ``--help`` and code that only handles errors never pay for
+importing torch.
+"""
 
-from tensorserve.errors import (  # noqa: E402
+from typing import TYPE_CHECKING, Any
+
+from tensorserve.errors import (
     DeadlineExceeded,
     InvalidInput,
     ModelFailure,
@@ -12,7 +18,11 @@ from tensorserve.errors import (  # noqa: E402
     ServerBusy,
     TensorServeError,
 )
-from tensorserve.serving import ServedModel  # noqa: E402
+
+if TYPE_CHECKING:
+    from tensorserve.serving.model import ServedModel
+
+__version__ = "0.1.0"
 
 __all__ = [
     "DeadlineExceeded",
@@ -25,3 +35,11 @@ __all__ = [
     "TensorServeError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ServedModel":
+        from tensorserve.serving.model import ServedModel
+
+        return ServedModel
+    raise AttributeError(f"module 'tensorserve' has no attribute {name!r}")

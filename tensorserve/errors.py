@@ -53,3 +53,10 @@ class ModelFailure(TensorServeError):
 class ConfigError(Exception):
     """A model's configuration or files are invalid. Reported as the model's
     not-ready reason; never reaches a caller as a request error."""
+
+
+def as_model_failure(exc: BaseException, model: str) -> TensorServeError:
+    """What a caller sees when the model raised ``exc``."""
+    if isinstance(exc, TensorServeError):
+        return exc
+    return ModelFailure(f"model {model!r} failed: {type(exc).__name__}: {exc}")

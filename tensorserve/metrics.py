@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from tensorserve.batching.stats import BATCH_SIZE_BUCKETS
 
 if TYPE_CHECKING:
-    from tensorserve.repository.registry import ModelRegistry
+    from tensorserve.serving.registry import ModelRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -54,6 +54,7 @@ from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
 from tensorserve.batching.stats import BatchStats
 from tensorserve.errors import (
     DeadlineExceeded,
+    as_model_failure,
     ModelFailure,
     ModelNotReady,
     ServerBusy,
@@ -593,13 +594,6 @@ class Batcher:
         _settle([(entry, error, True) for entry in waiting])
         if self._on_fatal is not None:
             self._on_fatal(exc)
-
-
-def as_model_failure(exc: BaseException, model: str) -> TensorServeError:
-    """What a caller sees when the model raised ``exc``."""
-    if isinstance(exc, TensorServeError):
-        return exc
-    return ModelFailure(f"model {model!r} failed: {type(exc).__name__}: {exc}")
 
 
 def _settle(outcomes: Sequence[Outcome]) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from tensorserve.errors import ModelFailure
 from tensorserve.repository.config import InputSpec, OutputSpec, VARIABLE
-from tensorserve.wire.dtypes import DType, from_torch
+from tensorserve.tensors.dtypes import DType, from_torch
 
 Item = Mapping[str, np.ndarray]
 Result = dict[str, np.ndarray]

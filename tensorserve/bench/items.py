@@ -51,7 +51,7 @@ def specs_from_config(config: Mapping[str, Any]) -> list[FeatureSpec]:
 def specs_from_metadata(metadata: Mapping[str, Any]) -> list[FeatureSpec]:
     """From KServe v2 model metadata, whose shapes lead with the batch dim when
     the model batches."""
-    from tensorserve.wire.dtypes import BY_V2
+    from tensorserve.tensors.dtypes import BY_V2
 
     batching = int(metadata.get("max_batch_size", 0)) > 1
     specs = []

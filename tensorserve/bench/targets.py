@@ -192,7 +192,7 @@ class HttpTarget:
     def encode(self, items: Sequence[Item]) -> bytes:
         import msgpack
 
-        from tensorserve.wire.tensors import encode_tensor
+        from tensorserve.tensors.wire_tensor import encode_tensor
 
         dtypes = {s.name: s.dtype for s in self.specs}
         body = {

@@ -14,7 +14,7 @@ from tensorserve.http import handlers, infer, repository
 from tensorserve.http.errors import error_middleware
 from tensorserve.http.keys import METRICS, REGISTRY, SETTINGS
 from tensorserve.metrics import CONTENT_TYPE, Metrics
-from tensorserve.repository.registry import ModelRegistry
+from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
 
 log = logging.getLogger(__name__)

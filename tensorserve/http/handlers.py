@@ -12,7 +12,7 @@ from aiohttp import web
 from tensorserve import __version__
 from tensorserve.errors import ModelNotReady
 from tensorserve.http.keys import REGISTRY
-from tensorserve.repository.registry import ModelState
+from tensorserve.serving.registry import ModelState
 from tensorserve.serving import ServedModel
 from tensorserve.wire import triton
 from tensorserve.wire.metadata import model_metadata
@@ -51,7 +51,9 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def metadata(request: web.Request) -> web.Response:
     entry = request.app[REGISTRY].get(*_model(request))
-    return web.json_response(model_metadata(entry))
+    return web.json_response(
+        model_metadata(entry.name, entry.version, entry.state.value, entry.reason, entry.config)
+    )
 
 
 async def model_ready(request: web.Request) -> web.Response:

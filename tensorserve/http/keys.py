@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from tensorserve.metrics import Metrics
-from tensorserve.repository.registry import ModelRegistry
+from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
 
 SETTINGS = web.AppKey("settings", Settings)

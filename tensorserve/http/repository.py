@@ -15,7 +15,7 @@ from aiohttp import web
 from tensorserve.errors import InvalidInput
 from tensorserve.http.bodies import read_json_object
 from tensorserve.http.keys import REGISTRY
-from tensorserve.repository.registry import ModelState
+from tensorserve.serving.registry import ModelState
 from tensorserve.wire import triton
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tensorserve.errors import ConfigError
-from tensorserve.wire.dtypes import DType, DTYPES
+from tensorserve.tensors.dtypes import DType, DTYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,6 +21,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 VARIABLE = -1
+# Bound on any variable axis when the config sets no max_length: keeps a
+# single client from asking the server to allocate an absurd padded batch.
+DEFAULT_MAX_LENGTH = 1 << 16
 
 
 class _Strict(BaseModel):
@@ -28,7 +31,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class _TensorSpec(_Strict):
+class TensorSpec(_Strict):
     name: str = Field(min_length=1, description="Feature name; the model's keyword argument.")
     dtype: str = Field(description="numpy dtype name, or bfloat16.")
     shape: list[int] = Field(description="Per-item shape without the batch dim; -1 = variable.")
@@ -56,14 +59,14 @@ class _TensorSpec(_Strict):
         return tuple(i for i, d in enumerate(self.shape) if d == VARIABLE)
 
 
-class InputSpec(_TensorSpec):
+class InputSpec(TensorSpec):
     pad_value: float | int | bool = Field(0, description="Value this feature is padded with.")
     max_length: int | None = Field(
         None, ge=1, description="Upper bound on every variable axis (default: server's limit)."
     )
 
 
-class OutputSpec(_TensorSpec):
+class OutputSpec(TensorSpec):
     unpad_like: str | None = Field(
         None,
         description="Input whose variable axes, in order, give this output's variable axes. "

@@ -10,7 +10,7 @@ One message on a stream socket (a ``socketpair``, never a network socket):
 Tensors travel as raw bytes (no pickle, no copy into the header) and are
 read into one buffer per message, of which the received arrays are
 zero-copy views. bfloat16 travels as its uint16 bit patterns, as on the wire
-(see ``tensorserve.wire.dtypes``).
+(see ``tensorserve.tensors.dtypes``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from tensorserve.wire.dtypes import dtype
+from tensorserve.tensors.dtypes import dtype
 
 _LENGTH = struct.Struct("<I")
 # Both ends are ours, but a corrupted stream must not make us allocate

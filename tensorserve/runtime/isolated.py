@@ -39,7 +39,7 @@ from tensorserve.repository.config import ModelConfig
 from tensorserve.repository.loader import ModelSource
 from tensorserve.runtime import ipc
 from tensorserve.runtime.runner import Executed, Launched, PaddedRunner
-from tensorserve.wire.dtypes import from_torch
+from tensorserve.tensors.dtypes import from_torch
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from tensorserve.batching import collate
 from tensorserve.errors import ModelFailure
 from tensorserve.repository.config import VARIABLE, ModelConfig
 from tensorserve.runtime.device import DeviceContext
-from tensorserve.wire.dtypes import from_torch
+from tensorserve.tensors.dtypes import from_torch
 
 
 def on_device(fn: Callable[..., Any], config: ModelConfig, device: torch.device) -> Callable[..., Any]:

@@ -24,15 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from tensorserve.batching.batcher import as_model_failure
 from tensorserve.batching.collate import PaddedBatch
-from tensorserve.errors import ConfigError
+from tensorserve.errors import ConfigError, as_model_failure
 from tensorserve.repository.config import ModelConfig, parse_config
 from tensorserve.repository.loader import ModelSource, load_model
 from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.runner import PaddedRunner, on_device
-from tensorserve.wire.dtypes import as_torch
+from tensorserve.tensors.dtypes import as_torch
 
 log = logging.getLogger("tensorserve.worker")
 

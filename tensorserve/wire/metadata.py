@@ -4,26 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensorserve.repository.config import ModelConfig, _TensorSpec
-from tensorserve.repository.registry import ModelEntry
+from tensorserve.repository.config import ModelConfig, TensorSpec
 
 
-def _tensor(spec: _TensorSpec, batching: bool) -> dict[str, Any]:
+def _tensor(spec: TensorSpec, batching: bool) -> dict[str, Any]:
     # A batching model's batch dimension is reported as -1, as Triton does.
     shape = ([-1] if batching else []) + list(spec.shape)
     return {"name": spec.name, "datatype": spec.dt.v2, "shape": shape, "dtype": spec.dtype}
 
 
-def model_metadata(entry: ModelEntry) -> dict[str, Any]:
+def model_metadata(
+    name: str, version: int | None, state: str, reason: str, config: ModelConfig | None
+) -> dict[str, Any]:
     metadata: dict[str, Any] = {
-        "name": entry.name,
-        "versions": [str(entry.version)] if entry.version is not None else [],
+        "name": name,
+        "versions": [str(version)] if version is not None else [],
         "platform": "pytorch_tensorserve",
-        "state": entry.state.value,
+        "state": state,
     }
-    if entry.reason:
-        metadata["reason"] = entry.reason
-    config: ModelConfig | None = entry.config
+    if reason:
+        metadata["reason"] = reason
     if config is not None:
         metadata["max_batch_size"] = config.max_batch_size
         metadata["inputs"] = [

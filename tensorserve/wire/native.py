@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 
 from tensorserve.errors import InvalidInput
-from tensorserve.wire.tensors import decode_tensor, encode_tensor
+from tensorserve.tensors.wire_tensor import decode_tensor, encode_tensor
 
 CONTENT_TYPE = "application/msgpack"
 

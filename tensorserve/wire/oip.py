@@ -36,11 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorserve.batching.validate import DEFAULT_MAX_LENGTH
 from tensorserve.errors import InvalidInput, ModelFailure
-from tensorserve.repository.config import VARIABLE, InputSpec, ModelConfig, OutputSpec
-from tensorserve.wire.dtypes import BY_V2, DType, as_torch, from_torch
-from tensorserve.wire.tensors import WireTensor, check_shape, from_bytes
+from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, InputSpec, ModelConfig, OutputSpec
+from tensorserve.tensors.dtypes import BY_V2, DType, as_torch, from_torch
+from tensorserve.tensors.wire_tensor import WireTensor, check_shape, from_bytes
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 JSON_CONTENT_TYPE = "application/json"

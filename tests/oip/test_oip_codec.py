@@ -16,7 +16,7 @@ import tritonclient.http as triton_http
 from tensorserve.errors import InvalidInput, ModelFailure
 from tensorserve.repository.config import ModelConfig, parse_config
 from tensorserve.wire import oip
-from tensorserve.wire.dtypes import BY_V2
+from tensorserve.tensors.dtypes import BY_V2
 
 TAGGER = parse_config(
     {

@@ -27,7 +27,6 @@ queued, so a bad item raises ``InvalidInput`` for its caller alone.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -38,7 +37,7 @@ import numpy as np
 from tensorserve.batching.batcher import Batcher, BatcherOptions
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
-from tensorserve.batching.validate import validate_item
+from tensorserve.wire.validate import validate_item
 from tensorserve.repository.config import VARIABLE, DynamicBatching, ModelConfig, parse_config
 from tensorserve.repository.loader import (
     ModelSource,
@@ -47,21 +46,12 @@ from tensorserve.repository.loader import (
     read_config,
     resolve_version,
 )
-from tensorserve.runtime.device import resolve_device
+from tensorserve.runtime.device import default_intra_op_threads, resolve_device
 from tensorserve.runtime.isolated import ProcessRunner
 from tensorserve.runtime.runner import PaddedRunner, on_device
 
 Item = Mapping[str, Any]
 Result = dict[str, np.ndarray]
-
-
-def default_intra_op_threads() -> int:
-    """Intra-op threads for each model thread: every core but one, which is
-    left to the event loop and the pipeline threads. On this project's 2-core
-    machines one model thread plus a free core served 1.4x the items/s of two
-    model threads fighting the HTTP stack for the cores (docs/threading.md)."""
-    value = os.environ.get("TENSORSERVE_INTRA_OP_THREADS")
-    return int(value) if value else max(1, (os.cpu_count() or 1) - 1)
 
 
 class ServedModel:

@@ -13,13 +13,9 @@ import numpy as np
 import torch
 
 from tensorserve.errors import InvalidInput
-from tensorserve.repository.config import InputSpec, VARIABLE
-from tensorserve.wire.dtypes import BY_TORCH, DType, from_torch
-from tensorserve.wire.tensors import WireTensor
-
-# Bound on any variable axis when the config sets no max_length: keeps a
-# single client from asking the server to allocate an absurd padded batch.
-DEFAULT_MAX_LENGTH = 1 << 16
+from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, InputSpec
+from tensorserve.tensors.dtypes import BY_TORCH, DType, from_torch
+from tensorserve.tensors.wire_tensor import WireTensor
 
 
 def _from_list(data: Any, dt: DType, where: str) -> np.ndarray:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from tensorserve.errors import InvalidInput
-from tensorserve.wire.dtypes import DTYPES
+from tensorserve.tensors.dtypes import DTYPES
 
 MAX_RANK = 8
 
