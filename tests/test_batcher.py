@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
-from tensorserve import DeadlineExceeded, InvalidInput, ModelFailure, ServedModel, ServerBusy
-from tensorserve.batching.batcher import Batcher, BatcherOptions
+from tensorserve import (
+    DeadlineExceeded,
+    InvalidInput,
+    ModelFailure,
+    ModelNotReady,
+    ServedModel,
+    ServerBusy,
+)
+from tensorserve.batching.admission import BatcherOptions
+from tensorserve.batching.batcher import Batcher
+from tensorserve.batching.collate import Collator
+from tensorserve.repository.config import parse_config
+from tensorserve.runtime.executor import Executed
 from tensorserve.batching.policy import BatchPolicy, make_policy
 
 X_IN = [{"name": "x", "dtype": "float32", "shape": [-1], "pad_value": -1.0}]
@@ -286,45 +296,33 @@ def test_items_of_very_different_shapes_are_not_padded_into_one_huge_batch() -> 
 
 
 class OverlappingDevice:
-    """A fake accelerator for the Batcher: ``launch`` returns at once,
+    """A fake accelerator executor for the Batcher: ``launch`` returns at once,
     ``collect`` waits until the test opens the gate; records how many batches
     were launched before the first one was collected."""
 
     instance_count = 1
     overlaps = True
+    pin_memory = False
 
     def __init__(self) -> None:
         self.gate = threading.Event()
-        self.launched: list[list[np.ndarray]] = []
+        self.launched: list[torch.Tensor] = []
         self.launched_before_first_collect: int | None = None
-
-    def volume(self, item: np.ndarray) -> int:
-        return len(item)
-
-    def padded_elements(self, items: list[np.ndarray]) -> int:
-        return len(items) * max(len(i) for i in items)
-
-    def prepare(self, items: list[np.ndarray]) -> list[np.ndarray]:
-        return items
-
-    def padding(self, prepared: list[np.ndarray]) -> tuple[int, int]:
-        return (1, 1)
+        self.first_collect = threading.Event()
 
     def start_instance(self, instance: int) -> None:
         pass
 
-    def launch(self, prepared: list[np.ndarray], instance: int) -> list[np.ndarray]:
-        self.launched.append(prepared)
-        return prepared
+    def launch(self, features: dict[str, torch.Tensor], instance: int) -> torch.Tensor:
+        self.launched.append(features["x"])
+        return features["x"]
 
-    def collect(self, launched: list[np.ndarray]) -> list[np.ndarray]:
+    def collect(self, launched: torch.Tensor) -> Executed:
         if self.launched_before_first_collect is None:
             self.launched_before_first_collect = len(self.launched)
+            self.first_collect.set()
         assert self.gate.wait(10)
-        return launched
-
-    def finish(self, executed: list[np.ndarray], size: int) -> list[np.ndarray]:
-        return [row * 2 for row in executed]
+        return Executed({"y": (launched * 2).numpy()}, None)
 
 
 @pytest.mark.parametrize(
@@ -343,17 +341,44 @@ def test_a_full_batch_is_launched_ahead_of_a_busy_device_and_a_growing_one_waits
 ) -> None:
     device = OverlappingDevice()
     options = BatcherOptions(max_batch_size=4 if ahead == 1 else 8, policy=policy)
-    inputs = [np.full(10, float(i)) for i in range(6)]
-    with Batcher(device, options) as batcher:
+    collator = Collator(parse_config({"input": X_IN, "output": Y_OUT}, "fake"))
+    inputs = [{"x": np.full(10, float(i), np.float32)} for i in range(6)]
+    with Batcher(device, collator, options) as batcher:
         futures = batcher.submit_many(inputs)
-        deadline = time.monotonic() + 10
-        while device.launched_before_first_collect is None and time.monotonic() < deadline:
-            time.sleep(0.001)
-        time.sleep(0.05)  # a wrongly launched batch would show up meanwhile
+        assert device.first_collect.wait(10)
+        # The model thread decides what to launch ahead *before* it collects
+        # the first batch: by now nothing more can be launched until the gate.
         assert device.launched_before_first_collect == ahead
         assert len(device.launched) == ahead
         device.gate.set()
         results = [f.result(10) for f in futures]
     for item, result in zip(inputs, results):  # nothing reordered or lost
-        np.testing.assert_array_equal(result, item * 2)
+        np.testing.assert_array_equal(result["y"], item["x"] * 2)
     assert sum(len(b) for b in device.launched) == 6
+
+
+def test_a_pipeline_failure_answers_the_launched_batch_and_the_queued_items() -> None:
+    """A bug in a model thread (here: forming the batch to launch ahead) must
+    answer every caller: the batch already on the device, and those queued."""
+    device = OverlappingDevice()
+    collator = Collator(parse_config({"input": X_IN, "output": Y_OUT}, "fake"))
+    fatal: list[BaseException] = []
+    batcher = Batcher(device, collator, BatcherOptions(max_batch_size=1), on_fatal=fatal.append)
+    take, calls = batcher.queue.take, []
+
+    def failing_take(*args: object, **kwargs: object) -> object:
+        calls.append(args)
+        if len(calls) == 2:  # batch 1 is on the device: forming batch 2 fails
+            raise RuntimeError("selection bug")
+        return take(*args, **kwargs)
+
+    batcher.queue.take = failing_take  # type: ignore[method-assign]
+    with batcher:
+        futures = batcher.submit_many([{"x": np.full(3, float(i), np.float32)} for i in range(3)])
+        for future in futures:
+            with pytest.raises(ModelFailure, match="internal batcher failure: RuntimeError"):
+                future.result(10)
+        with pytest.raises(ModelNotReady, match="not accepting"):
+            batcher.submit({"x": np.ones(2, np.float32)})
+    assert [type(e) for e in fatal] == [RuntimeError]
+    assert len(device.launched) == 1  # batch 1 was on the device, never collected

@@ -44,7 +44,7 @@ def test_padded_cuda_batches_match_per_item_cpu_results(instances: int) -> None:
 
 def test_batches_are_assembled_in_pinned_memory_for_cuda() -> None:
     with ServedModel.from_repository(REPOSITORY, "image_filter", device="cuda") as model:
-        batch = model.runner.prepare(
+        batch = model.batcher.collator.pad(
             [{"image": rng.normal(size=(5, 7)).astype(np.float32)},
              {"image": rng.normal(size=(3, 9)).astype(np.float32)}]
         )

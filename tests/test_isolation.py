@@ -49,7 +49,7 @@ def _alive(pid: int) -> bool:
 
 
 def _pids(model: ServedModel) -> list[int]:
-    return [w.pid for w in model.runner.workers]  # type: ignore[attr-defined]
+    return [w.pid for w in model.executor.workers]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("name", ["tagger", "image_filter", "embedder"])
@@ -255,15 +255,24 @@ def _on_loops(make_coroutine: Any) -> None:
 
 
 def _record_launch_threads(model: ServedModel) -> list[int]:
+    """The thread that sends each batch to the worker: a model thread
+    (``launch``) or the event loop's (``try_launch_direct``)."""
     threads: list[int] = []
-    launch = model.runner.launch
+    executor = model.executor
+    for name in ("launch", "try_launch_direct"):
+        send = getattr(executor, name)
 
-    def recording(*args: Any) -> Any:
-        threads.append(threading.get_ident())
-        return launch(*args)
+        def recording(*args: Any, send: Any = send) -> Any:
+            threads.append(threading.get_ident())
+            return send(*args)
 
-    model.runner.launch = recording  # type: ignore[method-assign]
+        setattr(executor, name, recording)
     return threads
+
+
+async def _parked(model: ServedModel) -> None:
+    """Wait until the model thread has gone back to waiting for work."""
+    assert await asyncio.to_thread(model.batcher.wait_idle, 10)
 
 
 def test_an_idle_worker_gets_its_batch_from_the_event_loop_then_from_the_model_thread() -> None:
@@ -275,6 +284,7 @@ def test_an_idle_worker_gets_its_batch_from_the_event_loop_then_from_the_model_t
         async with ServedModel.from_repository(REPOSITORY, "tagger", isolation="process") as model:
             launched_on = _record_launch_threads(model)
             loop_thread = threading.get_ident()
+            await _parked(model)
             # A lone caller: the loop sends the batch and reads the reply.
             lone = await model.infer(items[0])
             assert launched_on == [loop_thread]
@@ -288,7 +298,7 @@ def test_an_idle_worker_gets_its_batch_from_the_event_loop_then_from_the_model_t
                 np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
             # And alone again: direct once more, once the model thread that
             # ran the last batch has gone back to waiting.
-            await asyncio.sleep(0.05)
+            await _parked(model)
             launched_on.clear()
             await model.infer(items[0])
             assert launched_on == [loop_thread]
@@ -307,7 +317,7 @@ def test_direct_batches_fail_alone_and_a_dead_worker_is_replaced_off_the_loop(to
             assert (await model.infer(_x(1)))["y"].tolist() == [[2.0] * 4] * 3
             assert launched_on[0] != threading.get_ident()
             assert _pids(model)[0] not in (None, first)
-            await asyncio.sleep(0.05)  # the model thread goes back to waiting
+            await _parked(model)
             assert (await model.infer(_x(2)))["y"].tolist() == [[4.0] * 4] * 3
             assert launched_on[1] == threading.get_ident()  # direct again
         async with ServedModel.from_repository(toy_repo, "poison") as model:
@@ -322,12 +332,82 @@ def test_close_from_another_thread_waits_for_the_batch_the_loop_is_driving(toy_r
     async def run() -> None:
         model = ServedModel.from_repository(toy_repo, "sleepy").start()
         pid = _pids(model)[0]
+        await _parked(model)
         pending = asyncio.ensure_future(model.infer(_x(5.0)))
-        await asyncio.sleep(0.01)  # sent; the worker sleeps 50 ms
+        await asyncio.sleep(0)  # the task runs up to its await: the batch is sent
         assert not pending.done()
         await asyncio.to_thread(model.close)
         assert (await pending)["y"][0, 0] == 5.0
         assert not _alive(pid)
+
+    _on_loops(run)
+
+
+def test_close_on_the_loop_that_drives_a_batch_waits_for_it_there(toy_repo: Path) -> None:
+    async def run() -> None:
+        model = ServedModel.from_repository(toy_repo, "sleepy").start()
+        await _parked(model)
+        pending = asyncio.ensure_future(model.infer(_x(6.0)))
+        await asyncio.sleep(0)  # the task runs up to its await: the batch is sent
+        started = time.monotonic()
+        model.close()  # on the loop's own thread, which holds the reply's reader
+        # It did not wait out the 30 s join timeout: it read the reply itself.
+        assert time.monotonic() - started < 10
+        assert (await pending)["y"][0, 0] == 6.0
+
+    _on_loops(run)
+
+
+def test_a_batch_the_loop_cannot_send_goes_to_the_model_thread(toy_repo: Path) -> None:
+    """The worker dies between the check that it is up and the send: the loop
+    neither waits for its exit nor restarts it; a model thread does."""
+
+    async def run() -> None:
+        async with ServedModel.from_repository(toy_repo, "poison") as model:
+            worker = model.executor.workers[0]
+            dead = worker.process
+            assert dead is not None
+            await _parked(model)
+            dead.kill()
+            dead.wait(10)
+            dead.poll = lambda: None  # type: ignore[method-assign]  # still looks alive
+            launched_on = _record_launch_threads(model)
+            starts: list[int] = []
+            start = worker.start
+
+            def recording_start() -> None:
+                starts.append(threading.get_ident())
+                start()
+
+            worker.start = recording_start  # type: ignore[method-assign]
+            loop_thread = threading.get_ident()
+            assert (await model.infer(_x(4.0)))["y"].tolist() == [[8.0] * 4] * 3
+            # Tried on the loop (the send failed), then sent by a model thread
+            # that started a new worker.
+            assert launched_on[0] == loop_thread and launched_on[1] != loop_thread
+            assert starts and loop_thread not in starts
+            assert worker.pid != dead.pid
+
+    _on_loops(run)
+
+
+def test_a_large_batch_is_padded_on_a_model_thread_not_on_the_loop(
+    toy_repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tensorserve.batching import batcher
+
+    monkeypatch.setattr(batcher, "DIRECT_MAX_ELEMENTS", 12)  # one item of 3 x 4
+
+    async def run() -> None:
+        async with ServedModel.from_repository(toy_repo, "poison") as model:
+            launched_on = _record_launch_threads(model)
+            await _parked(model)
+            assert (await model.infer(_x(1.0)))["y"].tolist() == [[2.0] * 4] * 3  # 12: direct
+            await _parked(model)
+            long = {"x": np.full((4, 4), 1.0, np.float32)}  # 16 elements
+            assert (await model.infer(long))["y"].tolist() == [[2.0] * 4] * 4
+            loop_thread = threading.get_ident()
+            assert launched_on[0] == loop_thread and launched_on[1] != loop_thread
 
     _on_loops(run)
 

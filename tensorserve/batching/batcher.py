@@ -1,45 +1,47 @@
-"""The dynamic batcher: a queue, deadlines and futures; nothing of HTTP.
+"""The dynamic batcher of one model: threads and futures; nothing of HTTP.
 
 Items go in with ``submit_many`` (thread-safe, from any thread) or
-``infer_many`` (a coroutine). Each gets a future that the batcher owns until
-it resolves it with the item's result or a ``TensorServeError``: a
-``concurrent.futures.Future`` for threads, an ``asyncio.Future`` of the
-caller's loop for coroutines, resolved with one ``call_soon_threadsafe`` per
-batch and loop (not one wake-up of the loop per item). Two kinds of
-threads form a pipeline joined by a bounded hand-off:
+``infer_many`` (a coroutine); each gets a future that the batcher owns until
+it resolves it with the item's result or a ``TensorServeError``. The pieces:
 
-    model (xN)  one per model instance: takes the next batch from the queue
-                (the policy says which items), pads it (runner.prepare) and
-                runs it (runner.launch / runner.collect)
-    finisher    un-pads the outputs and resolves the futures (runner.finish)
+    admission.py   the queue: admit, when is a batch due, which items form it
+                   (pure; the batcher holds its lock around every call)
+    collate.py     pad a batch, un-pad its outputs (pure)
+    executor.py    the runtime's contract: launch a padded batch, collect it
+    results.py     a batch's outcome per caller, recorded in stats (no threads)
+    delivery.py    settle futures on their callers' loops
+    batcher.py     this file: the threads that join them
 
-The thread that just finished a batch forms the next one itself, so no
-thread hand-off sits between two batches on the model's critical path (with
-a separate dispatcher thread, py-spy showed the model thread idle about a
-third of the time at c=32, waiting for the GIL and for its next batch). While the model runs batch N, the event loop decodes
-and validates the items of batch N+1 and the finisher un-pads batch N-1. On
-an accelerator or in a worker process, where ``launch`` only queues the work
-(``runner.overlaps``), a full batch N+1 is padded and launched while batch N
-still runs.
+    submit ─▶ queue ─▶ model thread: take ─▶ pad ─▶ launch ─▶ collect
+                                                               │
+              caller ◀─ settle ◀─ un-pad ◀──────── _finish ◀───┘
 
-A lone request to an idle worker process (``runner.direct``) skips the
-threads: the event loop that submits it sends the batch and reads the reply
-itself (``_run_direct``), so the worker is the only other party. Any batch
-that finds the queue busy or the instance busy takes the threads' path.
+Threads. One model thread per instance takes the next batch, pads it,
+launches and collects it. ``_finish`` (un-pad, record, deliver) runs on the
+finisher thread while more work waits, so the model thread goes straight to
+its next batch; with nothing else waiting the model thread finishes the batch
+itself (one hand-off less for a lone request). The thread that just finished
+a batch forms the next one, so no hand-off sits between two batches on the
+model's critical path. Where ``launch`` only queues the work
+(``executor.overlaps``: CUDA, a worker process), a full next batch is padded
+and launched while the current one runs.
 
-When is a batch formed?
-* by an idle model instance: at once (dispatch ``eager``: a lone request
-  pays no timer), or (dispatch ``timer``) when a full batch waits or the
-  oldest item has waited ``max_queue_delay``;
-* ahead of a busy device (``runner.overlaps``: CUDA, or a worker process):
-  only a full batch, one of max_batch_size or one the policy cut short of
-  the items waiting (e.g. at its ``max_batch_tokens`` budget); a batch that
-  could still grow is left to accumulate until the device is free.
+The direct path. A lone request to an idle worker process would cross three
+threads (loop → model thread → worker → model thread → loop), at ~0.1 ms a
+hand-off. When a caller on an event loop finds the queue empty and an
+instance parked, the loop pads and sends the batch itself and reads the reply
+as it arrives (``_run_direct``). The loop never blocks on a worker: if the
+batch cannot be sent, it goes back to the queue for the model threads (which
+restart a dead worker), and only small batches go direct (``DIRECT_MAX_ELEMENTS``).
+
+Each instance is in one ``InstanceState``, changed under the lock; a socket
+or device has one owner at a time: its model thread, or (DRIVEN) one loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 import queue
@@ -47,138 +49,28 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
-from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
+from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
+from tensorserve.batching.collate import Collator
+from tensorserve.batching.delivery import running_loop, settle
+from tensorserve.batching.executor import BatchOutputs, DirectExecutor, Executor
+from tensorserve.batching.results import Batch, BatchResults
 from tensorserve.batching.stats import BatchStats
-from tensorserve.errors import (
-    DeadlineExceeded,
-    as_model_failure,
-    ModelFailure,
-    ModelNotReady,
-    ServerBusy,
-    TensorServeError,
-)
+from tensorserve.errors import DeadlineExceeded, ModelFailure, ModelNotReady
 
 log = logging.getLogger(__name__)
 
-P = TypeVar("P")  # a prepared (padded) batch
-E = TypeVar("E")  # an executed batch
+# The direct path pads on the event loop's thread and sends without blocking:
+# only batches this small go direct (at most 1 MB of int64, well inside a
+# worker socket's 4 MB buffer, ~0.1 ms of padding); larger ones take a thread.
+DIRECT_MAX_ELEMENTS = 1 << 17
 
 
-class Runner(Protocol[P, E]):
-    """What the batcher needs from whatever runs batches (see runtime/)."""
-
-    instance_count: int
-
-    def volume(self, item: Any) -> int:
-        """Padded-size proxy of one item, for length-aware policies."""
-        ...
-
-    def padded_elements(self, items: list[Any]) -> int:
-        """Elements a padded batch of these items would allocate."""
-        ...
-
-    def prepare(self, items: list[Any]) -> P: ...
-
-    def padding(self, prepared: P) -> tuple[int, int]:
-        """(real elements, padded elements) of a prepared batch."""
-        ...
-
-    def start_instance(self, instance: int) -> None:
-        """Called once on each model thread before its first batch."""
-        ...
-
-    overlaps: bool
-    """True when ``launch`` returns before the device has finished (CUDA)."""
-
-    def launch(self, prepared: P, instance: int) -> Any:
-        """Start the batch on the device (on a CPU: run it)."""
-        ...
-
-    def collect(self, launched: Any) -> E:
-        """Wait for a launched batch; its outputs on the host. If the result
-        has a ``seconds`` attribute that is not None, it is the model's own
-        time for the batch and is used instead of the launch-to-collect clock."""
-        ...
-
-    def finish(self, executed: E, size: int) -> Sequence[Any]:
-        """Per-item results (a result, or an Exception for that item alone)."""
-        ...
-
-
-class DirectRunner(Runner[P, E], Protocol):
-    """A runner whose ``launch`` is cheap enough for the event loop's thread
-    (it only hands the batch to another process) and that can deliver the
-    result on the loop without blocking it: the batcher's direct path."""
-
-    direct: bool
-
-    def can_run_direct(self, instance: int) -> bool: ...
-
-    def collect_soon(
-        self,
-        launched: Any,
-        loop: asyncio.AbstractEventLoop,
-        done: Callable[[E | None, BaseException | None], None],
-    ) -> None: ...
-
-
-@dataclass(eq=False)
-class Pending:
-    item: Any
-    volume: int
-    future: Future | asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop | None  # set for asyncio futures
-    enqueued: float  # time.monotonic()
-    deadline: float | None
-
-    def caller_left(self) -> bool:
-        """True if the caller cancelled; for a thread's future this also marks
-        it running, so a later cancel() cannot race with the result."""
-        if self.loop is None:
-            return not self.future.set_running_or_notify_cancel()  # type: ignore[union-attr]
-        # Read from another thread: a stale "not yet" only runs an item whose
-        # caller is about to leave; its result is then dropped.
-        return self.future.cancelled()
-
-
-Outcome = tuple[Pending, Any, bool]  # (entry, result or exception, failed)
-
-
-@dataclass(eq=False)
-class _Batch:
-    entries: list[Pending]
-    dispatched: float
-    prepared: Any = None
-    launched: Any = None
-    executed: Any = None
-    error: BaseException | None = None
-    started: float = 0.0  # perf_counter() at launch
-    seconds: float = 0.0
-    padding: tuple[int, int] = (0, 0)
-
-
-_STOP: Any = object()
-_UNTIL_NOTIFIED = math.inf
-
-
-@dataclass
-class BatcherOptions:
-    max_batch_size: int = 32
-    max_queue_delay_ms: float = 5.0
-    dispatch: str = "eager"  # "eager" | "timer"
-    policy: BatchPolicy = field(default_factory=FifoPolicy)
-    max_queue_size: int = 4096
-    max_batch_elements: int | None = None  # hard cap on one padded batch's elements
-
-    def __post_init__(self) -> None:
-        if self.dispatch not in ("eager", "timer"):
-            raise ValueError(f"dispatch must be 'eager' or 'timer', not {self.dispatch!r}")
-        if self.max_queue_delay_ms < 0:
-            raise ValueError("max_queue_delay_ms must be >= 0")
-        self.max_batch_size = max(1, self.max_batch_size)
+class InstanceState(enum.Enum):
+    BUSY = "busy"  # its model thread owns it: forming, running or collecting a batch
+    PARKED = "parked"  # its model thread waits for work, nothing on the device
+    DRIVEN = "driven"  # an event loop runs a batch on it; its model thread waits
 
 
 class Batcher:
@@ -187,37 +79,39 @@ class Batcher:
 
     def __init__(
         self,
-        runner: Runner[Any, Any],
+        executor: Executor,
+        collator: Collator,
         options: BatcherOptions | None = None,
         *,
         name: str = "model",
         stats: BatchStats | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
-        self.runner = runner
+        self.executor = executor
+        self.collator = collator
         self.options = options or BatcherOptions()
         self.name = name
         self.stats = stats or BatchStats()
         self._on_fatal = on_fatal
-        self._waiting: list[Pending] = []
-        self._cond = threading.Condition()
+        self.queue = AdmissionQueue(self.options, collator.padded_elements, name)
+        self.results = BatchResults(collator, self.options.policy, self.stats, name)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # the queue and instance states
+        self._parked = threading.Condition(self._lock)  # an instance was parked (wait_idle)
         self._accepting = False
         self._closing = False
-        instances = runner.instance_count
-        self._to_finisher: queue.Queue[Any] = queue.Queue(maxsize=instances + 1)
+        instances = executor.instance_count
+        self._states = [InstanceState.BUSY] * instances
+        self._in_flight: set[Batch] = set()  # left the queue, not yet finished
+        self._to_finisher: queue.Queue[Batch | None] = queue.Queue(maxsize=instances + 1)
         self._threads: list[threading.Thread] = []
-        # The direct path (_run_direct): instances whose model thread waits in
-        # _take_batch with nothing on the device, and those an event loop is
-        # driving; the model thread leaves a driven instance alone.
-        self._direct_capable = getattr(runner, "direct", False) and self.options.dispatch == "eager"
-        self._parked: set[int] = set()
-        self._driven: set[int] = set()
+        self._direct = isinstance(executor, DirectExecutor) and self.options.dispatch == "eager"
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> Batcher:
         threads = [
             threading.Thread(target=self._model_loop, args=(i,), name=f"{self.name}-model-{i}")
-            for i in range(self.runner.instance_count)
+            for i in range(self.executor.instance_count)
         ]
         threads.append(threading.Thread(target=self._finish_loop, name=f"{self.name}-finish"))
         for thread in threads:
@@ -228,13 +122,16 @@ class Batcher:
         return self
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Stop accepting; everything already queued still runs; then join."""
+        """Stop accepting; everything already queued still runs; then join.
+        Safe from any thread, the event loop that drives a batch included."""
         with self._cond:
             self._accepting = False
             self._closing = True
             self._cond.notify_all()
+        self._finish_batches_driven_here()
         for thread in self._threads:
-            thread.join(timeout)
+            if thread is not threading.current_thread():
+                thread.join(timeout)
         self._threads = []
 
     def __enter__(self) -> Batcher:
@@ -245,7 +142,18 @@ class Batcher:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._waiting)
+        return len(self.queue)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or running and every model thread is
+        parked, waiting for work; False if that did not happen in time."""
+        with self._lock:
+            return self._parked.wait_for(
+                lambda: not len(self.queue)
+                and not self._in_flight
+                and all(state is InstanceState.PARKED for state in self._states),
+                timeout,
+            )
 
     # ------------------------------------------------------------------ submitting
     def submit_many(
@@ -263,7 +171,7 @@ class Batcher:
         entries = [
             Pending(
                 item,
-                self.runner.volume(item),
+                self.collator.volume(item),
                 loop.create_future() if loop is not None else Future(),
                 loop,
                 now,
@@ -274,20 +182,15 @@ class Batcher:
         with self._cond:
             if not self._accepting:
                 raise ModelNotReady(f"model {self.name!r} is not accepting requests (stopping)")
-            if len(self._waiting) + len(entries) > self.options.max_queue_size:
-                raise ServerBusy(
-                    f"model {self.name!r} queue is full ({len(self._waiting)} items waiting, "
-                    f"limit {self.options.max_queue_size}); retry later"
-                )
-            idle = not self._waiting
-            self._waiting.extend(entries)
-            driven = self._drive_idle_instance(now) if idle and loop is not None else None
-            if self._waiting:
+            idle = not len(self.queue)
+            self.queue.admit(entries)
+            direct = self._claim_direct(now) if idle and loop is not None else None
+            if len(self.queue):
                 self._wake()
         self.stats.record_request(len(entries))
-        if driven is not None:
+        if direct is not None:
             assert loop is not None
-            self._run_direct(*driven, loop)
+            self._run_direct(*direct, loop)
         return [entry.future for entry in entries]
 
     def submit(self, item: Any, *, timeout: float | None = None) -> Future:
@@ -312,9 +215,7 @@ class Batcher:
             results = await asyncio.wait_for(waiting, timeout)
             return [results] if len(futures) == 1 else list(results)
         except asyncio.TimeoutError:
-            raise DeadlineExceeded(
-                f"model {self.name!r}: no result within {timeout} s"
-            ) from None
+            raise DeadlineExceeded(f"model {self.name!r}: no result within {timeout} s") from None
         finally:
             for future in futures:
                 future.cancel()  # no-op for the finished; frees queue slots for the rest
@@ -322,317 +223,214 @@ class Batcher:
     async def infer(self, item: Any, *, timeout: float | None = None) -> Any:
         return (await self.infer_many([item], timeout=timeout))[0]
 
-    # ------------------------------------------------------------------ forming batches
-    def _due_in(self, now: float, ahead: bool) -> float | None:
-        """None if a batch should be formed now, else how long to wait.
+    # ------------------------------------------------------------------ model threads
+    def _model_loop(self, instance: int) -> None:
+        try:
+            self.executor.start_instance(instance)
+            on_device: Batch | None = None  # launched, not yet collected
+            while True:
+                entries = self._next_batch(instance, ahead=on_device is not None)
+                if not entries and on_device is None:
+                    break  # closing, and nothing is left
+                launched = self._launch(entries, instance) if entries else None
+                if on_device is not None:
+                    self._collect(on_device)
+                if launched is not None and not self.executor.overlaps:
+                    self._collect(launched)  # on a CPU the batch already ran
+                    launched = None
+                on_device = launched
+        except BaseException as exc:  # pragma: no cover - a bug: fail loudly, not silently
+            self._fatal(exc)
+        finally:
+            self._to_finisher.put(None)
 
-        ``ahead``: the asking instance still has a batch on the device."""
-        opts = self.options
-        if len(self._waiting) >= opts.max_batch_size or self._closing:
-            return None
-        if ahead:
-            # A partial batch would only wait for the device (_take_batch still
-            # forms one the policy has cut short of what is waiting).
-            return _UNTIL_NOTIFIED
-        if opts.dispatch == "eager":
-            return None
-        overdue_in = self._waiting[0].enqueued + opts.max_queue_delay_ms / 1000 - now
-        return None if overdue_in <= 0 else overdue_in
+    def _next_batch(self, instance: int, *, ahead: bool) -> list[Pending]:
+        """The next batch's entries, taken from the queue.
 
-    def _take_batch(self, instance: int, ahead: bool = False) -> list[Pending] | None:
-        """Remove and return the next batch's entries once one is due.
-
-        Blocks, unless ``ahead`` (then returns None at once when no batch is
-        due). Returns ``_STOP`` when closing and nothing is left."""
+        Blocks until a batch is due, and returns [] only once closing with
+        nothing left. ``ahead`` (a batch still on the device): never blocks,
+        and returns [] unless a batch that cannot grow is waiting."""
         with self._cond:
-            if not ahead:
-                self._parked.add(instance)
-            try:
-                while True:
-                    if instance in self._driven:
-                        self._cond.wait()  # an event loop runs a batch on this instance
-                        continue
-                    if not self._waiting:
-                        if self._closing:
-                            return _STOP
-                        if ahead:
-                            return None
-                        self._cond.wait()
-                        continue
-                    now = time.monotonic()
-                    wait = self._due_in(now, ahead)
-                    if wait is not None and not ahead:
-                        self._cond.wait(None if wait == _UNTIL_NOTIFIED else wait)
-                        continue
-                    return self._select(now, leave_growing=wait is not None)
-            finally:
-                self._parked.discard(instance)
-
-    def _select(self, now: float, leave_growing: bool = False) -> list[Pending] | None:
-        """Take the policy's choice out of the queue (the lock held). With
-        ``leave_growing``, None if the policy would take everything waiting
-        (a batch that could still grow)."""
-        opts = self.options
-        window = self._waiting[: 16 * opts.max_batch_size]
-        overdue_at = now - opts.max_queue_delay_ms / 1000
-        views = [Waiting(p.volume, p.enqueued <= overdue_at) for p in window]
-        chosen = sorted(opts.policy.select(views, opts.max_batch_size))
-        chosen = self._within_element_cap(window, chosen)
-        if leave_growing and len(chosen) == len(window):
-            # Ahead of a busy device, and the batch could still grow
-            # (the policy took everything waiting): let it accumulate.
-            return None
-        taken = set(chosen)
-        entries = [window[i] for i in chosen]
-        self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
-        return entries
+            while True:
+                if self._states[instance] is InstanceState.DRIVEN:
+                    self._cond.wait()  # an event loop runs a batch on this instance
+                    continue
+                now = time.monotonic()
+                due_in = self.queue.due_in(now, ahead=ahead, closing=self._closing)
+                if ahead:
+                    return self.queue.take(now, leave_growing=due_in > 0)
+                if self._closing and not len(self.queue):
+                    return []
+                if due_in > 0:
+                    self._states[instance] = InstanceState.PARKED
+                    self._parked.notify_all()
+                    self._cond.wait(None if due_in == math.inf else due_in)
+                    continue
+                self._states[instance] = InstanceState.BUSY
+                return self.queue.take(now)
 
     def _wake(self) -> None:
-        """Wake a model thread for the queue (the lock held). With an instance
-        driven by an event loop, its thread may be the one a plain notify
-        wakes, and it would go back to sleep: then wake them all."""
-        if self._driven:
+        """Wake a model thread for the queue (the lock held). A thread whose
+        instance a loop drives would go back to sleep on a plain notify:
+        then wake them all."""
+        if InstanceState.DRIVEN in self._states:
             self._cond.notify_all()
         else:
             self._cond.notify()
 
-    def _within_element_cap(self, window: list[Pending], chosen: list[int]) -> list[int]:
-        """Leave the newest items waiting until the padded batch fits the cap
-        (items of very different shapes could otherwise pad to a huge tensor).
-        One item always fits: its own size is bounded by validation."""
-        cap = self.options.max_batch_elements
-        if cap is None:
-            return chosen
-        while len(chosen) > 1 and self.runner.padded_elements([window[i].item for i in chosen]) > cap:
-            chosen.pop()
-        return chosen
-
-    def _live_entries(self, entries: list[Pending], now: float) -> list[Pending]:
-        """Drop items whose caller has gone (cancelled) or whose deadline passed."""
-        live, expired = [], []
-        for entry in entries:
-            if entry.caller_left():
-                continue
-            if entry.deadline is not None and now > entry.deadline:
-                error = DeadlineExceeded(f"model {self.name!r}: item waited past its deadline")
-                expired.append((entry, error, True))
-                continue
-            live.append(entry)
-        _settle(expired)
-        return live
-
-    # ------------------------------------------------------------------ model threads
-    def _model_loop(self, instance: int) -> None:
-        try:
-            self.runner.start_instance(instance)
-            on_device: _Batch | None = None  # launched, not yet collected
-            while True:
-                entries = self._take_batch(instance, ahead=on_device is not None)
-                if entries is _STOP:
-                    break
-                launched = self._launch(entries, instance) if entries else None
-                if on_device is not None:
-                    self._collect(on_device)
-                if launched is not None and not self.runner.overlaps:
-                    self._collect(launched)  # on a CPU the batch already ran
-                    launched = None
-                on_device = launched
-            if on_device is not None:
-                self._collect(on_device)
-        except BaseException as exc:  # pragma: no cover - a bug: fail loudly, not silently
-            self._fatal(exc)
-        finally:
-            self._to_finisher.put(_STOP)
-
-    def _launch(self, entries: list[Pending], instance: int) -> _Batch | None:
+    def _begin(self, entries: list[Pending]) -> Batch | None:
+        """Drop the entries nobody waits for any more, then pad the rest."""
         now = time.monotonic()
-        batch: _Batch = _Batch(self._live_entries(entries, now), now)
-        if not batch.entries:
+        live, expired = self.queue.expire(entries, now)
+        settle(expired)
+        if not live:
             return None
+        batch = Batch(live, now)
+        with self._cond:
+            self._in_flight.add(batch)
         try:
-            batch.prepared = self.runner.prepare([e.item for e in batch.entries])
-            batch.padding = self.runner.padding(batch.prepared)
-            batch.started = time.perf_counter()
-            batch.launched = self.runner.launch(batch.prepared, instance)
-        except BaseException as exc:  # the model (or padding) failed: this batch only
+            batch.padded = self.collator.pad([e.item for e in live])
+        except BaseException as exc:  # padding failed: this batch only
             batch.error = exc
         return batch
 
-    def _collect(self, batch: _Batch) -> None:
+    def _launch(self, entries: list[Pending], instance: int) -> Batch | None:
+        batch = self._begin(entries)
+        if batch is None or batch.error is not None:
+            return batch
+        assert batch.padded is not None
+        try:
+            batch.started = time.perf_counter()
+            batch.launched = self.executor.launch(batch.padded.features, instance)
+        except BaseException as exc:  # the model failed: this batch only
+            batch.error = exc
+        return batch
+
+    def _collect(self, batch: Batch) -> None:
         if batch.error is None:
             try:
-                self._collected(batch, self.runner.collect(batch.launched), None)
+                self._collected(batch, self.executor.collect(batch.launched), None)
             except BaseException as exc:
                 self._collected(batch, None, exc)
-        batch.prepared = batch.launched = None  # free device/pinned memory early
-        if not self._waiting and self._to_finisher.empty():
-            # Nothing to run next: the finisher would only add a hand-off.
-            self._finish(batch)
+        if not len(self.queue) and self._to_finisher.empty():
+            self._finish(batch)  # nothing to run next: the finisher would add a hand-off
         else:
             self._to_finisher.put(batch)
 
-    def _collected(self, batch: _Batch, executed: Any, error: BaseException | None) -> None:
-        batch.executed, batch.error = executed, error
+    def _collected(self, batch: Batch, outputs: BatchOutputs | None, error: BaseException | None) -> None:
+        batch.outputs, batch.error = outputs, error
+        batch.launched = None  # free device and socket buffers early
         batch.seconds = time.perf_counter() - batch.started
         # A batch launched ahead waited for the one before it: prefer the
-        # runner's own figure of the model's time, which the cost model learns.
-        reported = getattr(executed, "seconds", None)
-        if reported is not None:
-            batch.seconds = reported
+        # executor's own figure of the model's time, which the cost model learns.
+        if outputs is not None and outputs.seconds is not None:
+            batch.seconds = outputs.seconds
 
-    # ------------------------------------------------------------------ direct path
-    # A lone request to an idle worker process would otherwise cross three
-    # threads: the loop wakes the model thread, which sends the batch to the
-    # worker, wakes when the reply comes and wakes the loop. Each hand-off
-    # costs ~0.1 ms on a small VM. When a caller on an event loop finds the
-    # queue empty and an instance idle, the loop sends the batch itself and
-    # reads the reply with add_reader: the worker is the only other party.
-    # Under load no instance is idle and the model threads pipeline as usual.
-    def _drive_idle_instance(self, now: float) -> tuple[list[Pending], int] | None:
-        """Claim an idle instance and the batch it should run (the lock held)."""
-        if not self._direct_capable:
+    # ------------------------------------------------------------------ the direct path
+    def _claim_direct(self, now: float) -> tuple[list[Pending], int] | None:
+        """A parked instance and the batch the loop should run on it (the lock held)."""
+        if not self._direct:
             return None
-        runner: DirectRunner[Any, Any] = self.runner  # type: ignore[assignment]
-        for instance in sorted(self._parked - self._driven):
-            if runner.can_run_direct(instance):
-                entries = self._select(now)  # the queue is not empty: never None
-                assert entries
-                self._driven.add(instance)
+        executor: DirectExecutor = self.executor  # type: ignore[assignment]
+        for instance, state in enumerate(self._states):
+            if state is InstanceState.PARKED and executor.can_run_direct(instance):
+                entries = self.queue.take(now)
+                if self.collator.padded_elements([e.item for e in entries]) > DIRECT_MAX_ELEMENTS:
+                    self.queue.put_back(entries)  # too big to pad on the loop
+                    return None
+                self._states[instance] = InstanceState.DRIVEN
                 return entries, instance
         return None
 
     def _run_direct(self, entries: list[Pending], instance: int, loop: asyncio.AbstractEventLoop) -> None:
-        """On the loop's thread: pad and send the batch, and finish it when
-        the reply arrives (the loop never blocks on the worker)."""
-        batch = self._launch(entries, instance)
+        """On the loop's thread: pad and send the batch; it is finished when
+        the reply arrives. Any trouble before the send hands it to the threads."""
+        executor: DirectExecutor = self.executor  # type: ignore[assignment]
+        batch = self._begin(entries)
         if batch is None or batch.error is not None:
             self._release(batch, instance)
             return
-        runner: DirectRunner[Any, Any] = self.runner  # type: ignore[assignment]
+        assert batch.padded is not None
+        try:
+            batch.started = time.perf_counter()
+            batch.launched = executor.try_launch_direct(batch.padded.features, instance)
+        except BaseException as exc:  # the model's own failure, reported at once
+            batch.error = exc
+            self._release(batch, instance)
+            return
+        if batch.launched is None:  # not sent: the model thread (re)starts the worker
+            with self._cond:
+                self._in_flight.discard(batch)
+                self.queue.put_back(batch.entries)
+            self._release(None, instance)
+            return
 
-        def done(executed: Any, error: BaseException | None) -> None:
-            self._collected(batch, executed, error)
-            batch.prepared = batch.launched = None
+        def done(outputs: BatchOutputs | None, error: BaseException | None) -> None:
+            self._collected(batch, outputs, error)
             self._release(batch, instance)
 
+        batch.loop = loop
         try:
-            runner.collect_soon(batch.launched, loop, done)
+            batch.finish_now = executor.collect_soon(batch.launched, loop, done)
         except BaseException as exc:  # could not even watch the socket
             done(None, exc)
 
-    def _release(self, batch: _Batch | None, instance: int) -> None:
+    def _release(self, batch: Batch | None, instance: int) -> None:
         """Finish a directly driven batch, then hand the instance back to its
         model thread (before the callers resume: a caller that then closes
         the model finds nothing in flight)."""
         if batch is not None:
             self._finish(batch)
         with self._cond:
-            self._driven.discard(instance)
-            if self._waiting or self._closing:
+            self._states[instance] = InstanceState.PARKED
+            self._parked.notify_all()
+            if len(self.queue) or self._closing:
                 self._cond.notify_all()
 
-    # ------------------------------------------------------------------ finisher
+    def _finish_batches_driven_here(self) -> None:
+        """``close()`` on a loop that drives batches: their replies would only
+        be read once close returned, so wait for them here."""
+        loop = running_loop()
+        if loop is None:
+            return
+        with self._cond:
+            driven = [b for b in self._in_flight if b.loop is loop and b.finish_now is not None]
+        for batch in driven:
+            assert batch.finish_now is not None
+            batch.finish_now()
+
+    # ------------------------------------------------------------------ finishing
     def _finish_loop(self) -> None:
         stops = 0
-        while stops < self.runner.instance_count:
+        while stops < self.executor.instance_count:
             batch = self._to_finisher.get()
-            if batch is _STOP:
+            if batch is None:
                 stops += 1
-                continue
-            self._finish(batch)
+            else:
+                self._finish(batch)
 
-    def _finish(self, batch: _Batch) -> None:
-        """Un-pad, record and deliver; whatever goes wrong, every caller of the
-        batch gets an answer (a thread that died here would leave them hanging)."""
+    def _finish(self, batch: Batch) -> None:
+        """The one place a batch ends: un-pad, record and deliver. Runs on the
+        finisher thread, on the model thread when nothing else waits, or on
+        the loop that drove it. Whatever goes wrong, every caller is answered."""
         try:
-            self._finish_batch(batch)
+            outcomes = self.results.outcomes(batch)
         except BaseException as exc:  # a bug in un-padding, stats or the cost model
             log.exception("batcher %s: finishing a batch failed", self.name)
             error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
-            _settle([(entry, error, True) for entry in batch.entries])
-
-    def _finish_batch(self, batch: _Batch) -> None:
-        entries = batch.entries
-        results: Sequence[Any]
-        if batch.error is None:
-            try:
-                results = self.runner.finish(batch.executed, len(entries))
-                if len(results) != len(entries):
-                    raise ModelFailure(
-                        f"batch function returned {len(results)} results for a batch of "
-                        f"{len(entries)} items"
-                    )
-            except BaseException as exc:
-                batch.error = exc
-        if batch.error is not None:
-            error = as_model_failure(batch.error, self.name)
-            results = [error] * len(entries)
-        elif self.options.policy.cost is not None:
-            # Teach the policy what a batch of this padded volume costs.
-            longest = max(e.volume for e in entries)
-            self.options.policy.cost.observe(len(entries), longest, batch.seconds)
-        queued = sum(batch.dispatched - e.enqueued for e in entries)
-        real, padded = batch.padding
-        self.stats.record_batch(len(entries), batch.seconds, queued, real, padded)
-        outcomes: list[Outcome] = [
-            (entry, as_model_failure(result, self.name), True)
-            if isinstance(result, BaseException)
-            else (entry, result, False)
-            for entry, result in zip(entries, results)
-        ]
-        _settle(outcomes)
-        failures = sum(failed for _, _, failed in outcomes)
-        if failures:
-            self.stats.record_failures(failures)
+            outcomes = [(entry, error, True) for entry in batch.entries]
+        with self._cond:
+            self._in_flight.discard(batch)
+            self._parked.notify_all()
+        settle(outcomes)
 
     def _fatal(self, exc: BaseException) -> None:
+        """A pipeline thread died: answer every caller, queued or launched."""
         log.exception("batcher %s: internal thread failed", self.name, exc_info=exc)
         with self._cond:
             self._accepting = False
-            waiting, self._waiting = self._waiting, []
+            stranded = self.queue.drain() + [e for b in self._in_flight for e in b.entries]
         error = ModelFailure(f"model {self.name!r}: internal batcher failure: {exc!r}")
-        _settle([(entry, error, True) for entry in waiting])
+        settle([(entry, error, True) for entry in stranded])
         if self._on_fatal is not None:
             self._on_fatal(exc)
-
-
-def _settle(outcomes: Sequence[Outcome]) -> None:
-    """Deliver results: thread futures directly, asyncio futures with one
-    ``call_soon_threadsafe`` per loop (directly when already on that loop)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}
-    for outcome in outcomes:
-        loop = outcome[0].loop
-        if loop is None:
-            _deliver([outcome])
-        else:
-            by_loop.setdefault(loop, []).append(outcome)
-    for loop, batch in by_loop.items():
-        if _running_loop() is loop:
-            _deliver(batch)  # the direct path runs on the loop: no self-pipe round
-            continue
-        try:
-            loop.call_soon_threadsafe(_deliver, batch)
-        except RuntimeError:  # the loop is closed: its callers are gone
-            pass
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:  # a model or finisher thread
-        return None
-
-
-def _deliver(outcomes: Sequence[Outcome]) -> None:
-    for entry, value, failed in outcomes:
-        future = entry.future
-        # A caller that gave up (timeout, disconnect) may have cancelled meanwhile.
-        if future.done():
-            continue
-        try:
-            if failed:
-                future.set_exception(value)
-            else:
-                future.set_result(value)
-        except Exception:  # pragma: no cover - raced with cancel(); nothing to deliver
-            pass

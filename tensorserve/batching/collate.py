@@ -12,6 +12,7 @@ Fixed-shape outputs are returned whole.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from tensorserve.errors import ModelFailure
-from tensorserve.repository.config import InputSpec, OutputSpec, VARIABLE
+from tensorserve.repository.config import VARIABLE, InputSpec, ModelConfig, OutputSpec
 from tensorserve.tensors.dtypes import DType, from_torch
 
 Item = Mapping[str, np.ndarray]
@@ -160,3 +161,42 @@ def unpad(
                 index[axis] = slice(0, int(length))
             result[spec.name] = row[tuple(index)]
     return results
+
+
+class Collator:
+    """All the shape arithmetic of one model's batches, from its config: the
+    batcher asks it how big items and batches are, and to pad and un-pad."""
+
+    def __init__(self, config: ModelConfig, *, pin_memory: bool = False) -> None:
+        self.inputs = config.input
+        self.outputs = config.output
+        self.sources = {out.name: config.unpad_source(out) for out in config.output}
+        # The first input with variable axes stands for an item's size.
+        self.primary = next((s for s in config.input if s.variable_axes), None)
+        self.pad_to_multiple_of = config.dynamic_batching.pad_to_multiple_of
+        self.pin_memory = pin_memory
+
+    def volume(self, item: Item) -> int:
+        """Padded-size proxy of one item, for length-aware policies."""
+        if self.primary is None:
+            return 1
+        return math.prod(variable_extents(item[self.primary.name], self.primary))
+
+    def padded_elements(self, items: Sequence[Item]) -> int:
+        """Elements a padded batch of ``items`` would allocate, all features."""
+        total = 0
+        for spec in self.inputs:
+            shape = [
+                max(item[spec.name].shape[axis] for item in items) if dim == VARIABLE else dim
+                for axis, dim in enumerate(spec.shape)
+            ]
+            total += len(items) * math.prod(shape)
+        return total
+
+    def pad(self, items: Sequence[Item]) -> PaddedBatch:
+        return pad(
+            items, self.inputs, pad_to_multiple_of=self.pad_to_multiple_of, pin_memory=self.pin_memory
+        )
+
+    def unpad(self, outputs: Mapping[str, np.ndarray], batch: PaddedBatch) -> list[Result]:
+        return unpad(outputs, batch, self.outputs, self.sources)

@@ -7,12 +7,14 @@ encodes requests; on a busy server the forward runs measurably slower
 pool. The price is one copy of the padded inputs and of the outputs
 through a socketpair per batch.
 
-The batcher does not know the difference: ``ProcessRunner`` is a
-``PaddedRunner`` whose ``launch`` sends the padded batch to the instance's
-worker (``tensorserve/runtime/worker.py``) and whose ``collect`` waits for
-the reply with the GIL released; like CUDA, it ``overlaps``, so a full next
-batch can be sent while the worker runs this one. Padding and un-padding
-stay in the server, so the worker only ever sees whole padded batches.
+The batcher does not know the difference: ``ProcessExecutor`` is an
+executor whose ``launch`` sends the padded batch to the instance's worker
+(``tensorserve/runtime/worker.py``) and whose ``collect`` waits for the reply
+with the GIL released; like CUDA, it ``overlaps``, so a full next batch can
+be sent while the worker runs this one. Padding and un-padding stay in the
+server, so the worker only ever sees whole padded batches. It is also a
+``DirectExecutor``: an event loop may send a batch to an idle worker and
+read the reply itself, without ever blocking on the worker.
 
 A worker that dies (a segfault in a native extension, the OOM killer, an
 ``os._exit`` in model code) fails the batch it was running with a message
@@ -23,22 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
-from tensorserve.batching.collate import PaddedBatch
 from tensorserve.errors import ConfigError, ModelFailure
 from tensorserve.repository.config import ModelConfig
 from tensorserve.repository.loader import ModelSource
 from tensorserve.runtime import ipc
-from tensorserve.runtime.runner import Executed, Launched, PaddedRunner
+from tensorserve.runtime.executor import Executed
 from tensorserve.tensors.dtypes import from_torch
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,9 @@ class WorkerProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.generation = 0  # counts starts: a batch sent to a dead worker is lost
+        # A send failed on the event loop, which never waits for or restarts a
+        # worker: the next batch on a model thread replaces it.
+        self.broken = False
 
     @property
     def pid(self) -> int | None:
@@ -84,6 +90,7 @@ class WorkerProcess:
                 pass_fds=(theirs.fileno(),),
             )
         self.process, self.sock = process, ours
+        self.broken = False
         self.generation += 1
         try:
             ours.settimeout(LOAD_TIMEOUT_S)
@@ -102,7 +109,7 @@ class WorkerProcess:
     def submit(self, features: dict[str, np.ndarray]) -> int:
         """Send one padded batch (restarting a dead worker first); returns a
         ticket for ``receive``. Replies come back in the order of submits."""
-        if self.process is None or self.process.poll() is not None:
+        if not self.alive:
             self._restart()
         assert self.sock is not None
         try:
@@ -122,43 +129,88 @@ class WorkerProcess:
 
     @property
     def alive(self) -> bool:
-        return self.sock is not None and self.process is not None and self.process.poll() is None
+        return (
+            not self.broken
+            and self.sock is not None
+            and self.process is not None
+            and self.process.poll() is None
+        )
+
+    def try_submit(self, features: dict[str, np.ndarray]) -> int | None:
+        """``submit`` for an event loop: never restarts a worker or waits for
+        one. None if the worker is not up or the send fails (then it is
+        marked broken, and the next ``submit`` replaces it)."""
+        if not self.alive:
+            return None
+        assert self.sock is not None
+        try:
+            ipc.send(self.sock, {}, features)
+        except OSError:
+            self.broken = True
+            return None
+        return self.generation
 
     def receive_soon(
         self,
         ticket: int,
         loop: asyncio.AbstractEventLoop,
         on_reply: Callable[[ipc.Message | None, BaseException | None], None],
-    ) -> None:
+    ) -> Callable[[], None]:
         """``receive`` for an event loop that must not block: the loop reads
         the reply as it arrives and calls ``on_reply(message, None)`` on its
-        own thread, or ``on_reply(None, ModelFailure)`` if the worker died."""
+        own thread, or ``on_reply(None, ModelFailure)`` if the worker died
+        (its exit status is awaited in a thread, never on the loop).
+
+        Returns ``finish_now``: on the loop's thread, stop watching and wait
+        for the reply right there (for a close() on that thread)."""
         sock = self.sock
         if ticket != self.generation or sock is None:
             on_reply(None, ModelFailure(f"{self.label}: the worker process died before running this batch"))
-            return
+            return lambda: None
         reader = ipc.MessageReader()
+        watching = True
 
-        def stop_reading() -> None:
-            loop.remove_reader(sock)
-            # uvloop (libuv) leaves the descriptor non-blocking, and the model
-            # thread's next receive() expects a blocking socket.
-            sock.setblocking(True)
+        def stop_watching() -> None:
+            nonlocal watching
+            if watching:
+                loop.remove_reader(sock)
+                # uvloop (libuv) leaves the descriptor non-blocking, and the
+                # model thread's next receive() expects a blocking socket.
+                sock.setblocking(True)
+                watching = False
 
         def readable() -> None:
             try:
                 message = reader.feed(sock)
             except (EOFError, OSError):
-                stop_reading()
-                # Waiting for its exit status may take a moment: not on the loop.
+                stop_watching()
                 died = loop.run_in_executor(None, self._lost, "while running this batch")
                 died.add_done_callback(lambda f: on_reply(None, f.exception()))
                 return
             if message is not None:
-                stop_reading()
+                stop_watching()
                 on_reply(message, None)
 
+        def finish_now() -> None:
+            if not watching:
+                return  # the reply is already in
+            stop_watching()
+            while True:
+                try:
+                    select.select([sock], [], [])
+                    message = reader.feed(sock)
+                except (EOFError, OSError):
+                    try:
+                        self._lost("while running this batch")
+                    except ModelFailure as exc:
+                        on_reply(None, exc)
+                    return
+                if message is not None:
+                    on_reply(message, None)
+                    return
+
         loop.add_reader(sock, readable)
+        return finish_now
 
     def _lost(self, when: str) -> NoReturn:
         assert self.process is not None
@@ -201,8 +253,22 @@ class WorkerProcess:
                 process.wait()
 
 
-class ProcessRunner(PaddedRunner):
-    """Pads and un-pads here; runs each instance's batches in its own worker."""
+@dataclass(frozen=True)
+class Sent:
+    """A batch handed to an instance's worker: ``ticket`` is the worker's
+    generation, so a reply is never awaited from a worker that was replaced."""
+
+    instance: int
+    ticket: int
+
+
+class ProcessExecutor:
+    """Runs each instance's batches in its own worker process."""
+
+    # The worker owns the device: the server side pads into plain host
+    # memory (no pinned buffers, no streams here).
+    overlaps = True
+    pin_memory = False
 
     def __init__(
         self,
@@ -212,11 +278,8 @@ class ProcessRunner(PaddedRunner):
         *,
         intra_op_threads: int | None = None,
     ) -> None:
-        # The server side only pads on the host: the worker owns the device,
-        # so no pinned memory and no streams here.
-        super().__init__(_runs_in_worker, config, torch.device("cpu"),
-                         instance_count=config.instance_count)
-        self.overlaps = True
+        self.instance_count = config.instance_count
+        self.outputs = config.output
         hello = {
             "name": source.name,
             "path": str(source.path),
@@ -245,70 +308,60 @@ class ProcessRunner(PaddedRunner):
     def start_instance(self, instance: int) -> None:
         """Thread set-up happens in the worker."""
 
-    def launch(self, prepared: PaddedBatch, instance: int) -> Launched:
-        """Send the batch to the instance's worker; ``collect`` waits for it.
-        Meanwhile the batcher may pad and send the next full batch, so the
-        worker never waits for the server between two batches."""
-        features = {name: from_torch(t) for name, t in prepared.features.items()}
-        ticket = self.workers[instance].submit(features)
-        return Launched(prepared, None, None, None, worker=(instance, ticket))
+    def launch(self, features: dict[str, torch.Tensor], instance: int) -> Sent:
+        """Send the batch to the instance's worker (a dead one is replaced
+        first); ``collect`` waits for it. Meanwhile the batcher may pad and
+        send the next full batch, so the worker never waits for the server."""
+        return Sent(instance, self.workers[instance].submit(_host(features)))
 
-    def collect(self, launched: Launched) -> Executed:
-        assert launched.worker is not None
-        instance, ticket = launched.worker
-        return self._executed(launched, self.workers[instance].receive(ticket))
+    def collect(self, sent: Sent) -> Executed:
+        return self._executed(self.workers[sent.instance].receive(sent.ticket))
 
-    # -- the event loop's direct path (see Batcher._run_direct)
-    direct = True
-
+    # -- the event loop's direct path (batching.executor.DirectExecutor)
     def can_run_direct(self, instance: int) -> bool:
-        """An idle instance whose worker is up: a dead one restarts on a model
-        thread, never on the event loop."""
+        """Only a worker that is up: a dead one restarts on a model thread."""
         return self.workers[instance].alive
+
+    def try_launch_direct(self, features: dict[str, torch.Tensor], instance: int) -> Sent | None:
+        ticket = self.workers[instance].try_submit(_host(features))
+        return None if ticket is None else Sent(instance, ticket)
 
     def collect_soon(
         self,
-        launched: Launched,
+        sent: Sent,
         loop: asyncio.AbstractEventLoop,
         done: Callable[[Executed | None, BaseException | None], None],
-    ) -> None:
-        """``collect`` without blocking ``loop``: ``done(executed, error)`` runs
+    ) -> Callable[[], None]:
+        """``collect`` without blocking ``loop``: ``done(outputs, error)`` runs
         on the loop's thread once the worker has answered."""
-        assert launched.worker is not None
-        instance, ticket = launched.worker
 
         def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
             if message is None:
                 done(None, error)
                 return
             try:
-                executed = self._executed(launched, message)
+                executed = self._executed(message)
             except BaseException as exc:
                 done(None, exc)
             else:
                 done(executed, None)
 
-        self.workers[instance].receive_soon(ticket, loop, on_reply)
+        return self.workers[sent.instance].receive_soon(sent.ticket, loop, on_reply)
 
-    def _executed(self, launched: Launched, message: ipc.Message) -> Executed:
+    def _executed(self, message: ipc.Message) -> Executed:
         header, tensors = message
         if "error" in header:
             raise ModelFailure(header["error"])
         if "items" not in header:
-            return Executed(launched.batch, tensors, None, header["seconds"])
+            return Executed(tensors, None, header["seconds"])
         failed = dict(header["failed"])
         per_item: list[Any] = [
             ModelFailure(failed[i]) if i in failed
-            else {spec.name: tensors[f"{i}/{spec.name}"] for spec in self._outputs}
+            else {spec.name: tensors[f"{i}/{spec.name}"] for spec in self.outputs}
             for i in range(header["items"])
         ]
-        return Executed(launched.batch, None, per_item, header["seconds"])
-
-    def finish(self, executed: Executed, size: int) -> list[Any]:
-        if executed.per_item is not None:
-            return executed.per_item  # already host arrays (or the item's error)
-        return super().finish(executed, size)
+        return Executed(None, per_item, header["seconds"])
 
 
-def _runs_in_worker(**features: torch.Tensor) -> Any:  # pragma: no cover - never called
-    raise AssertionError("a ProcessRunner runs its model in the worker process")
+def _host(features: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    return {name: from_torch(t) for name, t in features.items()}

@@ -1,10 +1,10 @@
 """A model's worker process: ``python -m tensorserve.runtime.worker FD``.
 
-Started by ``ProcessRunner`` (``isolation = "process"``) with one end of a
+Started by ``ProcessExecutor`` (``isolation = "process"``) with one end of a
 socketpair as file descriptor FD. The first message says which model to
 load and how; the worker loads it itself (model.py, safetensors weights),
 answers ``ready`` (or the reason it could not), then runs one padded batch
-per message with the same ``PaddedRunner`` the threads use, on its own main
+per message with the same ``ThreadExecutor`` the threads use, on its own main
 thread, holding its own GIL. It exits when the server closes the socket,
 whether the server stopped or died.
 """
@@ -24,52 +24,48 @@ from typing import Any
 
 import numpy as np
 
-from tensorserve.batching.collate import PaddedBatch
 from tensorserve.errors import ConfigError, as_model_failure
 from tensorserve.repository.config import ModelConfig, parse_config
 from tensorserve.repository.loader import ModelSource, load_model
 from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
-from tensorserve.runtime.runner import PaddedRunner, on_device
+from tensorserve.runtime.executor import ThreadExecutor, on_device
 from tensorserve.tensors.dtypes import as_torch
 
 log = logging.getLogger("tensorserve.worker")
 
 
-def _load(hello: dict[str, Any]) -> tuple[ModelConfig, PaddedRunner]:
+def _load(hello: dict[str, Any]) -> tuple[ModelConfig, ThreadExecutor]:
     name, version = hello["name"], hello["version"]
     config = parse_config(hello["config"], f"{name} (worker)")
     source = ModelSource(name, Path(hello["path"]), (version,))
     loaded = load_model(source, version, config)
     device = resolve_device(config.device)
-    runner = PaddedRunner(
+    executor = ThreadExecutor(
         on_device(loaded.module, config, device),
         config,
         device,
         intra_op_threads=hello["intra_op_threads"],
     )
-    runner.start_instance(0)  # threads, inference mode, CUDA stream: on this thread
-    return config, runner
+    executor.start_instance(0)  # threads, inference mode, CUDA stream: on this thread
+    return config, executor
 
 
 def _run_batch(
-    name: str, config: ModelConfig, runner: PaddedRunner, features: dict[str, np.ndarray]
+    name: str, config: ModelConfig, executor: ThreadExecutor, features: dict[str, np.ndarray]
 ) -> ipc.Message:
     """Reply to one batch: its outputs, one result per item, or the error."""
-    batch = PaddedBatch(
-        {spec.name: as_torch(features[spec.name], spec.dt) for spec in config.input}, {}, 0, 0
-    )
+    padded = {spec.name: as_torch(features[spec.name], spec.dt) for spec in config.input}
     try:
         started = time.perf_counter()
-        executed = runner.collect(runner.launch(batch, 0))
+        executed = executor.collect(executor.launch(padded, 0))
         seconds = time.perf_counter() - started
         if executed.per_item is None:
-            assert executed.outputs is not None
-            return {"seconds": seconds}, executed.outputs
+            assert executed.batched is not None
+            return {"seconds": seconds}, executed.batched
         failed: list[tuple[int, str]] = []  # msgpack maps take string keys only
         tensors: dict[str, np.ndarray] = {}
-        for i, entry in enumerate(executed.per_item):
-            result = runner.item_result(entry)
+        for i, result in enumerate(executed.per_item):
             if isinstance(result, BaseException):
                 failed.append((i, as_model_failure(result, name).message))
             else:
@@ -86,7 +82,7 @@ def serve(sock: socket.socket) -> int:
         format=f"%(asctime)s %(levelname)s %(name)s[{hello['name']}:{os.getpid()}]: %(message)s",
     )
     try:
-        config, runner = _load(hello)
+        config, executor = _load(hello)
     except Exception as exc:
         reason = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
         ipc.send(sock, {"error": reason})
@@ -99,7 +95,7 @@ def serve(sock: socket.socket) -> int:
             return 0  # the server closed its end: stopped or gone
         if header.get("stop"):
             return 0
-        reply, tensors = _run_batch(hello["name"], config, runner, features)
+        reply, tensors = _run_batch(hello["name"], config, executor, features)
         ipc.send(sock, reply, tensors)
 
 

@@ -34,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from tensorserve.batching.batcher import Batcher, BatcherOptions
+from tensorserve.batching.admission import BatcherOptions
+from tensorserve.batching.batcher import Batcher
+from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
 from tensorserve.wire.validate import validate_item
@@ -47,8 +49,8 @@ from tensorserve.repository.loader import (
     resolve_version,
 )
 from tensorserve.runtime.device import default_intra_op_threads, resolve_device
-from tensorserve.runtime.isolated import ProcessRunner
-from tensorserve.runtime.runner import PaddedRunner, on_device
+from tensorserve.runtime.executor import ThreadExecutor, on_device
+from tensorserve.runtime.isolated import ProcessExecutor
 
 Item = Mapping[str, Any]
 Result = dict[str, np.ndarray]
@@ -61,36 +63,36 @@ class ServedModel:
         config: ModelConfig,
         fn: Callable[..., Any] | None,
         *,
-        runner: PaddedRunner | None = None,
+        executor: ThreadExecutor | ProcessExecutor | None = None,
         version: int = 1,
         on_fatal: Callable[[BaseException], None] | None = None,
         intra_op_threads: int | None = None,
     ) -> None:
         """Serve ``fn`` (a batch function or ``nn.Module``) in model threads, or
-        give a ready ``runner`` (a ``ProcessRunner`` for isolated models)."""
+        give a ready ``executor`` (a ``ProcessExecutor`` for isolated models)."""
         self.name = name
         self.version = version
         self.config = config
         self.device = resolve_device(config.device)
         self.stats = BatchStats()
         self.fn: Callable[..., Any] | None = None
-        if runner is None:
+        if executor is None:
             if fn is None:
-                raise TypeError("ServedModel needs a batch function or a runner")
+                raise TypeError("ServedModel needs a batch function or an executor")
             if config.isolation == "process":
                 raise ValueError(
                     f"{name}: isolation = 'process' needs a repository model (its worker "
                     f"process imports the model's model.py); use from_repository"
                 )
             self.fn = on_device(fn, config, self.device)
-            runner = PaddedRunner(
+            executor = ThreadExecutor(
                 self.fn,
                 config,
                 self.device,
                 instance_count=config.instance_count,
                 intra_op_threads=intra_op_threads or default_intra_op_threads(),
             )
-        self.runner = runner
+        self.executor = executor
         batching = config.dynamic_batching
         options = BatcherOptions(
             max_batch_size=config.max_batch_size if config.batching else 1,
@@ -100,7 +102,14 @@ class ServedModel:
             max_queue_size=batching.max_queue_size,
             max_batch_elements=batching.max_batch_elements,
         )
-        self.batcher = Batcher(self.runner, options, name=name, stats=self.stats, on_fatal=on_fatal)
+        self.batcher = Batcher(
+            executor,
+            Collator(config, pin_memory=executor.pin_memory),
+            options,
+            name=name,
+            stats=self.stats,
+            on_fatal=on_fatal,
+        )
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -145,13 +154,13 @@ class ServedModel:
         threads = intra_op_threads or default_intra_op_threads()
         if config.isolation == "process":
             version = resolve_version(source, version)
-            runner = ProcessRunner(source, version, config, intra_op_threads=threads)
-            runner.start()  # the workers load the model; a failure raises ConfigError
+            executor = ProcessExecutor(source, version, config, intra_op_threads=threads)
+            executor.start()  # the workers load the model; a failure raises ConfigError
             try:
-                return cls(source.name, config, None, runner=runner, version=version,
+                return cls(source.name, config, None, executor=executor, version=version,
                            on_fatal=on_fatal)
             except BaseException:
-                runner.close()  # no worker outlives a model that failed to build
+                executor.close()  # no worker outlives a model that failed to build
                 raise
         loaded = load_model(source, version, config)
         return cls(
@@ -170,7 +179,7 @@ class ServedModel:
 
     def close(self) -> None:
         self.batcher.close()  # queued items run first
-        self.runner.close()
+        self.executor.close()
 
     def __enter__(self) -> ServedModel:
         return self.start()

@@ -1,0 +1,172 @@
+"""Admission and selection: the queue of one model, as plain data.
+
+No threads, no locks, no clocks of its own: the batcher holds its lock
+around every call and passes ``now`` in, so all of it is unit-tested with
+made-up times (tests/test_admission.py).
+
+    admit      a request's entries join the queue, or ServerBusy
+    due_in     how long until the next batch should be formed
+    take       remove the next batch: the policy's choice within the caps
+    expire     split entries into live ones and those past their deadline
+               (or whose caller left)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
+from tensorserve.errors import DeadlineExceeded, ServerBusy, TensorServeError
+
+# How far into the queue a policy looks (a multiple of max_batch_size): enough
+# to find items of similar length, bounded so selection stays cheap.
+WINDOW_BATCHES = 16
+
+
+@dataclass
+class BatcherOptions:
+    max_batch_size: int = 32
+    max_queue_delay_ms: float = 5.0
+    dispatch: str = "eager"  # "eager" | "timer"
+    policy: BatchPolicy = field(default_factory=FifoPolicy)
+    max_queue_size: int = 4096
+    max_batch_elements: int | None = None  # hard cap on one padded batch's elements
+
+    def __post_init__(self) -> None:
+        if self.dispatch not in ("eager", "timer"):
+            raise ValueError(f"dispatch must be 'eager' or 'timer', not {self.dispatch!r}")
+        if self.max_queue_delay_ms < 0:
+            raise ValueError("max_queue_delay_ms must be >= 0")
+        self.max_batch_size = max(1, self.max_batch_size)
+
+
+@dataclass(eq=False)
+class Pending:
+    """One queued item and the future its caller waits on."""
+
+    item: Any
+    volume: int  # padded-size proxy, for length-aware policies
+    future: Future | asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop | None  # set for asyncio futures
+    enqueued: float  # time.monotonic()
+    deadline: float | None
+
+    def caller_left(self) -> bool:
+        """True if the caller cancelled; for a thread's future this also marks
+        it running, so a later cancel() cannot race with the result."""
+        if self.loop is None:
+            return not self.future.set_running_or_notify_cancel()  # type: ignore[union-attr]
+        # Read from another thread: a stale "not yet" only runs an item whose
+        # caller is about to leave; its result is then dropped.
+        return self.future.cancelled()
+
+
+Outcome = tuple[Pending, Any, bool]  # (entry, result or exception, failed)
+
+
+class AdmissionQueue:
+    """The waiting items of one model, oldest first."""
+
+    def __init__(
+        self,
+        options: BatcherOptions,
+        padded_elements: Callable[[list[Any]], int],
+        name: str = "model",
+    ) -> None:
+        self.options = options
+        self.name = name
+        self._padded_elements = padded_elements  # of a batch of these items (collate)
+        self._waiting: list[Pending] = []
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def admit(self, entries: Sequence[Pending]) -> None:
+        """Queue a request's entries, all or none."""
+        limit = self.options.max_queue_size
+        if len(self._waiting) + len(entries) > limit:
+            raise ServerBusy(
+                f"model {self.name!r} queue is full ({len(self._waiting)} items waiting, "
+                f"limit {limit}); retry later"
+            )
+        self._waiting.extend(entries)
+
+    def due_in(self, now: float, *, ahead: bool, closing: bool) -> float:
+        """Seconds until a batch should be formed: 0 now, ``math.inf`` not
+        until something changes (the batcher is notified).
+
+        ``ahead``: the asking instance still has a batch on the device, so a
+        batch that could still grow would only wait for the device (``take``
+        still forms one the policy cut short of what is waiting)."""
+        opts = self.options
+        if not self._waiting:
+            return math.inf
+        if len(self._waiting) >= opts.max_batch_size or closing:
+            return 0.0
+        if ahead:
+            return math.inf
+        if opts.dispatch == "eager":
+            return 0.0
+        overdue_in = self._waiting[0].enqueued + opts.max_queue_delay_ms / 1000 - now
+        return max(0.0, overdue_in)
+
+    def take(self, now: float, *, leave_growing: bool = False) -> list[Pending]:
+        """Remove the policy's choice from the queue (empty if nothing waits).
+        With ``leave_growing``, take nothing if the policy would take
+        everything waiting: a batch that could still grow."""
+        if not self._waiting:
+            return []
+        opts = self.options
+        window = self._waiting[: WINDOW_BATCHES * opts.max_batch_size]
+        overdue_at = now - opts.max_queue_delay_ms / 1000
+        views = [Waiting(p.volume, p.enqueued <= overdue_at) for p in window]
+        chosen = sorted(opts.policy.select(views, opts.max_batch_size))
+        chosen = self._within_element_cap(window, chosen)
+        if leave_growing and len(chosen) == len(window):
+            return []
+        taken = set(chosen)
+        self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
+        return [window[i] for i in chosen]
+
+    def _within_element_cap(self, window: list[Pending], chosen: list[int]) -> list[int]:
+        """Leave the newest items waiting until the padded batch fits the cap
+        (items of very different shapes could otherwise pad to a huge tensor).
+        One item always fits: its own size is bounded by validation."""
+        cap = self.options.max_batch_elements
+        if cap is None:
+            return chosen
+        while len(chosen) > 1 and self._padded_elements([window[i].item for i in chosen]) > cap:
+            chosen.pop()
+        return chosen
+
+    def put_back(self, entries: Sequence[Pending]) -> None:
+        """Return taken entries to the head of the queue, in their order (a
+        batch the direct path could not send goes to the model threads)."""
+        self._waiting[:0] = entries
+
+    def drain(self) -> list[Pending]:
+        """Remove and return everything waiting."""
+        waiting, self._waiting = self._waiting, []
+        return waiting
+
+    def expire(self, entries: Sequence[Pending], now: float) -> tuple[list[Pending], list[Outcome]]:
+        """(live entries, outcomes for those past their deadline). Entries
+        whose caller left are dropped: nobody waits for an answer."""
+        live: list[Pending] = []
+        expired: list[Outcome] = []
+        for entry in entries:
+            if entry.caller_left():
+                continue
+            if entry.deadline is not None and now > entry.deadline:
+                error: TensorServeError = DeadlineExceeded(
+                    f"model {self.name!r}: item waited past its deadline"
+                )
+                expired.append((entry, error, True))
+                continue
+            live.append(entry)
+        return live, expired

@@ -1,0 +1,58 @@
+"""Delivery: settling callers' futures with their results, from any thread.
+
+A ``concurrent.futures.Future`` (a caller in a thread) is resolved where the
+result is. An ``asyncio.Future`` belongs to its loop and may only be resolved
+on that loop's thread: its outcomes are grouped per loop and handed over with
+one ``call_soon_threadsafe`` per batch and loop (not one wake-up of the loop
+per item), or resolved at once when the code already runs on that loop (the
+direct path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from tensorserve.batching.admission import Outcome
+
+
+def settle(outcomes: Sequence[Outcome]) -> None:
+    """Deliver every outcome to its caller (a caller that left is skipped)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}
+    for outcome in outcomes:
+        loop = outcome[0].loop
+        if loop is None:
+            _deliver([outcome])
+        else:
+            by_loop.setdefault(loop, []).append(outcome)
+    for loop, batch in by_loop.items():
+        if running_loop() is loop:
+            _deliver(batch)  # the direct path runs on the loop: no self-pipe round
+            continue
+        try:
+            loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:  # the loop is closed: its callers are gone
+            pass
+
+
+def running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running on this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # a model or finisher thread
+        return None
+
+
+def _deliver(outcomes: Sequence[Outcome]) -> None:
+    for entry, value, failed in outcomes:
+        future = entry.future
+        # A caller that gave up (timeout, disconnect) may have cancelled meanwhile.
+        if future.done():
+            continue
+        try:
+            if failed:
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+        except Exception:  # pragma: no cover - raced with cancel(); nothing to deliver
+            pass

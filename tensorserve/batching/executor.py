@@ -1,0 +1,93 @@
+"""What the batcher needs from whatever runs its batches: the runtime's
+contract, declared here so that batching never imports the runtime.
+
+An executor only *runs* padded batches. Everything about shapes (how big a
+batch would be, padding, un-padding) belongs to ``batching.collate``; the
+executor sees one dict of padded tensors per batch and hands back host
+outputs. ``tensorserve.runtime`` has two: model threads in this process,
+and worker processes of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+
+class BatchOutputs(Protocol):
+    """A batch's outputs, on the host."""
+
+    @property
+    def batched(self) -> Mapping[str, np.ndarray] | None:
+        """One array per output with the batch first: un-padded by collate."""
+        ...
+
+    @property
+    def per_item(self) -> Sequence[Any] | None:
+        """Or, when the model returned one result per item: each item's host
+        arrays, or the Exception that fails that item alone."""
+        ...
+
+    @property
+    def seconds(self) -> float | None:
+        """The model's own time for the batch, when the executor knows it
+        better than the batcher's launch-to-collect clock (a worker with a
+        batch queued behind another); None otherwise."""
+        ...
+
+
+class Executor(Protocol):
+    instance_count: int
+    """Model instances: the batcher runs one model thread per instance."""
+
+    overlaps: bool
+    """True when ``launch`` returns before the batch has run (CUDA, a worker
+    process): the batcher may then launch the next full batch meanwhile."""
+
+    pin_memory: bool
+    """True when padded host buffers should be page-locked (CUDA)."""
+
+    def start_instance(self, instance: int) -> None:
+        """Called once on each model thread before its first batch."""
+        ...
+
+    def launch(self, features: dict[str, torch.Tensor], instance: int) -> Any:
+        """Start a padded batch on the instance (on a CPU: run it)."""
+        ...
+
+    def collect(self, launched: Any) -> BatchOutputs:
+        """Wait for a launched batch and return its outputs."""
+        ...
+
+
+@runtime_checkable
+class DirectExecutor(Executor, Protocol):
+    """An executor whose batches an event loop can drive itself, without
+    blocking: launching only hands the batch to another process, and the
+    reply is read as it arrives. The batcher's direct path (see batcher.py)."""
+
+    def can_run_direct(self, instance: int) -> bool:
+        """The instance is up and idle enough for the loop to use it."""
+        ...
+
+    def try_launch_direct(self, features: dict[str, torch.Tensor], instance: int) -> Any | None:
+        """Send the batch without blocking and without ever waiting for or
+        restarting a worker; None if it could not be sent (the batcher then
+        gives the batch to the model threads)."""
+        ...
+
+    def collect_soon(
+        self,
+        launched: Any,
+        loop: asyncio.AbstractEventLoop,
+        done: Callable[[BatchOutputs | None, BaseException | None], None],
+    ) -> Callable[[], None]:
+        """Watch for the reply on ``loop``; ``done(outputs, error)`` runs on
+        the loop's thread once it is in. Returns ``finish_now``: called on the
+        loop's thread, it stops watching and waits for the reply right there
+        (``done`` has run when it returns) — for ``close()`` on that thread."""
+        ...

@@ -1,0 +1,93 @@
+"""A finished batch's outcome for each of its callers, and its record in the
+stats: no threads, no futures (``Batcher._finish`` delivers what this returns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tensorserve.batching.admission import Outcome, Pending
+from tensorserve.batching.collate import Collator, PaddedBatch
+from tensorserve.batching.executor import BatchOutputs
+from tensorserve.batching.policy import BatchPolicy
+from tensorserve.batching.stats import BatchStats
+from tensorserve.errors import ModelFailure, as_model_failure
+
+
+@dataclass(eq=False)
+class Batch:
+    """One batch from the moment it leaves the queue until ``_finish``."""
+
+    entries: list[Pending]
+    dispatched: float  # time.monotonic() when taken from the queue
+    padded: PaddedBatch | None = None
+    launched: Any = None
+    outputs: BatchOutputs | None = None
+    error: BaseException | None = None
+    started: float = 0.0  # perf_counter() at launch
+    seconds: float = 0.0
+    finish_now: Callable[[], None] | None = None  # set while an event loop drives it
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+class BatchResults:
+    """Turns a collected batch into one outcome per caller (un-padding the
+    outputs), teaches the policy's cost model, and records the batch."""
+
+    def __init__(self, collator: Collator, policy: BatchPolicy, stats: BatchStats, name: str) -> None:
+        self.collator = collator
+        self.policy = policy
+        self.stats = stats
+        self.name = name
+
+    def outcomes(self, batch: Batch) -> list[Outcome]:
+        """One (entry, result or error, failed) per caller, in order."""
+        entries = batch.entries
+        if batch.error is None:
+            try:
+                rows = self._rows(batch)
+            except BaseException as exc:
+                batch.error = exc
+        if batch.error is not None:
+            error = as_model_failure(batch.error, self.name)
+            outcomes: list[Outcome] = [(entry, error, True) for entry in entries]
+        else:
+            outcomes = [
+                (entry, as_model_failure(row, self.name), True)
+                if isinstance(row, BaseException)
+                else (entry, row, False)
+                for entry, row in zip(entries, rows)
+            ]
+        self._record(batch, outcomes)
+        return outcomes
+
+    def _rows(self, batch: Batch) -> Sequence[Any]:
+        """One result (or Exception) per entry."""
+        outputs, size = batch.outputs, len(batch.entries)
+        assert outputs is not None and batch.padded is not None
+        if outputs.per_item is not None:
+            if len(outputs.per_item) != size:
+                raise ModelFailure(
+                    f"batch function returned {len(outputs.per_item)} results for a batch of "
+                    f"{size} items"
+                )
+            return outputs.per_item
+        assert outputs.batched is not None
+        return self.collator.unpad(outputs.batched, batch.padded)
+
+    def _record(self, batch: Batch, outcomes: list[Outcome]) -> None:
+        entries = batch.entries
+        cost = self.policy.cost
+        if batch.error is None and cost is not None:
+            # Teach the policy what a batch of this padded volume costs.
+            cost.observe(len(entries), max(e.volume for e in entries), batch.seconds)
+        queued = sum(batch.dispatched - e.enqueued for e in entries)
+        padded = batch.padded
+        real, elements = (padded.real_elements, padded.padded_elements) if padded else (0, 0)
+        self.stats.record_batch(len(entries), batch.seconds, queued, real, elements)
+        failures = sum(failed for _, _, failed in outcomes)
+        if failures:
+            self.stats.record_failures(failures)

@@ -1,0 +1,120 @@
+"""Admission and selection without threads or clocks: the queue is plain data,
+and every time is made up."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+
+import pytest
+
+from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
+from tensorserve.batching.policy import make_policy
+from tensorserve.errors import DeadlineExceeded, ServerBusy
+
+
+def entry(volume: int, enqueued: float = 0.0, deadline: float | None = None) -> Pending:
+    return Pending(item=volume, volume=volume, future=Future(), loop=None,
+                   enqueued=enqueued, deadline=deadline)
+
+
+def padded_elements(items: list[int]) -> int:
+    """Items are their own lengths here: batch size x the longest."""
+    return len(items) * max(items)
+
+
+def make_queue(**options: object) -> AdmissionQueue:
+    return AdmissionQueue(BatcherOptions(**options), padded_elements, name="toy")  # type: ignore[arg-type]
+
+
+def test_a_request_is_admitted_whole_or_refused_whole() -> None:
+    queue = make_queue(max_queue_size=4)
+    queue.admit([entry(1), entry(2), entry(3)])
+    with pytest.raises(ServerBusy, match=r"model 'toy' queue is full \(3 items waiting, limit 4\)"):
+        queue.admit([entry(4), entry(5)])
+    assert len(queue) == 3  # nothing of the refused request got in
+    queue.admit([entry(4)])
+    assert len(queue) == 4
+
+
+def test_eager_dispatch_is_due_at_once_and_an_empty_queue_never() -> None:
+    queue = make_queue(dispatch="eager")
+    assert queue.due_in(0.0, ahead=False, closing=False) == math.inf
+    queue.admit([entry(1)])
+    assert queue.due_in(0.0, ahead=False, closing=False) == 0.0
+
+
+def test_timer_dispatch_waits_for_the_oldest_items_delay_or_a_full_batch() -> None:
+    queue = make_queue(dispatch="timer", max_queue_delay_ms=10, max_batch_size=3)
+    queue.admit([entry(1, enqueued=100.0)])
+    assert queue.due_in(100.004, ahead=False, closing=False) == pytest.approx(0.006)
+    assert queue.due_in(100.010, ahead=False, closing=False) == 0.0
+    assert queue.due_in(100.004, ahead=False, closing=True) == 0.0  # closing: drain now
+    queue.admit([entry(2, enqueued=100.001), entry(3, enqueued=100.002)])
+    assert queue.due_in(100.004, ahead=False, closing=False) == 0.0  # full
+
+
+def test_ahead_of_a_busy_device_only_a_batch_that_cannot_grow_is_due() -> None:
+    queue = make_queue(max_batch_size=4)
+    queue.admit([entry(1), entry(1)])
+    assert queue.due_in(0.0, ahead=True, closing=False) == math.inf
+    assert queue.take(0.0, leave_growing=True) == []  # could still grow: left waiting
+    assert len(queue) == 2
+    queue.admit([entry(1), entry(1)])
+    assert queue.due_in(0.0, ahead=True, closing=False) == 0.0
+
+
+def test_a_batch_the_budget_cut_short_is_taken_even_when_it_could_grow() -> None:
+    # A budget of 20 padded tokens: two items of 10 fit, three do not.
+    queue = make_queue(max_batch_size=8, policy=make_policy("fifo", 20))
+    items = [entry(10) for _ in range(3)]
+    queue.admit(items)
+    assert queue.take(0.0, leave_growing=True) == items[:2]
+    assert queue.take(0.0, leave_growing=True) == []  # the last one alone could grow
+    assert queue.take(0.0) == items[2:]
+
+
+def test_the_element_cap_leaves_the_newest_items_waiting() -> None:
+    queue = make_queue(max_batch_size=8, max_batch_elements=30)
+    items = [entry(5), entry(10), entry(7), entry(6)]
+    queue.admit(items)
+    assert queue.take(0.0) == items[:3]  # 3 x 10 = 30 fits; 4 x 10 would not
+    assert queue.take(0.0) == items[3:]
+    assert queue.take(0.0) == []
+
+
+def test_one_item_always_fits_the_element_cap() -> None:
+    queue = make_queue(max_batch_elements=4)
+    queue.admit([entry(100)])
+    assert [e.volume for e in queue.take(0.0)] == [100]
+
+
+def test_the_length_aware_policy_groups_similar_lengths_and_an_overdue_item_goes_first() -> None:
+    queue = make_queue(max_batch_size=2, max_queue_delay_ms=5, policy=make_policy("length_aware", None))
+    old, a, b, c = entry(100, enqueued=0.0), entry(3, 0.001), entry(90, 0.002), entry(4, 0.003)
+    queue.admit([old, a, b, c])
+    # Not overdue yet: the two short ones form the tightest batch.
+    assert queue.take(0.002) == [a, c]
+    # Now the oldest is overdue: it must be in the batch.
+    assert old in queue.take(0.010)
+
+
+def test_put_back_returns_entries_to_the_head_in_order() -> None:
+    queue = make_queue(max_batch_size=2)
+    items = [entry(i) for i in range(1, 5)]
+    queue.admit(items)
+    taken = queue.take(0.0)
+    queue.put_back(taken)
+    assert queue.drain() == items
+    assert len(queue) == 0
+
+
+def test_expire_answers_late_items_and_drops_those_whose_caller_left() -> None:
+    queue = make_queue()
+    live, late, gone = entry(1, deadline=10.0), entry(2, deadline=5.0), entry(3)
+    gone.future.cancel()
+    kept, expired = queue.expire([live, late, gone], now=6.0)
+    assert kept == [live]
+    assert [(e, type(err), failed) for e, err, failed in expired] == [(late, DeadlineExceeded, True)]
+    assert "model 'toy': item waited past its deadline" in str(expired[0][1])
+    assert live.future.running()  # marked running: a late cancel() cannot race the result
