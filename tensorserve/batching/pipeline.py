@@ -1,0 +1,248 @@
+"""The execution pipeline of one model: the threads that run its batches.
+
+One model thread per instance takes the next batch from the queue, pads it,
+launches it and collects it. ``finish`` (un-pad, record, deliver) runs on the
+finisher thread while more work waits, so the model thread goes straight to
+its next batch; with nothing else waiting the model thread finishes the batch
+itself (one hand-off less for a lone request). The thread that just finished
+a batch forms the next one, so no hand-off sits between two batches on the
+model's critical path. Where ``launch`` only queues the work
+(``executor.overlaps``: CUDA, a worker process), a full next batch is padded
+and launched while the current one runs.
+
+Each instance is in one ``InstanceState``, changed under ``lock``; a device
+or worker socket has one owner at a time: its model thread, or (DRIVEN) the
+event loop running the batcher's direct path.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
+from tensorserve.batching.collate import Collator
+from tensorserve.batching.delivery import settle
+from tensorserve.batching.executor import BatchOutputs, Executor
+from tensorserve.batching.results import Batch, BatchResults
+from tensorserve.batching.stats import BatchStats
+from tensorserve.errors import ModelFailure
+
+log = logging.getLogger(__name__)
+
+
+class InstanceState(enum.Enum):
+    BUSY = "busy"  # its model thread owns it: forming, running or collecting a batch
+    PARKED = "parked"  # its model thread waits for work, nothing on the device
+    DRIVEN = "driven"  # an event loop runs a batch on it; its model thread waits
+
+
+class Pipeline:
+    """The queue, the instances' states and the threads; ``Batcher`` is its
+    front. Every field below the lock is read and written under it."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        collator: Collator,
+        options: BatcherOptions,
+        name: str,
+        stats: BatchStats,
+        on_fatal: Callable[[BaseException], None] | None,
+    ) -> None:
+        self.executor = executor
+        self.collator = collator
+        self.name = name
+        self.stats = stats
+        self._on_fatal = on_fatal
+        self.queue = AdmissionQueue(options, collator.padded_elements, name)
+        self.results = BatchResults(collator, options.policy, stats, name)
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)  # work for the model threads
+        self.parked = threading.Condition(self.lock)  # an instance was parked (wait_idle)
+        self.accepting = False
+        self.closing = False
+        instances = executor.instance_count
+        self.states = [InstanceState.BUSY] * instances
+        self.in_flight: set[Batch] = set()  # left the queue, not yet finished
+        self._to_finisher: queue.Queue[Batch | None] = queue.Queue(maxsize=instances + 1)
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        threads = [
+            threading.Thread(target=self._model_loop, args=(i,), name=f"{self.name}-model-{i}")
+            for i in range(self.executor.instance_count)
+        ]
+        threads.append(threading.Thread(target=self._finish_loop, name=f"{self.name}-finish"))
+        for thread in threads:
+            thread.daemon = True
+            thread.start()
+        self._threads = threads
+        self.accepting = True
+
+    def stop_accepting(self) -> None:
+        """Refuse new items; the queued ones still run."""
+        with self.cond:
+            self.accepting = False
+            self.closing = True
+            self.cond.notify_all()
+
+    def join(self, timeout: float | None) -> None:
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+        self._threads = []
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or running and every model thread is
+        parked, waiting for work; False if that did not happen in time."""
+        with self.lock:
+            return self.parked.wait_for(
+                lambda: not len(self.queue)
+                and not self.in_flight
+                and all(state is InstanceState.PARKED for state in self.states),
+                timeout,
+            )
+
+    def _model_loop(self, instance: int) -> None:
+        try:
+            self.executor.start_instance(instance)
+            on_device: Batch | None = None  # launched, not yet collected
+            while True:
+                entries = self._next_batch(instance, ahead=on_device is not None)
+                if not entries and on_device is None:
+                    break  # closing, and nothing is left
+                launched = self._launch(entries, instance) if entries else None
+                if on_device is not None:
+                    self._collect(on_device)
+                if launched is not None and not self.executor.overlaps:
+                    self._collect(launched)  # on a CPU the batch already ran
+                    launched = None
+                on_device = launched
+        except BaseException as exc:  # pragma: no cover - a bug: fail loudly, not silently
+            self._fatal(exc)
+        finally:
+            self._to_finisher.put(None)
+
+    def _next_batch(self, instance: int, *, ahead: bool) -> list[Pending]:
+        """The next batch's entries, taken from the queue.
+
+        Blocks until a batch is due, and returns [] only once closing with
+        nothing left. ``ahead`` (a batch still on the device): never blocks,
+        and returns [] unless a batch that cannot grow is waiting."""
+        with self.cond:
+            while True:
+                if self.states[instance] is InstanceState.DRIVEN:
+                    self.cond.wait()  # an event loop runs a batch on this instance
+                    continue
+                now = time.monotonic()
+                due_in = self.queue.due_in(now, ahead=ahead, closing=self.closing)
+                if ahead:
+                    return self.queue.take(now, leave_growing=due_in > 0)
+                if self.closing and not len(self.queue):
+                    return []
+                if due_in > 0:
+                    self.states[instance] = InstanceState.PARKED
+                    self.parked.notify_all()
+                    self.cond.wait(None if due_in == math.inf else due_in)
+                    continue
+                self.states[instance] = InstanceState.BUSY
+                return self.queue.take(now)
+
+    def wake(self) -> None:
+        """Wake a model thread for the queue (the lock held). A thread whose
+        instance a loop drives would go back to sleep on a plain notify:
+        then wake them all."""
+        if InstanceState.DRIVEN in self.states:
+            self.cond.notify_all()
+        else:
+            self.cond.notify()
+
+    def begin(self, entries: list[Pending]) -> Batch | None:
+        """Drop the entries nobody waits for any more, then pad the rest."""
+        now = time.monotonic()
+        live, expired = self.queue.expire(entries, now)
+        settle(expired)
+        if not live:
+            return None
+        batch = Batch(live, now)
+        with self.cond:
+            self.in_flight.add(batch)
+        try:
+            batch.padded = self.collator.pad([e.item for e in live])
+        except BaseException as exc:  # padding failed: this batch only
+            batch.error = exc
+        return batch
+
+    def _launch(self, entries: list[Pending], instance: int) -> Batch | None:
+        batch = self.begin(entries)
+        if batch is None or batch.error is not None:
+            return batch
+        assert batch.padded is not None
+        try:
+            batch.started = time.perf_counter()
+            batch.launched = self.executor.launch(batch.padded.features, instance)
+        except BaseException as exc:  # the model failed: this batch only
+            batch.error = exc
+        return batch
+
+    def _collect(self, batch: Batch) -> None:
+        if batch.error is None:
+            try:
+                self.collected(batch, self.executor.collect(batch.launched), None)
+            except BaseException as exc:
+                self.collected(batch, None, exc)
+        if not len(self.queue) and self._to_finisher.empty():
+            self.finish(batch)  # nothing to run next: the finisher would add a hand-off
+        else:
+            self._to_finisher.put(batch)
+
+    def collected(self, batch: Batch, outputs: BatchOutputs | None, error: BaseException | None) -> None:
+        batch.outputs, batch.error = outputs, error
+        batch.launched = None  # free device and socket buffers early
+        batch.seconds = time.perf_counter() - batch.started
+        # A batch launched ahead waited for the one before it: prefer the
+        # executor's own figure of the model's time, which the cost model learns.
+        if outputs is not None and outputs.seconds is not None:
+            batch.seconds = outputs.seconds
+
+    # ------------------------------------------------------------------ finishing
+    def _finish_loop(self) -> None:
+        stops = 0
+        while stops < self.executor.instance_count:
+            batch = self._to_finisher.get()
+            if batch is None:
+                stops += 1
+            else:
+                self.finish(batch)
+
+    def finish(self, batch: Batch) -> None:
+        """The one place a batch ends: un-pad, record and deliver. Runs on the
+        finisher thread, on the model thread when nothing else waits, or on
+        the loop that drove it. Whatever goes wrong, every caller is answered."""
+        try:
+            outcomes = self.results.outcomes(batch)
+        except BaseException as exc:  # a bug in un-padding, stats or the cost model
+            log.exception("batcher %s: finishing a batch failed", self.name)
+            error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
+            outcomes = [(entry, error, True) for entry in batch.entries]
+        with self.cond:
+            self.in_flight.discard(batch)
+            self.parked.notify_all()
+        settle(outcomes)
+
+    def _fatal(self, exc: BaseException) -> None:
+        """A pipeline thread died: answer every caller, queued or launched."""
+        log.exception("batcher %s: internal thread failed", self.name, exc_info=exc)
+        with self.cond:
+            self.accepting = False
+            stranded = self.queue.drain() + [e for b in self.in_flight for e in b.entries]
+        error = ModelFailure(f"model {self.name!r}: internal batcher failure: {exc!r}")
+        settle([(entry, error, True) for entry in stranded])
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
