@@ -1,40 +1,92 @@
-"""``tensorserve`` command line: ``serve`` (and ``bench``, see tensorserve/bench)."""
+"""``tensorserve`` command line: ``serve`` (and ``bench``, see tensorserve/bench).
+
+``serve``'s flags are generated from ``Settings``: one per field, with its
+type, choices, description, default and environment variable, so a setting
+is declared once. Asking for help imports neither torch nor aiohttp: the
+server (``tensorserve.http.server``) and the load generator are imported only
+when they run.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
-import warnings
+import types
+import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from tensorserve.settings import Settings
+from pydantic import ValidationError
+
+from tensorserve.settings import MODEL_OVERRIDES, Settings
+
+ENV_PREFIX = str(Settings.model_config.get("env_prefix", ""))
 
 
-def _serve_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve a model repository over HTTP")
-    p.add_argument("--model-repository", help="model repository folder (default ./model_repository)")
-    p.add_argument("--host", help="address to listen on (default 0.0.0.0)")
-    p.add_argument("--port", type=int, help="port (default 8000)")
-    p.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--access-log", action="store_true", default=None, help="log every request")
-    p.add_argument("--max-request-bytes", type=int)
-    p.add_argument("--max-items-per-request", type=int)
-    p.add_argument("--intra-op-threads", type=int, help="torch threads per model thread")
-    p.add_argument("--switch-interval-ms", type=float, help="GIL switch interval (default 0.1)")
-    group = p.add_argument_group("overrides applied to every model's config.toml")
-    group.add_argument("--max-batch-size", type=int)
-    group.add_argument("--max-queue-delay-ms", type=float)
-    group.add_argument("--device", help="auto | cpu | cuda | cuda:N")
-    group.add_argument("--dispatch", choices=["eager", "timer"])
-    group.add_argument("--policy", choices=["fifo", "length_aware"])
-    group.add_argument("--instance-count", type=int)
-    group.add_argument("--max-batch-tokens", type=int, help="padded-volume budget per batch")
-    group.add_argument(
-        "--isolation", choices=["thread", "process"], help="run each model instance in a thread or its own process"
+def flag_name(field: str) -> str:
+    """``max_batch_tokens`` -> ``--max-batch-tokens``."""
+    return "--" + field.replace("_", "-")
+
+
+def env_name(field: str) -> str:
+    """``max_batch_tokens`` -> ``TENSORSERVE_MAX_BATCH_TOKENS``."""
+    return ENV_PREFIX + field.upper()
+
+
+def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
+    """(argparse type, choices) of a settings field's annotation."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])  # X | None: every flag is optional anyway
+    if typing.get_origin(annotation) is typing.Literal:
+        return type(args[0]), args
+    if annotation is Path:
+        return Path, None
+    if annotation in (int, float, str, bool):
+        return annotation, None
+    raise TypeError(f"no command-line flag for a setting of type {annotation!r}")
+
+
+def _help(name: str) -> str:
+    field = Settings.model_fields[name]
+    if name in MODEL_OVERRIDES:
+        default = "the model's own"
+    elif field.default is None:
+        default = "unset"
+    elif isinstance(field.default, bool):
+        default = "on" if field.default else "off"
+    else:
+        default = str(field.default)
+    # argparse %-formats help strings.
+    text = f"{field.description} (default: {default}; env {env_name(name)})"
+    return text.replace("%", "%%")
+
+
+def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
+    """``serve`` with one flag per ``Settings`` field. Every flag defaults to
+    None, meaning "not given": the environment and then the field's default
+    decide (``settings_from_args``)."""
+    parser = sub.add_parser(
+        "serve",
+        help="serve a model repository over HTTP",
+        description="Serve a model repository over HTTP. Flags override environment "
+        f"variables ({ENV_PREFIX}*), which override the defaults.",
     )
+    overrides = parser.add_argument_group("overrides applied to every model's config.toml")
+    for name, field in Settings.model_fields.items():
+        group = overrides if name in MODEL_OVERRIDES else parser
+        kind, choices = _flag_type(field.annotation)
+        if kind is bool:
+            # --access-log / --no-access-log: either can beat the environment.
+            group.add_argument(
+                flag_name(name), action=argparse.BooleanOptionalAction, default=None, help=_help(name)
+            )
+        else:
+            group.add_argument(
+                flag_name(name), type=kind, choices=choices, default=None, help=_help(name)
+            )
+    return parser
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -47,50 +99,36 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return Settings(**given)
 
 
-def _install_uvloop() -> None:
-    try:
-        import uvloop  # type: ignore[import-not-found]
-    except ImportError:
-        return
-    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+def _settings_error(error: ValidationError) -> str:
+    """One line per bad setting, named as the flag and the variable."""
+    lines = []
+    for problem in error.errors():
+        name = str(problem["loc"][0]) if problem["loc"] else "?"
+        where = f"{flag_name(name)} / {env_name(name)}" if name in Settings.model_fields else name
+        lines.append(f"{where}: {problem['msg']}")
+    return "; ".join(lines)
 
 
 def serve(settings: Settings) -> None:
-    from aiohttp import web
+    from tensorserve.http.server import run  # aiohttp and torch: only to serve
 
-    from tensorserve.http.app import create_app
-
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    _install_uvloop()
-    sys.setswitchinterval(settings.switch_interval_ms / 1000)
-    # nn.TransformerEncoder's default fast path announces itself on every start:
-    # noise for operators, not a problem of theirs.
-    warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
-    app = create_app(settings)
-    web.run_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        access_log=logging.getLogger("aiohttp.access") if settings.access_log else None,
-        handler_cancellation=True,  # a caller that disconnects frees its queued items
-        print=lambda msg: logging.getLogger("tensorserve").info(
-            "serving %s on http://%s:%s", settings.model_repository, settings.host, settings.port
-        ),
-    )
+    run(settings)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tensorserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="tensorserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    _serve_parser(sub)
+    serve_parser = add_serve_parser(sub)
     from tensorserve.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
-        serve(settings_from_args(args))
+        try:
+            settings = settings_from_args(args)
+        except ValidationError as exc:
+            serve_parser.error(_settings_error(exc))
+        serve(settings)
         return 0
     return int(args.run(args))
 

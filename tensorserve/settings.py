@@ -32,7 +32,7 @@ class Settings(BaseSettings):
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
     model_repository: Path = Field(Path("model_repository"), description="Model repository folder.")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     access_log: bool = Field(False, description="Log every request (off: keeps the hot path lean).")
 
     # Bounds on what a client may send.
@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     max_items_per_request: int = Field(4096, ge=1, description="Most items in one request.")
 
     intra_op_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads per model thread (default: cores - 1)."
+        None, ge=1, description="torch intra-op threads per model thread (unset: cores - 1)."
     )
     switch_interval_ms: float = Field(
         0.1,
@@ -52,14 +52,22 @@ class Settings(BaseSettings):
     )
 
     # Overrides applied to every model's config.toml (None: keep the model's own).
-    max_batch_size: int | None = Field(None, ge=0)
-    max_queue_delay_ms: float | None = Field(None, ge=0)
-    device: str | None = None
-    dispatch: Literal["eager", "timer"] | None = None
-    policy: Literal["fifo", "length_aware"] | None = None
-    instance_count: int | None = Field(None, ge=1)
-    max_batch_tokens: int | None = Field(None, ge=1)
-    isolation: Literal["thread", "process"] | None = None
+    max_batch_size: int | None = Field(None, ge=0, description="Most items in one batch (0, 1: no batching).")
+    max_queue_delay_ms: float | None = Field(None, ge=0, description="Longest an item waits for company.")
+    device: str | None = Field(None, description="auto | cpu | cuda | cuda:N.")
+    dispatch: Literal["eager", "timer"] | None = Field(
+        None, description="eager: run as soon as the model is idle; timer: wait for a full batch or the delay."
+    )
+    policy: Literal["fifo", "length_aware"] | None = Field(
+        None, description="Which waiting items form the next batch."
+    )
+    instance_count: int | None = Field(None, ge=1, description="Model copies executing in parallel.")
+    max_batch_tokens: int | None = Field(
+        None, ge=1, description="Padded-volume budget per batch (batch x padded item size)."
+    )
+    isolation: Literal["thread", "process"] | None = Field(
+        None, description="Run each model instance in a thread of the server or its own process."
+    )
 
     def model_overrides(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in MODEL_OVERRIDES if getattr(self, key) is not None}

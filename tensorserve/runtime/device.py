@@ -81,6 +81,7 @@ def default_intra_op_threads() -> int:
     """Intra-op threads for each model thread: every core but one, which is
     left to the event loop and the pipeline threads. On this project's 2-core
     machines one model thread plus a free core served 1.4x the items/s of two
-    model threads fighting the HTTP stack for the cores (docs/threading.md)."""
-    value = os.environ.get("TENSORSERVE_INTRA_OP_THREADS")
-    return int(value) if value else max(1, (os.cpu_count() or 1) - 1)
+    model threads fighting the HTTP stack for the cores (docs/threading.md).
+    The server's ``--intra-op-threads`` / ``TENSORSERVE_INTRA_OP_THREADS``
+    (``Settings``) overrides it."""
+    return max(1, (os.cpu_count() or 1) - 1)

@@ -1,0 +1,137 @@
+"""The command line: ``serve``'s flags come from ``Settings``, and asking for
+help costs no torch."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensorserve.cli import add_serve_parser, main, settings_from_args
+from tensorserve.settings import MODEL_OVERRIDES, Settings
+
+# The flags the docs and the tests use: generated, they must keep these names.
+DOCUMENTED_FLAGS = {
+    "--model-repository", "--host", "--port", "--log-level", "--access-log",
+    "--max-request-bytes", "--max-items-per-request", "--intra-op-threads",
+    "--switch-interval-ms", "--max-batch-size", "--max-queue-delay-ms", "--device",
+    "--dispatch", "--policy", "--instance-count", "--max-batch-tokens", "--isolation",
+}  # fmt: skip
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tensorserve")
+    return add_serve_parser(parser.add_subparsers(dest="command"))
+
+
+def test_every_setting_has_a_flag_with_its_description_default_and_environment_variable() -> None:
+    parser = serve_parser()
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    assert set(actions) == set(Settings.model_fields)
+    for name, field in Settings.model_fields.items():
+        action = actions[name]
+        assert action.option_strings[0] == "--" + name.replace("_", "-")
+        assert action.default is None  # "not given": the environment decides
+        assert field.description and field.description in action.help
+        assert f"env TENSORSERVE_{name.upper()})" in action.help
+        if name in MODEL_OVERRIDES:
+            assert "default: the model's own" in action.help
+        elif field.default is not None and not isinstance(field.default, bool):
+            assert f"default: {field.default};" in action.help
+    flags = {a.option_strings[0] for a in actions.values()}
+    assert DOCUMENTED_FLAGS <= flags
+
+
+def test_the_overrides_have_their_own_group() -> None:
+    group = next(
+        g for g in serve_parser()._action_groups if g.title and "overrides" in g.title
+    )
+    assert {a.dest for a in group._group_actions} == set(MODEL_OVERRIDES)
+
+
+def test_flags_parse_to_the_settings_types_and_choices() -> None:
+    args = serve_parser().parse_args([
+        "--port", "9001", "--switch-interval-ms", "0.5", "--access-log",
+        "--model-repository", "/models", "--isolation", "process", "--max-batch-tokens", "512",
+        "--max-queue-delay-ms", "2.5", "--device", "cpu",
+    ])  # fmt: skip
+    assert isinstance(args.port, int) and isinstance(args.switch_interval_ms, float)
+    assert isinstance(args.model_repository, Path) and isinstance(args.max_queue_delay_ms, float)
+    settings = settings_from_args(args)
+    assert settings.port == 9001 and settings.switch_interval_ms == 0.5
+    assert settings.access_log is True
+    assert settings.model_repository == Path("/models")
+    assert settings.model_overrides() == {
+        "isolation": "process", "max_batch_tokens": 512, "max_queue_delay_ms": 2.5, "device": "cpu"
+    }  # fmt: skip
+    actions = {a.dest: a for a in serve_parser()._actions}
+    assert actions["policy"].choices == ["fifo", "length_aware"]  # Literal | None: choices
+    assert actions["log_level"].choices == ["DEBUG", "INFO", "WARNING", "ERROR"]
+    for bad in (["--policy", "lifo"], ["--port", "eighty"], ["--log-level", "LOUD"]):
+        with pytest.raises(SystemExit):
+            serve_parser().parse_args(bad)
+
+
+def test_flags_beat_the_environment_which_beats_the_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert settings_from_args(serve_parser().parse_args([])).port == 8000
+    monkeypatch.setenv("TENSORSERVE_PORT", "8123")
+    monkeypatch.setenv("TENSORSERVE_ACCESS_LOG", "true")
+    monkeypatch.setenv("TENSORSERVE_POLICY", "fifo")
+    from_env = settings_from_args(serve_parser().parse_args([]))
+    assert (from_env.port, from_env.access_log, from_env.policy) == (8123, True, "fifo")
+    from_flags = settings_from_args(
+        serve_parser().parse_args(["--port", "9", "--no-access-log", "--policy", "length_aware"])
+    )
+    assert (from_flags.port, from_flags.access_log, from_flags.policy) == (9, False, "length_aware")
+
+
+def test_an_out_of_bounds_setting_is_a_usage_error_naming_flag_and_variable(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--port", "99999"])
+    assert exit_info.value.code == 2
+    assert "--port / TENSORSERVE_PORT" in capsys.readouterr().err
+
+
+NO_HEAVY_IMPORTS = "\nimport sys\nprint(sorted(m for m in ('torch', 'numpy', 'aiohttp') if m in sys.modules))"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import tensorserve",
+        "import tensorserve.cli",
+        "from tensorserve import InvalidInput, ModelFailure",
+        "from tensorserve.cli import main\n"
+        "for argv in (['--help'], ['serve', '--help'], ['bench', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass",
+    ],
+)
+def test_help_and_the_error_types_do_not_import_torch(code: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", code + NO_HEAVY_IMPORTS],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["bench", "--help"]])
+def test_the_real_help_command_does_not_import_torch(argv: list[str]) -> None:
+    """``python -X importtime -m tensorserve ... --help``: the module list of
+    the real command, entry point included."""
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "tensorserve", *argv],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "usage: tensorserve" in out.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert "tensorserve.cli" in imported
+    assert not {"torch", "numpy", "aiohttp"} & imported
