@@ -5,7 +5,7 @@ A general client (aiohttp's) costs ~140 us of client CPU per small request
 load generator shares the cores with the server it measures. This one writes
 a prebuilt request and reads back a ``Content-Length`` response: ~45 us per
 small request (both measured on the 2-core VM, 2026-11-22). It is only for
-``POST`` requests to tensorserve itself (bodies with ``Content-Length``, no
+requests to tensorserve itself (bodies with ``Content-Length``, no
 chunking, no redirects).
 """
 
@@ -31,6 +31,10 @@ class RawHttpPool:
             f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
         )
         return head.encode("ascii") + body
+
+    def get_request(self, path: str) -> bytes:
+        """A ``GET`` of ``path`` (the bench's config and stats reads)."""
+        return f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n".encode("ascii")
 
     async def send(self, request: bytes) -> tuple[int, bytes]:
         """(status, body) of one request on a pooled connection."""

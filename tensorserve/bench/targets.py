@@ -12,6 +12,7 @@ measured window give the executed batch sizes and the padding efficiency.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,8 +22,6 @@ from tensorserve.bench.items import FeatureSpec, Item, specs_from_config, specs_
 from tensorserve.bench.rawhttp import RawHttpPool
 
 if TYPE_CHECKING:
-    import aiohttp
-
     from tensorserve.serving import ServedModel
 
 
@@ -153,20 +152,13 @@ class HttpTarget:
         self.timeout = timeout
         self.specs: list[FeatureSpec] = []
         self.parameters: dict[str, Any] = {}
-        self._session: aiohttp.ClientSession | None = None
         self._config: dict[str, Any] | None = None
         self._content_type = "application/msgpack"  # wire.native.CONTENT_TYPE
         self._infer_path = f"{urlsplit(self.url).path}/v2/models/{model}/infer"
         self._raw: RawHttpPool | None = None
 
     async def open(self) -> None:
-        import aiohttp
-
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=self.timeout),
-        )
-        self._raw = RawHttpPool(self.url)  # the measured requests: a cheaper client
+        self._raw = RawHttpPool(self.url)  # a cheap client: the bench shares the cores
         try:
             config = await self._get_json(f"/v2/models/{self.model}/config", missing_ok=True)
             if config is not None:
@@ -180,19 +172,20 @@ class HttpTarget:
             raise
 
     async def _get_json(self, path: str, missing_ok: bool = False) -> Any:
-        assert self._session is not None, "open() first"
-        async with self._session.get(self.url + path) as response:
-            if missing_ok and response.status == 404:
-                return None
-            if response.status != 200:
-                text = await response.text()
-                raise RequestFailed(f"GET {path}: HTTP {response.status}: {text[:200]}")
-            return await response.json()
+        assert self._raw is not None, "open() first"
+        status, body = await asyncio.wait_for(
+            self._raw.send(self._raw.get_request(urlsplit(self.url).path + path)), self.timeout
+        )
+        if missing_ok and status == 404:
+            return None
+        if status != 200:
+            raise RequestFailed(f"GET {path}: HTTP {status}: {body[:200]!r}")
+        return json.loads(body)
 
     def encode(self, items: Sequence[Item]) -> bytes:
         import msgpack
 
-        from tensorserve.tensors.wire_tensor import encode_tensor
+        from tensorserve.wire.native import encode_tensor
 
         dtypes = {s.name: s.dtype for s in self.specs}
         body = {
@@ -227,9 +220,6 @@ class HttpTarget:
         if self._raw is not None:
             await self._raw.close()
             self._raw = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
 
 def _error_text(status: int, body: bytes) -> str:
@@ -249,6 +239,10 @@ class InProcessTarget:
     Give ``repository`` and ``model`` (plus config ``overrides`` such as
     ``policy="fifo"``) to load from a model repository, or ``served`` to
     benchmark a model you built yourself (``ServedModel.from_function``).
+    ``intra_op_threads`` is the server setting of that name (``--intra-op-threads``;
+    unset: cores - 1); an ``intra_op_threads`` key in ``overrides`` sets it
+    too, so ``--variant t1:intra_op_threads=1`` means the same in-process and
+    with ``--serve``.
     """
 
     kind = "in-process"
@@ -261,12 +255,15 @@ class InProcessTarget:
         overrides: Mapping[str, Any] | None = None,
         served: ServedModel | None = None,
         warmup: bool = True,
+        intra_op_threads: int | None = None,
     ) -> None:
         if served is None and (repository is None or model is None):
             raise ValueError("give either repository and model, or served")
         self.repository = repository
         self.model = served.name if served is not None else str(model)
         self.overrides = dict(overrides or {})
+        # A server setting, not a config.toml field: passed on its own.
+        self.intra_op_threads = self.overrides.pop("intra_op_threads", intra_op_threads)
         self.warmup = warmup
         self.served = served
         self._owned = served is None
@@ -276,12 +273,8 @@ class InProcessTarget:
     async def open(self) -> None:
         served = self.served
         if served is None:
-            from tensorserve.serving import ServedModel
-
             assert self.repository is not None
-            served = self.served = await asyncio.to_thread(
-                ServedModel.from_repository, self.repository, self.model, **self.overrides
-            )
+            served = self.served = await asyncio.to_thread(self._load, self.repository)
         if self._owned:
             served.start()
             if self.warmup and served.config.warmup.enabled:
@@ -289,6 +282,21 @@ class InProcessTarget:
         config = served.config.model_dump()
         self.specs = specs_from_config(config)
         self.parameters = dict(config.get("parameters") or {})
+
+    def _load(self, repository: str) -> ServedModel:
+        """``ServedModel.from_repository`` plus the server's thread setting."""
+        from pathlib import Path
+
+        from tensorserve.repository.loader import discover, read_config
+        from tensorserve.serving import ServedModel
+
+        sources = discover(Path(repository))
+        if self.model not in sources:
+            raise KeyError(f"no model {self.model!r} in {repository}; found {', '.join(sources)}")
+        source = sources[self.model]
+        return ServedModel.from_source(
+            source, None, read_config(source, self.overrides), intra_op_threads=self.intra_op_threads
+        )
 
     def encode(self, items: Sequence[Item]) -> list[Item]:
         return list(items)
@@ -321,6 +329,8 @@ class InProcessTarget:
             described["repository"] = str(self.repository)
         if self.overrides:
             described["overrides"] = dict(self.overrides)
+        if self.intra_op_threads is not None:
+            described["intra_op_threads"] = self.intra_op_threads
         if self.served is not None:
             described["config"] = {
                 **_config_summary(self.served.config.model_dump()),

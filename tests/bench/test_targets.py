@@ -45,3 +45,42 @@ def test_model_time_per_batch_comes_from_the_summed_seconds_between_two_reads() 
     # A server that does not report it (or a window with no batches): unknown.
     assert BatchingDelta.between(Counters(), Counters(3, 3)).avg_batch_ms is None
     assert BatchingDelta.between(after, after).avg_batch_ms is None
+
+
+
+THREADS_MODEL = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(tokens, torch.get_num_threads())  # the model thread's setting
+"""
+
+
+async def test_in_process_target_takes_the_servers_thread_setting(echo_repository) -> None:
+    import numpy as np
+
+    from tensorserve.bench.targets import InProcessTarget
+    from tensorserve.runtime.device import default_intra_op_threads
+
+    threads = default_intra_op_threads() + 1  # not what the model thread would get anyway
+    (echo_repository / "echo" / "1" / "model.py").write_text(THREADS_MODEL)
+    item = {"tokens": np.ones(3, np.int64), "token_mask": np.ones(3, np.int64)}
+    # As a variant's override (what --variant t2:intra_op_threads=2 gives) or
+    # as the keyword: a server setting, not a config.toml field.
+    for target in (
+        InProcessTarget(str(echo_repository), "echo", overrides={"intra_op_threads": threads, "policy": "fifo"}),
+        InProcessTarget(str(echo_repository), "echo", overrides={"policy": "fifo"}, intra_op_threads=threads),
+    ):
+        assert target.overrides == {"policy": "fifo"}
+        await target.open()
+        try:
+            assert target.served is not None
+            [outputs] = await target.served.infer_many([item])
+            assert outputs["doubled"].tolist() == [threads] * 3
+            assert target.served.config.dynamic_batching.policy == "fifo"
+            assert target.describe()["intra_op_threads"] == threads
+        finally:
+            await target.aclose()
