@@ -3,7 +3,10 @@ model repositories with toy models."""
 
 from __future__ import annotations
 
+import json
 import textwrap
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +38,59 @@ def token_item(length: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     }
 
 
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0, poll: float = 0.01) -> None:
+    """Poll ``condition`` until it holds; fail the test, saying ``what`` never
+    happened, after ``timeout`` seconds. For a state another process owns (a
+    server's stats); where the test can hold an event, wait on that instead."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout} s"
+        time.sleep(poll)
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_toml, value)) + "]"
+    if isinstance(value, Mapping):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"no TOML for {value!r}")
+
+
+def toy_config(
+    inputs: Mapping[str, Mapping[str, Any]],
+    outputs: Mapping[str, Mapping[str, Any]],
+    **fields: Any,
+) -> str:
+    """The text of a toy model's config.toml. ``inputs`` and ``outputs`` map
+    each tensor's name to its fields (``{"x": {"dtype": "float32", "shape":
+    [-1, 4]}}``); every other keyword is a top-level field (``max_batch_size``,
+    ``device``, ``isolation``, ...), a mapping becoming its table
+    (``dynamic_batching={"max_queue_delay_ms": 2.0}``, ``warmup=...``,
+    ``parameters=...``). A field given as None is left out, so the schema's
+    default applies. Nothing is validated: tests of bad configs write them
+    with this too."""
+    fields = {k: v for k, v in fields.items() if v is not None}
+    lines = [f"{k} = {_toml(v)}" for k, v in fields.items() if not isinstance(v, Mapping)]
+    for table, values in fields.items():
+        if isinstance(values, Mapping):
+            lines += [f"[{table}]", *(f"{k} = {_toml(v)}" for k, v in values.items())]
+    for kind, specs in (("input", inputs), ("output", outputs)):
+        for name, spec in specs.items():
+            lines += [f"[[{kind}]]", f"name = {_toml(name)}"]
+            lines += [f"{k} = {_toml(v)}" for k, v in spec.items()]
+    return "\n".join(lines) + "\n"
+
+
 def write_model(repo: Path, name: str, config: str, model_py: str, version: int = 1) -> Path:
-    """A model folder with the given config.toml and model.py (no weights)."""
+    """A model folder with the given config.toml text and model.py (no
+    weights). Prefer ``write_toy_model``; this one is for a config's text
+    that ``toy_config`` cannot write (invalid TOML)."""
     folder = repo / name
     (folder / str(version)).mkdir(parents=True, exist_ok=True)
     (folder / "config.toml").write_text(textwrap.dedent(config))
@@ -44,19 +98,22 @@ def write_model(repo: Path, name: str, config: str, model_py: str, version: int 
     return folder
 
 
-ECHO_CONFIG = """
-    max_batch_size = 8
-    [dynamic_batching]
-    max_queue_delay_ms = 2.0
-    [[input]]
-    name = "x"
-    dtype = "float32"
-    shape = [-1, 4]
-    [[output]]
-    name = "y"
-    dtype = "float32"
-    shape = [-1, 4]
-"""
+def write_toy_model(repo: Path, name: str, model_py: str, version: int = 1, **config: Any) -> Path:
+    """A toy model in a temporary repository: ``model.py`` (dedented) and the
+    config.toml that ``toy_config(**config)`` writes."""
+    return write_model(repo, name, toy_config(**config), model_py, version)
+
+
+# y = f(x), x and y float32 of shape [-1, 4], batches of up to 8 (with POISON_MODEL).
+ECHO: dict[str, Any] = {
+    "max_batch_size": 8,
+    "dynamic_batching": {"max_queue_delay_ms": 2.0},
+    "inputs": {"x": {"dtype": "float32", "shape": [-1, 4]}},
+    "outputs": {"y": {"dtype": "float32", "shape": [-1, 4]}},
+}
+# ECHO as text, for tests that still edit the text (tests/test_isolation.py
+# prepends a line to it); it starts with a newline so a prepended line stays one.
+ECHO_CONFIG = "\n" + toy_config(**ECHO)
 
 # Raises for any batch holding the value 13: a "poison" item.
 POISON_MODEL = """

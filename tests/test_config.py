@@ -4,6 +4,7 @@ defaults < environment < CLI flags."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,7 @@ from tensorserve.cli import settings_from_args
 from tensorserve.errors import ConfigError
 from tensorserve.repository.config import load_config
 from tensorserve.repository.loader import discover, read_config
-from tests.helpers import ECHO_CONFIG, POISON_MODEL, write_model
+from tests.helpers import ECHO, POISON_MODEL, toy_config, write_toy_model
 
 
 def config_error(tmp_path: Path, text: str) -> str:
@@ -24,29 +25,33 @@ def config_error(tmp_path: Path, text: str) -> str:
     return str(info.value)
 
 
-BASE = ECHO_CONFIG.replace("\n    ", "\n")
+def echo(**changes: Any) -> str:
+    """The echo model's config.toml with some fields changed (None: left out)."""
+    return toy_config(**{**ECHO, **changes})
+
+
+X, Y, BATCHING = ECHO["inputs"]["x"], ECHO["outputs"]["y"], ECHO["dynamic_batching"]
 
 
 @pytest.mark.parametrize(
-    "change, message",
+    "text, message",
     [
-        (("max_batch_size = 8", "max_batch_sise = 8"), "m/config.toml: max_batch_sise: Extra inputs are not permitted"),
-        (("max_batch_size = 8", "max_batch_size = -2"), "m/config.toml: max_batch_size: Input should be greater than or equal to 0"),
-        (("max_batch_size = 8", 'max_batch_size = 8\ndevice = "tpu"'), "m/config.toml: device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
-        (("shape = [-1, 4]", "shape = [0, 4]"), "m/config.toml: input[0].shape: every dimension must be positive or -1, got [0, 4]"),
-        (('name = "y"', 'name = "y"\nunpad_like = "z"'), "m/config.toml: output 'y': unpad_like names unknown input 'z'"),
-        (("max_queue_delay_ms = 2.0", 'max_queue_delay_ms = 2.0\npolicy = "random"'), "m/config.toml: dynamic_batching.policy: Input should be 'fifo' or 'length_aware'"),
-        (("max_batch_size = 8", "max_batch_size = [8"), "m/config.toml: invalid TOML"),
+        (echo(max_batch_size=None, max_batch_sise=8), "m/config.toml: max_batch_sise: Extra inputs are not permitted"),
+        (echo(max_batch_size=-2), "m/config.toml: max_batch_size: Input should be greater than or equal to 0"),
+        (echo(device="tpu"), "m/config.toml: device: expected auto, cpu, cuda or cuda:N, got 'tpu'"),
+        (echo(inputs={"x": {**X, "shape": [0, 4]}}), "m/config.toml: input[0].shape: every dimension must be positive or -1, got [0, 4]"),
+        (echo(outputs={"y": {**Y, "unpad_like": "z"}}), "m/config.toml: output 'y': unpad_like names unknown input 'z'"),
+        (echo(dynamic_batching={**BATCHING, "policy": "random"}), "m/config.toml: dynamic_batching.policy: Input should be 'fifo' or 'length_aware'"),
+        (echo().replace("max_batch_size = 8", "max_batch_size = [8", 1), "m/config.toml: invalid TOML"),
     ],
+    ids=["typo", "negative", "device", "zero-dim", "unpad_like", "policy", "toml"],
 )
-def test_config_errors_name_the_file_and_the_field(tmp_path: Path, change: tuple[str, str], message: str) -> None:
-    assert config_error(tmp_path, BASE.replace(*change, 1)).startswith(message)
+def test_config_errors_name_the_file_and_the_field(tmp_path: Path, text: str, message: str) -> None:
+    assert config_error(tmp_path, text).startswith(message)
 
 
 def test_an_output_with_more_variable_axes_than_its_source_is_rejected(tmp_path: Path) -> None:
-    text = BASE.replace("shape = [-1, 4]\n[[output]]", "shape = [-1, 4]\n[[output]]").replace(
-        'name = "y"\ndtype = "float32"\nshape = [-1, 4]', 'name = "y"\ndtype = "float32"\nshape = [-1, -1]'
-    )
+    text = echo(outputs={"y": {**Y, "shape": [-1, -1]}})
     assert "output 'y' has 2 variable axes but input 'x' has only 1" in config_error(tmp_path, text)
 
 
@@ -55,7 +60,7 @@ def test_environment_overrides_config_and_flags_override_environment(
 ) -> None:
     import argparse
 
-    write_model(tmp_path, "echo", ECHO_CONFIG, POISON_MODEL)
+    write_toy_model(tmp_path, "echo", POISON_MODEL, **ECHO)
     source = discover(tmp_path)["echo"]
     monkeypatch.setenv("TENSORSERVE_MAX_BATCH_SIZE", "4")
     monkeypatch.setenv("TENSORSERVE_POLICY", "fifo")
@@ -76,7 +81,7 @@ def test_isolation_comes_from_the_config_the_environment_or_a_flag(
 
     from tensorserve.cli import main
 
-    write_model(tmp_path, "echo", 'isolation = "process"\n' + ECHO_CONFIG, POISON_MODEL)
+    write_toy_model(tmp_path, "echo", POISON_MODEL, isolation="process", **ECHO)
     source = discover(tmp_path)["echo"]
     assert read_config(source).isolation == "process"
     monkeypatch.setenv("TENSORSERVE_ISOLATION", "thread")

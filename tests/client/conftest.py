@@ -11,13 +11,13 @@ from tensorserve_client import Client
 
 from tests.client.helpers import (
     FAST,
-    FAULTY_CONFIG,
+    FAULTY,
     FAULTY_MODEL,
     FaultyServer,
     ScriptedServer,
-    write_model,
 )
 from tests.conftest import ServerProcess
+from tests.helpers import write_toy_model
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def faulty_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultySe
     negative input). ``pending`` is copied in after start-up, so the server
     lists it as UNAVAILABLE: a model that exists but is not ready."""
     repository = tmp_path_factory.mktemp("client-repository")
-    write_model(repository, "faulty", FAULTY_CONFIG, FAULTY_MODEL)
+    write_toy_model(repository, "faulty", FAULTY_MODEL, **FAULTY)
     process = ServerProcess(repository)
     shutil.copytree(repository / "faulty", repository / "pending")
     yield FaultyServer(process.url, repository)

@@ -16,28 +16,17 @@ import numpy as np
 from aiohttp import web
 from tensorserve_client import RetryPolicy
 
-from tests.helpers import write_model  # noqa: F401  (re-exported for the client tests)
-
 # Retries without waiting, for tests that count attempts.
 FAST = RetryPolicy(retries=3, backoff=0.001, max_backoff=0.01)
 
-FAULTY_CONFIG = """
-max_batch_size = 8
-device = "cpu"
-
-[dynamic_batching]
-max_queue_delay_ms = 1.0
-
-[[input]]
-name = "x"
-dtype = "float32"
-shape = [-1]
-
-[[output]]
-name = "y"
-dtype = "float32"
-shape = [-1]
-"""
+# The faulty model's config.toml, as keywords of tests.helpers.write_toy_model.
+FAULTY: dict[str, Any] = {
+    "max_batch_size": 8,
+    "device": "cpu",
+    "dynamic_batching": {"max_queue_delay_ms": 1.0},
+    "inputs": {"x": {"dtype": "float32", "shape": [-1]}},
+    "outputs": {"y": {"dtype": "float32", "shape": [-1]}},
+}
 
 FAULTY_MODEL = '''
 import torch
@@ -100,11 +89,13 @@ OK = Answer(body=outputs_body({"y": np.array([1.0, 2.0], dtype=np.float32)}))
 class ScriptedServer:
     """aiohttp on a background thread. Each request gets the next scripted
     ``Answer`` (then ``OK`` once the script runs out); ``seen`` records when
-    each request arrived and from which client port."""
+    each request arrived and from which client port, and ``wait_for_requests``
+    blocks until enough have."""
 
     def __init__(self) -> None:
         self.script: deque[Answer] = deque()
         self.seen: list[tuple[float, int]] = []
+        self._arrived = threading.Condition()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
@@ -126,7 +117,9 @@ class ScriptedServer:
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         await request.read()
         peer = request.transport.get_extra_info("peername") if request.transport else None
-        self.seen.append((time.monotonic(), peer[1] if peer else -1))
+        with self._arrived:
+            self.seen.append((time.monotonic(), peer[1] if peer else -1))
+            self._arrived.notify_all()
         answer = self.script.popleft() if self.script else OK
         if answer.delay:
             await asyncio.sleep(answer.delay)
@@ -143,6 +136,12 @@ class ScriptedServer:
 
     def answer(self, *answers: Answer) -> None:
         self.script.extend(answers)
+
+    def wait_for_requests(self, count: int, timeout: float = 10.0) -> None:
+        """Block until ``count`` requests have arrived (fail after ``timeout`` s)."""
+        with self._arrived:
+            arrived = self._arrived.wait_for(lambda: len(self.seen) >= count, timeout)
+        assert arrived, f"{len(self.seen)} of {count} requests arrived within {timeout} s"
 
     def close(self) -> None:
         self._run(self._runner.cleanup())

@@ -8,10 +8,10 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,25 +19,18 @@ import tritonclient.http as triton_http
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import REPOSITORY, ServerProcess
-from tests.helpers import write_model
+from tests.helpers import wait_until, write_toy_model
 
 rng = np.random.default_rng(11)
 
-TWOHEAD_CONFIG = """
-    max_batch_size = 8
-    [[input]]
-    name = "x"
-    dtype = "float32"
-    shape = [-1]
-    [[output]]
-    name = "doubled"
-    dtype = "float32"
-    shape = [-1]
-    [[output]]
-    name = "total"
-    dtype = "float32"
-    shape = [1]
-"""
+TWOHEAD: dict[str, Any] = {
+    "max_batch_size": 8,
+    "inputs": {"x": {"dtype": "float32", "shape": [-1]}},
+    "outputs": {
+        "doubled": {"dtype": "float32", "shape": [-1]},
+        "total": {"dtype": "float32", "shape": [1]},
+    },
+}
 TWOHEAD_MODEL = """
     import torch
 
@@ -46,17 +39,12 @@ TWOHEAD_MODEL = """
             return {{"doubled": x * {factor}, "total": x.sum(dim=1, keepdim=True)}}
 """
 # max_batch_size 1: no batching, so no batch dimension on the wire either.
-SLOW_CONFIG = """
-    max_batch_size = 1
-    [[input]]
-    name = "x"
-    dtype = "float32"
-    shape = [-1]
-    [[output]]
-    name = "y"
-    dtype = "float32"
-    shape = [-1]
-"""
+SLOW: dict[str, Any] = {
+    "max_batch_size": 1,
+    "inputs": {"x": {"dtype": "float32", "shape": [-1]}},
+    "outputs": {"y": {"dtype": "float32", "shape": [-1]}},
+}
+# 100 ms a forward, on purpose: unloading must wait for requests still running.
 SLOW_MODEL = """
     import time
     import torch
@@ -78,14 +66,14 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("repository")
     shutil.copytree(REPOSITORY / "tagger", repo / "tagger")
     config = repo / "tagger" / "config.toml"
+    shipped = config.read_text()
+    assert "max_queue_delay_ms = 5.0" in shipped  # else the edit below would do nothing
     # Hold every item up to 300 ms so concurrent requests share one padded batch.
     config.write_text(
-        config.read_text().replace(
-            "max_queue_delay_ms = 5.0", 'max_queue_delay_ms = 300.0\ndispatch = "timer"'
-        )
+        shipped.replace("max_queue_delay_ms = 5.0", 'max_queue_delay_ms = 300.0\ndispatch = "timer"')
     )
-    write_model(repo, "twohead", TWOHEAD_CONFIG, TWOHEAD_MODEL.format(factor=2))
-    write_model(repo, "slow", SLOW_CONFIG, SLOW_MODEL)
+    write_toy_model(repo, "twohead", TWOHEAD_MODEL.format(factor=2), **TWOHEAD)
+    write_toy_model(repo, "slow", SLOW_MODEL, **SLOW)
     return repo
 
 
@@ -196,13 +184,13 @@ def test_index_load_reload_and_failed_reload(
         "twohead": "READY",
     }
     x = np.ones((1, 2), np.float32)
-    write_model(repo, "twohead", TWOHEAD_CONFIG, TWOHEAD_MODEL.format(factor=3), version=2)
+    write_toy_model(repo, "twohead", TWOHEAD_MODEL.format(factor=3), version=2, **TWOHEAD)
     client.load_model("twohead")  # a reload: the highest version is served
     result = client.infer("twohead", [floats("x", x)])
     assert result.get_response()["model_version"] == "2"
     np.testing.assert_array_equal(result.as_numpy("doubled"), x * 3)
 
-    write_model(repo, "twohead", TWOHEAD_CONFIG, BROKEN_MODEL, version=3)
+    write_toy_model(repo, "twohead", BROKEN_MODEL, version=3, **TWOHEAD)
     with pytest.raises(InferenceServerException) as error:
         client.load_model("twohead")
     assert error.value.status() == "400"
@@ -214,7 +202,7 @@ def test_index_load_reload_and_failed_reload(
 def test_a_model_added_on_disk_is_listed_and_its_load_failure_explained(
     client: triton_http.InferenceServerClient, repo: Path
 ) -> None:
-    write_model(repo, "broken", SLOW_CONFIG, BROKEN_MODEL)
+    write_toy_model(repo, "broken", BROKEN_MODEL, **SLOW)
     try:
         listed = {m["name"]: m for m in client.get_model_repository_index()}
         assert listed["broken"] == {
@@ -244,10 +232,10 @@ def test_unload_lets_requests_in_flight_finish(
     before = stats(own_server.url, "slow")["batching"]["total_requests"]
     xs = [np.full(4, i, np.float32) for i in range(5)]
     pending = [client.async_infer("slow", [floats("x", x)]) for x in xs]
-    deadline = time.monotonic() + 10
-    while stats(own_server.url, "slow")["batching"]["total_requests"] < before + 5:
-        assert time.monotonic() < deadline, "requests never reached the queue"
-        time.sleep(0.01)
+    wait_until(
+        lambda: stats(own_server.url, "slow")["batching"]["total_requests"] >= before + 5,
+        "the 5 requests did not reach the queue",
+    )
     client.unload_model("slow")  # 5 x 100 ms still to run: returns once they have
     for x, request in zip(xs, pending):
         np.testing.assert_array_equal(request.get_result(timeout=10).as_numpy("y"), x + 1)
