@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -157,8 +156,7 @@ def test_closing_a_client_cancels_calls_other_threads_are_waiting_on(
 
     waiter = threading.Thread(target=call)
     waiter.start()
-    while not scripted.seen:  # the request reached the server
-        time.sleep(0.01)
+    scripted.wait_for_requests(1)  # the request reached the server
     client.close()
     waiter.join(2)
     assert not waiter.is_alive()
