@@ -19,7 +19,7 @@ from tensorserve.repository.config import load_config
 from tensorserve.repository.loader import discover, load_model
 from tensorserve.settings import Settings
 from tests.conftest import REPOSITORY
-from tests.helpers import ECHO_CONFIG, MSGPACK, POISON_MODEL, body, from_wire, token_item, write_model
+from tests.helpers import ECHO, MSGPACK, POISON_MODEL, body, from_wire, token_item, write_toy_model
 
 rng = np.random.default_rng(1234)
 
@@ -185,7 +185,7 @@ async def test_health_metadata_and_model_list(client: Any) -> None:
 
 
 async def test_body_over_the_limit_gets_413(aiohttp_client: Any, tmp_path: Path) -> None:
-    write_model(tmp_path, "echo", ECHO_CONFIG, POISON_MODEL)
+    write_toy_model(tmp_path, "echo", POISON_MODEL, **ECHO)
     app = create_app(Settings(model_repository=tmp_path, max_request_bytes=2048), wait_for_models=True)
     client = await aiohttp_client(app)
     status, reply = await infer(client, "echo", [{"x": np.zeros((200, 4), np.float32)}])
@@ -196,9 +196,9 @@ async def test_body_over_the_limit_gets_413(aiohttp_client: Any, tmp_path: Path)
 async def toy_client(aiohttp_client: Any, tmp_path: Path) -> Any:
     """A repository with a poisonable model, a model that fails to import, and
     one whose weights don't match."""
-    write_model(tmp_path, "echo", ECHO_CONFIG, POISON_MODEL)
-    write_model(tmp_path, "broken", ECHO_CONFIG, "import torch\nraise ImportError('no such thing')\n")
-    folder = write_model(tmp_path, "mismatch", ECHO_CONFIG, """
+    write_toy_model(tmp_path, "echo", POISON_MODEL, **ECHO)
+    write_toy_model(tmp_path, "broken", "import torch\nraise ImportError('no such thing')\n", **ECHO)
+    folder = write_toy_model(tmp_path, "mismatch", """
         import torch
         class Model(torch.nn.Module):
             def __init__(self):
@@ -206,10 +206,11 @@ async def toy_client(aiohttp_client: Any, tmp_path: Path) -> Any:
                 self.proj = torch.nn.Linear(4, 4)
             def forward(self, x):
                 return self.proj(x)
-    """)
+    """, **ECHO)
     from safetensors.torch import save_file
     save_file({"proj.weight": torch.zeros(4, 3), "other": torch.zeros(1)}, str(folder / "1" / "model.safetensors"))
-    write_model(tmp_path, "badconfig", ECHO_CONFIG.replace('"float32"', '"float33"', 1), POISON_MODEL)
+    bad_dtype = {"x": {**ECHO["inputs"]["x"], "dtype": "float33"}}
+    write_toy_model(tmp_path, "badconfig", POISON_MODEL, **{**ECHO, "inputs": bad_dtype})
     app = create_app(Settings(model_repository=tmp_path), wait_for_models=True)
     return await aiohttp_client(app)
 
