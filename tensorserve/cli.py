@@ -80,7 +80,10 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
         if kind is bool:
             # --access-log / --no-access-log: either can beat the environment.
             group.add_argument(
-                flag_name(name), action=argparse.BooleanOptionalAction, default=None, help=_help(name)
+                flag_name(name),
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=_help(name),
             )
         else:
             group.add_argument(

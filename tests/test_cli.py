@@ -99,7 +99,9 @@ def test_an_out_of_bounds_setting_is_a_usage_error_naming_flag_and_variable(
     assert "--port / TENSORSERVE_PORT" in capsys.readouterr().err
 
 
-NO_HEAVY_IMPORTS = "\nimport sys\nprint(sorted(m for m in ('torch', 'numpy', 'aiohttp') if m in sys.modules))"
+NO_HEAVY_IMPORTS = (
+    "\nimport sys\nprint(sorted(m for m in ('torch', 'numpy', 'aiohttp') if m in sys.modules))"
+)
 
 
 @pytest.mark.parametrize(

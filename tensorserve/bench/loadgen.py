@@ -64,6 +64,9 @@ class PointResult:
     # cost over HTTP; in-process it includes the batcher and the model.
     client_cpu_s: float = 0.0
     avg_batch_ms: float | None = None  # the model's own time per batch (server counters)
+    # CPU seconds the server's process tree used over the window, from targets
+    # that started the server (--serve, the peers); None otherwise.
+    server_cpu_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -275,6 +278,7 @@ async def run_point(
         error_samples=recorder.samples,
         client_cpu_s=cpu,
         avg_batch_ms=delta.avg_batch_ms,
+        server_cpu_s=delta.server_cpu_s,
     )
 
 

@@ -65,5 +65,5 @@ def format_point(point: PointResult) -> str:
     row = point_row(point)
     return (
         f"{row[0]} {row[1]}: {row[2]} items/s, p50 {row[3]} ms, p99 {row[5]} ms, "
-        f"errors {row[6]}, batch {row[7]}, padding efficiency {row[8]}"
+        f"errors {row[6]}, batch {row[7]}, model {row[8]} ms, padding efficiency {row[9]}"
     )

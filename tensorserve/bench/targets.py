@@ -40,11 +40,14 @@ class Counters:
     # server that reports only the cumulative ratio leaves them None.
     real_elements: int | None = None
     padded_elements: int | None = None
-    padding_efficiency: float = 1.0  # cumulative, as reported
+    padding_efficiency: float | None = 1.0  # cumulative, as reported; None: not reported
     histogram: Mapping[str, int] = field(default_factory=dict)  # bucket upper bound -> batches
     # The model's own time over all batches (on a worker process or a GPU,
     # its compute, not the wait in line); None from servers that don't say.
     batch_seconds: float | None = None
+    # CPU seconds the server's process tree has used, from targets that run
+    # the server themselves (server.ChildServer.usage); None otherwise.
+    server_cpu_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class BatchingDelta:
     padding_efficiency_exact: bool  # False: the server's cumulative ratio
     histogram: dict[str, int]
     avg_batch_ms: float | None  # the model's own time per batch
+    server_cpu_s: float | None = None  # the server tree's CPU seconds over the window
 
     @classmethod
     def between(cls, before: Counters, after: Counters) -> BatchingDelta:
@@ -79,6 +83,8 @@ class BatchingDelta:
             padded = after.padded_elements - before.padded_elements
             real = after.real_elements - before.real_elements
             efficiency = real / padded if padded else None
+        elif after.padding_efficiency is None:  # a server that does not say
+            efficiency, exact = None, False
         elif before.batches == 0:
             efficiency = after.padding_efficiency if batches else None  # the window is all there is
         else:
@@ -94,7 +100,12 @@ class BatchingDelta:
             padding_efficiency_exact=exact,
             histogram=dict(sorted(histogram.items(), key=lambda kv: float(kv[0]))),
             avg_batch_ms=model_ms,
+            server_cpu_s=_difference(before.server_cpu_s, after.server_cpu_s),
         )
+
+
+def _difference(before: float | None, after: float | None) -> float | None:
+    return after - before if before is not None and after is not None else None
 
 
 def counters_from_snapshot(snapshot: Mapping[str, Any]) -> Counters:
@@ -140,11 +151,18 @@ class Target(Protocol):
 class HttpTarget:
     """A running tensorserve, spoken to in the native msgpack protocol.
 
-    Responses are checked for status but not decoded: the load generator
-    shares the machine with the server and should cost it as little as it can.
+    Requests go through ``RawHttpPool``, the cheapest client we have: the load
+    generator shares the machine with the server and should cost it as little
+    as it can. Responses are checked for status but not decoded.
+
+    Another server (a peer of ``benchmarks/peers``) is a subclass that says how
+    its protocol spells a request (``content_type``, ``infer_path``,
+    ``encode_body``), what its inputs are (``discover``) and where its batch
+    counters come from (``counters``); ``send``, the measured part, is this one.
     """
 
     kind = "http"
+    content_type = "application/msgpack"  # wire.native.CONTENT_TYPE
 
     def __init__(self, url: str, model: str, *, timeout: float = 60.0) -> None:
         self.url = url.rstrip("/")
@@ -153,23 +171,26 @@ class HttpTarget:
         self.specs: list[FeatureSpec] = []
         self.parameters: dict[str, Any] = {}
         self._config: dict[str, Any] | None = None
-        self._content_type = "application/msgpack"  # wire.native.CONTENT_TYPE
-        self._infer_path = f"{urlsplit(self.url).path}/v2/models/{model}/infer"
+        self.infer_path = f"{urlsplit(self.url).path}/v2/models/{model}/infer"
         self._raw: RawHttpPool | None = None
 
     async def open(self) -> None:
-        self._raw = RawHttpPool(self.url)  # a cheap client: the bench shares the cores
+        self._raw = RawHttpPool(self.url)
         try:
-            config = await self._get_json(f"/v2/models/{self.model}/config", missing_ok=True)
-            if config is not None:
-                self.specs = specs_from_config(config)
-                self.parameters = dict(config.get("parameters") or {})
-                self._config = _config_summary(config)
-            else:
-                self.specs = specs_from_metadata(await self._get_json(f"/v2/models/{self.model}"))
+            await self.discover()
         except BaseException:
             await self.aclose()
             raise
+
+    async def discover(self) -> None:
+        """Learn the model's inputs (``specs``) and ``parameters`` from the server."""
+        config = await self._get_json(f"/v2/models/{self.model}/config", missing_ok=True)
+        if config is not None:
+            self.specs = specs_from_config(config)
+            self.parameters = dict(config.get("parameters") or {})
+            self._config = _config_summary(config)
+        else:
+            self.specs = specs_from_metadata(await self._get_json(f"/v2/models/{self.model}"))
 
     async def _get_json(self, path: str, missing_ok: bool = False) -> Any:
         assert self._raw is not None, "open() first"
@@ -183,6 +204,13 @@ class HttpTarget:
         return json.loads(body)
 
     def encode(self, items: Sequence[Item]) -> bytes:
+        """The whole request, bytes on the wire, built before the clock starts."""
+        assert self._raw is not None, "open() first"
+        body, headers = self.encode_body(items)
+        return self._raw.request(self.infer_path, body, self.content_type, headers)
+
+    def encode_body(self, items: Sequence[Item]) -> tuple[bytes, Mapping[str, str]]:
+        """(body, extra headers) of one infer request for ``items``."""
         import msgpack
 
         from tensorserve.wire.native import encode_tensor
@@ -197,8 +225,7 @@ class HttpTarget:
                 for item in items
             ]
         }
-        assert self._raw is not None, "open() first"
-        return self._raw.request(self._infer_path, msgpack.packb(body), self._content_type)
+        return msgpack.packb(body), {}
 
     async def send(self, payload: bytes) -> None:
         assert self._raw is not None, "open() first"
@@ -294,8 +321,9 @@ class InProcessTarget:
         if self.model not in sources:
             raise KeyError(f"no model {self.model!r} in {repository}; found {', '.join(sources)}")
         source = sources[self.model]
+        config = read_config(source, self.overrides)
         return ServedModel.from_source(
-            source, None, read_config(source, self.overrides), intra_op_threads=self.intra_op_threads
+            source, None, config, intra_op_threads=self.intra_op_threads
         )
 
     def encode(self, items: Sequence[Item]) -> list[Item]:

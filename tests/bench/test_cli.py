@@ -162,3 +162,5 @@ def test_serve_starts_a_server_per_variant_with_its_flags(
     (point,) = result["points"]
     assert point["items"] > 0 and point["errors"] == 0
     assert max(int(bound) for bound in point["batch_size_histogram"]) <= 2
+    # The server it started is measured too: its process tree's CPU over the window.
+    assert point["server_cpu_s"] > 0

@@ -48,6 +48,18 @@ def test_model_time_per_batch_comes_from_the_summed_seconds_between_two_reads() 
 
 
 
+def test_a_server_that_counts_no_padding_gives_no_efficiency_and_its_cpu_is_differenced() -> None:
+    """A peer's counters: batch sizes only, plus the CPU of the server's
+    process tree read by the target that started it."""
+    before = Counters(10, 40, padding_efficiency=None, server_cpu_s=3.0)
+    after = Counters(15, 100, padding_efficiency=None, histogram={"12": 5}, server_cpu_s=4.5)
+    delta = BatchingDelta.between(before, after)
+    assert delta.avg_batch_size == 12.0
+    assert delta.padding_efficiency is None and not delta.padding_efficiency_exact
+    assert delta.server_cpu_s == pytest.approx(1.5)
+    assert BatchingDelta.between(Counters(), Counters(3, 3)).server_cpu_s is None
+
+
 THREADS_MODEL = """
 import torch
 from torch import nn
@@ -70,9 +82,12 @@ async def test_in_process_target_takes_the_servers_thread_setting(echo_repositor
     item = {"tokens": np.ones(3, np.int64), "token_mask": np.ones(3, np.int64)}
     # As a variant's override (what --variant t2:intra_op_threads=2 gives) or
     # as the keyword: a server setting, not a config.toml field.
+    repository = str(echo_repository)
     for target in (
-        InProcessTarget(str(echo_repository), "echo", overrides={"intra_op_threads": threads, "policy": "fifo"}),
-        InProcessTarget(str(echo_repository), "echo", overrides={"policy": "fifo"}, intra_op_threads=threads),
+        InProcessTarget(
+            repository, "echo", overrides={"intra_op_threads": threads, "policy": "fifo"}
+        ),
+        InProcessTarget(repository, "echo", overrides={"policy": "fifo"}, intra_op_threads=threads),
     ):
         assert target.overrides == {"policy": "fifo"}
         await target.open()
