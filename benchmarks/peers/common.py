@@ -8,7 +8,8 @@ every peer venv.  Responsibilities:
   via safetensors - never pickle), in eval mode with a fixed thread count;
 * run a padded batch under ``torch.inference_mode`` and un-pad it;
 * count executed batches and flush the counters to a JSON stats file that the
-  load generator snapshots before/after its measurement window.
+  runner reads after the warm-up and after the measured window
+  (``targets.counters_from_stats_files``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import threading
 import time
 import tomllib
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,9 +98,10 @@ def pad_and_run(model: torch.nn.Module, items: Sequence[tuple[np.ndarray, np.nda
 class BatchStats:
     """Counts executed batches; a daemon thread flushes them to a JSON file.
 
-    The file holds cumulative counters ``{"batches", "items", "hist", "pid"}``;
-    the load generator reads it before and after the measured window and
-    reports ``d(items) / d(batches)`` as the mean executed batch size.
+    The file holds cumulative counters ``{"batches", "items", "hist", "pid"}``
+    (and a wall-clock ``time`` stamp, for people reading the file); the runner
+    reads it before and after the measured window and reports
+    ``d(items) / d(batches)`` as the mean executed batch size.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None, interval: float = 0.1) -> None:

@@ -1,4 +1,6 @@
-"""Wire protocols spoken by the load generator (one item per request).
+"""Wire protocols of the peers (one item per request): how each spells a
+request for ``targets.PeerTarget`` and how its answer is decoded for the
+correctness check. Pure functions of numpy arrays and bytes.
 
 Every request carries ``input_ids`` and ``attention_mask`` (int64, ones over the
 real tokens).  With ``pad_to`` the *client* right-pads both to that length
@@ -19,18 +21,20 @@ Protocols
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import msgpack
 import numpy as np
 
 NUM_LABELS = 9
+VOCAB_SIZE = 30000  # the benchmark tagger's (run.prepare_repository)
 
 
 def make_items(n: int, seed: int = 1234, min_len: int = 8, max_len: int = 128,
-               vocab_size: int = 30000) -> list[np.ndarray]:
-    """The request stream: ``n`` id arrays, lengths uniform in [min_len, max_len]."""
+               vocab_size: int = VOCAB_SIZE) -> list[np.ndarray]:
+    """``n`` id arrays, lengths uniform in [min_len, max_len] (the correctness
+    check's requests; the measured stream is tensorserve.bench's ``build_pool``)."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_len, max_len + 1, size=n)
     # id 0 is the pad id; real tokens use 1..vocab_size-1
@@ -50,6 +54,9 @@ def _padded(ids: np.ndarray, pad_to: int | None) -> tuple[np.ndarray, np.ndarray
 
 @dataclass(frozen=True)
 class Protocol:
+    """``encode(ids, pad_to) -> (body, extra request headers)``;
+    ``decode(body, response headers with lower-case names, length) -> [length, 9]``."""
+
     name: str
     path: str
     content_type: str
@@ -97,7 +104,7 @@ def _enc_kserve_binary(ids: np.ndarray, pad_to: int | None) -> tuple[bytes, dict
 
 
 def _dec_kserve_binary(body: bytes, headers: Mapping[str, str], length: int) -> np.ndarray:
-    hlen = headers.get("Inference-Header-Content-Length")
+    hlen = headers.get("inference-header-content-length")
     if hlen is None:  # pure JSON answer
         return _dec_kserve_json(body, headers, length)
     hlen = int(hlen)

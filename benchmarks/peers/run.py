@@ -8,21 +8,24 @@
 Same model module and weights for every server (``model_repository/tagger``
 rebuilt with ``vocab_size = 30000`` by ``scripts/generate_example_weights.py``
 into ``benchmarks/.cache/peers/repo``), same request stream (one item per
-request, token lengths uniform in 8..128, fixed seed), same closed-loop load
-generator (``loadgen.py``), same batching limits (max batch and queue delay
-read from the tagger's ``config.toml``), same torch thread count.
+request, token lengths uniform in 8..128, fixed seed), same batching limits
+(max batch and queue delay read from the tagger's ``config.toml``), same torch
+thread count, and the same load generator as ``tensorserve bench`` and
+``benchmarks/serving.py``: ``tensorserve.bench.loadgen.run_point`` with its
+raw HTTP client and its window rules, each peer's protocol spelled by
+``targets.PeerTarget``.
 
 For every concurrency (and repeat) each server is started in its own session,
 waited for, checked for correctness (a fixed request alone, then a burst of
 different lengths, each compared with the model run alone), warmed up,
-measured, then stopped; the runner verifies that every process of the server's
-tree is gone, killing leftovers by PID (LitServe leaves its workers behind on
-SIGTERM).
+measured, then stopped; ``tensorserve.bench.server.ChildServer`` stops every
+process of the server's tree, killing leftovers by PID (LitServe leaves its
+workers behind on SIGTERM), and measures the tree's CPU and peak memory.
 
-Writes ``benchmarks/results/peers.json`` and ``docs/img/peers.png``.
-Runs inside ``benchmarks/peers/.venvs/bench`` (re-executes itself there after
-``setup.sh``); the tensorserve server runs with the interpreter that has the
-``tensorserve`` command (the one that launched this script).
+Writes ``benchmarks/results/peers.json`` and ``docs/img/peers.png``. Runs in
+the interpreter that has tensorserve (with its ``bench`` extra); the other
+peers run in their own virtualenvs (``setup.sh``, run first unless
+``--skip-setup``), and a peer whose virtualenv is missing is skipped.
 """
 
 from __future__ import annotations
@@ -33,46 +36,39 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from protocols import VOCAB_SIZE  # noqa: E402
+from report import HEADER, LEGEND, ORDER, fmt_row, fmt_summary, plot, summarize  # noqa: E402
+
 VENVS = HERE / ".venvs"
 CACHE = ROOT / "benchmarks" / ".cache" / "peers"
 RESULTS = ROOT / "benchmarks" / "results" / "peers.json"
 PLOT = ROOT / "docs" / "img" / "peers.png"
-BENCH_PY = VENVS / "bench" / "bin" / "python"
-HOST_PY_ENV = "TS_PEERS_HOST_PYTHON"
 
-ALL_PEERS = ["tensorserve", "ts-thread", "pytriton", "mlserver", "litserve", "batched"]
-VOCAB_SIZE = 30000
+ALL_PEERS = ORDER
 CHECK_TOL = 1e-3
+LENGTHS = (8, 128)
 
 
 # --------------------------------------------------------------------------- set-up
 
-def _in_bench_venv() -> bool:
-    return Path(sys.prefix).resolve() == (VENVS / "bench").resolve()
-
-
-def bootstrap(argv: list[str], peers: list[str], skip_setup: bool) -> None:
-    """Create the venvs if needed, then re-exec this script in the bench venv."""
-    if _in_bench_venv():
-        return
-    if not skip_setup:
-        wanted = ["bench"] + [p for p in peers if p not in ("tensorserve", "ts-thread")]
+def setup_venvs(peers: list[str]) -> None:
+    """The peers' virtualenvs (tensorserve runs in this interpreter)."""
+    wanted = [p for p in peers if p not in ("tensorserve", "ts-thread")]
+    if wanted:
         subprocess.run(["bash", str(HERE / "setup.sh"), *wanted], check=True)
-    env = dict(os.environ)
-    env.setdefault(HOST_PY_ENV, sys.executable)
-    os.execve(str(BENCH_PY), [str(BENCH_PY), str(Path(__file__).resolve()), *argv], env)
 
 
 def prepare_repository() -> Path:
@@ -95,155 +91,7 @@ def prepare_repository() -> Path:
     return dst
 
 
-# --------------------------------------------------------------------------- processes
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _proc_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (ppid, sid, state) for every live process."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        rest = stat[stat.rindex(")") + 2:].split()
-        out[int(d.name)] = (int(rest[1]), int(rest[3]), rest[0])
-    return out
-
-
-def tree_pids(root: int) -> set[int]:
-    """Live (non-zombie) processes descending from ``root`` or in its session."""
-    table = _proc_table()
-    found = {p for p, (_, sid, st) in table.items() if sid == root and st != "Z"}
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        for p, (ppid, _, st) in table.items():
-            if ppid == parent and p not in found and st != "Z":
-                found.add(p)
-                frontier.append(p)
-    if root in table and table[root][2] != "Z":
-        found.add(root)
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
-    except OSError:
-        return "?"
-
-
-def _alive(pids: set[int]) -> set[int]:
-    table = _proc_table()
-    return {p for p in pids if p in table and table[p][2] != "Z"}
-
-
-@dataclass
-class Server:
-    name: str
-    proc: subprocess.Popen
-    log: Path
-    ready_url: str
-
-    def stop(self, grace: float = 10.0) -> dict[str, Any]:
-        """SIGTERM the server, then kill whatever is left of its tree, by PID."""
-        pids = tree_pids(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-        deadline = time.time() + 3.0
-        while time.time() < deadline and _alive(pids | tree_pids(self.proc.pid)):
-            time.sleep(0.2)  # children shutting down on their own
-        leftover = _alive(pids | tree_pids(self.proc.pid))
-        killed = {p: _cmdline(p) for p in leftover}
-        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
-            if not leftover:
-                break
-            for p in leftover:
-                try:
-                    os.kill(p, sig)
-                except ProcessLookupError:
-                    pass
-            end = time.time() + wait
-            while time.time() < end and _alive(leftover):
-                time.sleep(0.1)
-            leftover = _alive(leftover)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        remaining = _alive(pids | tree_pids(self.proc.pid))
-        if remaining:
-            raise RuntimeError(f"{self.name}: processes still alive after SIGKILL: "
-                               f"{ {p: _cmdline(p) for p in remaining} }")
-        return {"killed_after_sigterm": killed}
-
-
-def start_server(name: str, argv: list[str], env: dict[str, str], ready_url: str,
-                 log: Path, timeout: float = 180.0) -> Server:
-    import urllib.request
-
-    log.parent.mkdir(parents=True, exist_ok=True)
-    fh = open(log, "wb")
-    proc = subprocess.Popen(argv, env=env, cwd=str(HERE), stdout=fh, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    fh.close()
-    server = Server(name, proc, log, ready_url)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            server.stop()
-            raise RuntimeError(f"{name} exited with {proc.returncode} before becoming ready; "
-                               f"log tail:\n{_tail(log)}")
-        try:
-            with urllib.request.urlopen(ready_url, timeout=2) as r:
-                if r.status == 200:
-                    return server
-        except OSError:
-            pass
-        time.sleep(0.25)
-    server.stop()
-    raise RuntimeError(f"{name} not ready after {timeout:.0f}s; log tail:\n{_tail(log)}")
-
-
-def _tail(path: Path, n: int = 25) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
 # --------------------------------------------------------------------------- peers
-
-@dataclass
-class Launch:
-    argv: list[str]
-    env: dict[str, str]
-    ready_url: str
-    base_url: str
-    stats_file: str | None = None
-    stats_url: str | None = None
-
-
-@dataclass
-class Peer:
-    name: str
-    protocol: str
-    variants: list[tuple[str, int | None]]
-    launch: Callable[["Ctx", Path], Launch]
-    description: str = ""
-
 
 @dataclass
 class Ctx:
@@ -252,8 +100,29 @@ class Ctx:
     max_batch: int
     max_delay_ms: float
     threads: int
-    host_python: str
-    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Launch:
+    """A peer's server, not started yet, and where to reach it."""
+
+    server: Any  # tensorserve.bench.server.ChildServer
+    base_url: str
+    stats_file: str | None = None  # a glob of the peer's counters files; None: tensorserve's stats
+
+
+@dataclass
+class Peer:
+    name: str
+    protocol: str
+    variants: list[tuple[str, int | None]]
+    launch: Callable[[Ctx, Path, Path], Launch]
+    description: str = ""
+
+
+# Every server: its own session (so all its processes can be found), the
+# tree's memory sampled twice a second.
+SERVER_OPTIONS: dict[str, Any] = {"new_session": True, "sample_interval": 0.5}
 
 
 def _env(ctx: Ctx) -> dict[str, str]:
@@ -266,7 +135,17 @@ def _env(ctx: Ctx) -> dict[str, str]:
 
 
 def _peer_py(peer: str) -> str:
-    return str(VENVS / peer / "bin" / "python")
+    python = VENVS / peer / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"no virtualenv for {peer} ({python}); run setup.sh {peer}")
+    return str(python)
+
+
+def _peer_server(name: str, argv: list[str], ctx: Ctx, ready_url: str, log: Path) -> Any:
+    from tensorserve.bench.server import ChildServer
+
+    return ChildServer(argv, ready_url=ready_url, env=_env(ctx), cwd=HERE, log=log, name=name,
+                       ready_timeout=180.0, **SERVER_OPTIONS)
 
 
 def _common_args(ctx: Ctx, stats: str) -> list[str]:
@@ -275,79 +154,69 @@ def _common_args(ctx: Ctx, stats: str) -> list[str]:
             "--stats-file", stats]
 
 
-def tensorserve_command(ctx: Ctx) -> list[str] | None:
-    exe = shutil.which("tensorserve", path=str(Path(ctx.host_python).parent)) \
-        or shutil.which("tensorserve")
-    if exe:
-        return [exe]
-    probe = subprocess.run([ctx.host_python, "-c", "import tensorserve.cli"], cwd=str(ROOT),
-                           capture_output=True)
-    if probe.returncode == 0:
-        return [ctx.host_python, "-m", "tensorserve.cli"]
-    return None
+def launch_tensorserve(ctx: Ctx, stats_dir: Path, log: Path, *extra: str) -> Launch:
+    """``python -m tensorserve serve`` with this interpreter: the helper the
+    serving benchmark and the tests start it with."""
+    from tensorserve.bench.server import ServerProcess
+
+    server = ServerProcess(str(ctx.repo), ["--intra-op-threads", str(ctx.threads), *extra],
+                           env=_env(ctx), log=log, ready_timeout=180.0, **SERVER_OPTIONS)
+    return Launch(server, server.url)
 
 
-def launch_tensorserve_thread(ctx: Ctx, stats_dir: Path) -> Launch:
+def launch_tensorserve_thread(ctx: Ctx, stats_dir: Path, log: Path) -> Launch:
     """tensorserve with the model in a thread of the server instead of the
     worker process the bundled config asks for."""
-    launch = launch_tensorserve(ctx, stats_dir)
-    launch.argv += ["--isolation", "thread"]
-    return launch
+    return launch_tensorserve(ctx, stats_dir, log, "--isolation", "thread")
 
 
-def launch_tensorserve(ctx: Ctx, stats_dir: Path) -> Launch:
-    cmd = tensorserve_command(ctx)
-    if cmd is None:
-        raise FileNotFoundError("tensorserve is not installed (no `tensorserve` command and "
-                                "`import tensorserve.cli` fails); run `pip install -e .`")
-    port = free_port()
-    env = _env(ctx)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    argv = [*cmd, "serve", "--model-repository", str(ctx.repo), "--host", "127.0.0.1",
-            "--port", str(port), "--intra-op-threads", str(ctx.threads), "--log-level", "WARNING"]
-    base = f"http://127.0.0.1:{port}"
-    return Launch(argv, env, base + "/v2/health/ready", base,
-                  stats_url=base + "/v2/models/tagger/stats")
+def launch_pytriton(ctx: Ctx, stats_dir: Path, log: Path) -> Launch:
+    from tensorserve.bench.server import free_port
 
-
-def launch_pytriton(ctx: Ctx, stats_dir: Path) -> Launch:
     port, grpc, metrics = free_port(), free_port(), free_port()
     stats = str(stats_dir / "pytriton.json")
     argv = [_peer_py("pytriton"), str(HERE / "serve_pytriton.py"), *_common_args(ctx, stats),
             "--port", str(port), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     base = f"http://127.0.0.1:{port}"
-    return Launch(argv, _env(ctx), base + "/v2/models/tagger/ready", base, stats_file=stats)
+    server = _peer_server("pytriton", argv, ctx, base + "/v2/models/tagger/ready", log)
+    return Launch(server, base, stats_file=stats)
 
 
-def launch_mlserver(ctx: Ctx, stats_dir: Path) -> Launch:
+def launch_mlserver(ctx: Ctx, stats_dir: Path, log: Path) -> Launch:
+    from tensorserve.bench.server import free_port
+
     port, grpc, metrics = free_port(), free_port(), free_port()
     stats = str(stats_dir / "mlserver-{pid}.json")
-    workdir = stats_dir / "mlserver-settings"
     argv = [_peer_py("mlserver"), str(HERE / "serve_mlserver.py"), *_common_args(ctx, stats),
             "--port", str(port), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-            "--workdir", str(workdir)]
+            "--workdir", str(stats_dir / "mlserver-settings")]
     base = f"http://127.0.0.1:{port}"
-    return Launch(argv, _env(ctx), base + "/v2/models/tagger/ready", base,
-                  stats_file=str(stats_dir / "mlserver-*.json"))
+    server = _peer_server("mlserver", argv, ctx, base + "/v2/models/tagger/ready", log)
+    return Launch(server, base, stats_file=str(stats_dir / "mlserver-*.json"))
 
 
-def launch_litserve(ctx: Ctx, stats_dir: Path) -> Launch:
+def launch_litserve(ctx: Ctx, stats_dir: Path, log: Path) -> Launch:
+    from tensorserve.bench.server import free_port
+
     port = free_port()
     stats = str(stats_dir / "litserve-{pid}.json")
     argv = [_peer_py("litserve"), str(HERE / "serve_litserve.py"), *_common_args(ctx, stats),
             "--port", str(port)]
     base = f"http://127.0.0.1:{port}"
-    return Launch(argv, _env(ctx), base + "/health", base,
-                  stats_file=str(stats_dir / "litserve-*.json"))
+    server = _peer_server("litserve", argv, ctx, base + "/health", log)
+    return Launch(server, base, stats_file=str(stats_dir / "litserve-*.json"))
 
 
-def launch_batched(ctx: Ctx, stats_dir: Path) -> Launch:
+def launch_batched(ctx: Ctx, stats_dir: Path, log: Path) -> Launch:
+    from tensorserve.bench.server import free_port
+
     port = free_port()
     stats = str(stats_dir / "batched.json")
     argv = [_peer_py("batched"), str(HERE / "serve_batched.py"), *_common_args(ctx, stats),
             "--port", str(port)]
     base = f"http://127.0.0.1:{port}"
-    return Launch(argv, _env(ctx), base + "/v2/health/ready", base, stats_file=stats)
+    server = _peer_server("batched", argv, ctx, base + "/v2/health/ready", log)
+    return Launch(server, base, stats_file=stats)
 
 
 TRUE = ("true lengths", None)
@@ -375,14 +244,13 @@ class Reference:
     """The shared tagger run alone (batch of one, no padding) in this process."""
 
     def __init__(self, model_dir: Path) -> None:
-        sys.path.insert(0, str(HERE))
         from common import load_tagger, run_batch
 
         self._run = run_batch
         self.model = load_tagger(model_dir, threads=1)
         self._cache: dict[bytes, Any] = {}
 
-    def logits(self, ids):
+    def logits(self, ids: Any) -> Any:
         import numpy as np
 
         key = ids.tobytes()
@@ -391,44 +259,7 @@ class Reference:
         return self._cache[key]
 
 
-async def _check_async(base_url: str, protocol: str, pad_to: int | None, ref: Reference,
-                       items: list) -> dict[str, Any]:
-    import aiohttp
-    import numpy as np
-
-    from protocols import PROTOCOLS
-
-    proto = PROTOCOLS[protocol]
-    url = base_url + proto.path
-
-    async def one(session: aiohttp.ClientSession, ids) -> tuple[float | None, str | None]:
-        body, extra = proto.encode(ids, pad_to)
-        headers = {"Content-Type": proto.content_type, "Accept-Encoding": "identity", **extra}
-        try:
-            async with session.post(url, data=body, headers=headers) as r:
-                payload = await r.read()
-                if r.status != 200:
-                    return None, f"HTTP {r.status}: {payload[:160]!r}"
-                out = proto.decode(payload, r.headers, int(ids.shape[0]))
-        except Exception as exc:  # noqa: BLE001
-            return None, f"{type(exc).__name__}: {exc}"[:200]
-        want = ref.logits(ids)
-        if out.shape != want.shape:
-            return None, f"shape {out.shape} != {want.shape}"
-        return float(np.max(np.abs(out - want))), None
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        single, single_err = await one(session, items[0])  # the fixed request, alone
-        burst = await asyncio.gather(*(one(session, ids) for ids in items[1:]))
-    diffs = [d for d, _ in [(single, single_err), *burst] if d is not None]
-    errs = [e for _, e in [(single, single_err), *burst] if e is not None]
-    return {"single_max_abs_diff": single, "single_error": single_err,
-            "max_abs_diff": max(diffs) if diffs else None,
-            "n": len(items), "failed": len(errs), "errors": errs[:3],
-            "ok": bool(diffs) and max(diffs) <= CHECK_TOL and not errs}
-
-
-def check_items() -> list:
+def check_items() -> list[Any]:
     """A fixed request (77 tokens), then a burst of 16 items of different lengths."""
     from protocols import make_items
 
@@ -438,24 +269,38 @@ def check_items() -> list:
 
 # --------------------------------------------------------------------------- one run
 
-def run_loadgen(launch: Launch, protocol: str, pad_to: int | None, conc: int, args,
-                out: Path) -> dict[str, Any]:
-    cmd = [str(BENCH_PY), str(HERE / "loadgen.py"), "--url", launch.base_url,
-           "--protocol", protocol, "--concurrency", str(conc), "--warmup", str(args.warmup),
-           "--duration", str(args.duration), "--seed", str(args.seed), "--out", str(out)]
-    if pad_to:
-        cmd += ["--pad-to", str(pad_to)]
-    if launch.stats_url:
-        cmd += ["--stats-url", launch.stats_url]
-    if launch.stats_file:
-        cmd += ["--stats-file", launch.stats_file]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=str(HERE),
-                   timeout=args.warmup + args.duration + 120)
-    return json.loads(out.read_text())
+async def measure(launch: Launch, peer: Peer, variant: str, pad_to: int | None, conc: int,
+                  args: argparse.Namespace, ref: Reference, items: list[Any]) -> dict[str, Any]:
+    """Check one variant, then measure it with tensorserve's load generator."""
+    from targets import PeerTarget
+
+    from tensorserve.bench.lengths import uniform
+    from tensorserve.bench.loadgen import run_point
+    from tensorserve.bench.sweep import build_pool
+
+    target = PeerTarget(launch.base_url, peer.protocol, pad_to=pad_to,
+                        stats_file=launch.stats_file, server=launch.server, timeout=args.timeout)
+    await target.open()
+    try:
+        row: dict[str, Any] = {"check": await target.check(ref, items, CHECK_TOL)}
+        # The same seeded stream for every peer (and for `tensorserve bench --seed`).
+        pool, lengths = build_pool(target, uniform(*LENGTHS), pool_items=args.pool,
+                                   seed=args.seed, max_id=VOCAB_SIZE)
+        launch.server.reset_peak()
+        point = await run_point(target, pool, concurrency=conc, duration=args.duration,
+                                warmup=args.warmup, variant=f"{peer.name} {variant}",
+                                seed=args.seed)
+        row["load"] = point.to_dict()
+        row["lengths"] = lengths
+        row["server"] = {"peak_rss_mb": launch.server.peak_rss_bytes / 2**20,
+                         "processes": launch.server.usage().processes}
+        return row
+    finally:
+        await target.aclose()
 
 
-def run_peer(peer: Peer, ctx: Ctx, conc: int, rep: int, args, ref: Reference,
-             items: list) -> list[dict[str, Any]]:
+def run_peer(peer: Peer, ctx: Ctx, conc: int, rep: int, args: argparse.Namespace,
+             ref: Reference, items: list[Any]) -> list[dict[str, Any]]:
     tag = f"{peer.name}-c{conc}-r{rep}"
     stats_dir = CACHE / "run" / tag
     if stats_dir.exists():
@@ -464,181 +309,54 @@ def run_peer(peer: Peer, ctx: Ctx, conc: int, rep: int, args, ref: Reference,
     base = {"peer": peer.name, "concurrency": conc, "repeat": rep, "protocol": peer.protocol,
             "loadavg_before": os.getloadavg()}
     try:
-        launch = peer.launch(ctx, stats_dir)
+        launch = peer.launch(ctx, stats_dir, CACHE / "logs" / f"{tag}.log")
     except FileNotFoundError as exc:
         print(f"  {peer.name}: SKIPPED - {exc}", flush=True)
         return [{**base, "variant": v, "skipped": str(exc)} for v, _ in peer.variants]
-    t0 = time.time()
+    started = time.monotonic()
     try:
-        server = start_server(peer.name, launch.argv, launch.env, launch.ready_url,
-                              CACHE / "logs" / f"{tag}.log")
-    except RuntimeError as exc:
+        launch.server.start()
+    except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"  {peer.name}: FAILED to start - {exc}", flush=True)
         return [{**base, "variant": v, "failed": str(exc)} for v, _ in peer.variants]
-    startup = time.time() - t0
+    startup = time.monotonic() - started
     rows = []
     try:
         for variant, pad_to in peer.variants:
-            row = {**base, "variant": variant, "pad_to": pad_to, "startup_s": startup}
+            row: dict[str, Any] = {**base, "variant": variant, "pad_to": pad_to,
+                                   "startup_s": startup}
             try:
-                row["check"] = asyncio.run(_check_async(launch.base_url, peer.protocol, pad_to,
-                                                        ref, items))
-                row["load"] = run_loadgen(launch, peer.protocol, pad_to, conc, args,
-                                          stats_dir / f"load-{pad_to or 'true'}.json")
+                row.update(asyncio.run(measure(launch, peer, variant, pad_to, conc, args,
+                                               ref, items)))
             except Exception as exc:  # noqa: BLE001 - record and go on
                 row["failed"] = f"{type(exc).__name__}: {exc}"
             rows.append(row)
             print("  " + fmt_row(row), flush=True)
     finally:
-        stop = server.stop()
-        if stop["killed_after_sigterm"]:
-            print(f"  {peer.name}: killed {len(stop['killed_after_sigterm'])} leftover "
-                  f"process(es) after SIGTERM: {sorted(stop['killed_after_sigterm'])}", flush=True)
+        stop = launch.server.stop()
+        if stop.leftovers:
+            print(f"  {peer.name}: killed {len(stop.leftovers)} leftover process(es) after "
+                  f"SIGTERM: {sorted(stop.leftovers)}", flush=True)
         for row in rows:
-            row["stop"] = stop
+            row["stop"] = {"returncode": stop.returncode,
+                           "killed_after_sigterm": {str(k): v for k, v in stop.leftovers.items()}}
     return rows
 
 
 # --------------------------------------------------------------------------- report
 
-def _f(x: Any, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One line per (peer, variant, concurrency): median over repeats."""
-    groups: dict[tuple, list] = {}
-    for r in rows:
-        groups.setdefault((r["peer"], r["variant"], r["concurrency"]), []).append(r)
-    out = []
-    for (peer, variant, conc), rs in groups.items():
-        loads = [r["load"] for r in rs if "load" in r]
-        s: dict[str, Any] = {"peer": peer, "variant": variant, "concurrency": conc,
-                             "runs": len(rs), "measured": len(loads)}
-        if not loads:
-            s["note"] = next((r.get("skipped") or r.get("failed") for r in rs), "no data")
-            s["note"] = (s["note"] or "").splitlines()[0][:120]
-            out.append(s)
-            continue
-
-        def med(key: str) -> float | None:
-            vals = [lo[key] for lo in loads if lo.get(key) is not None]
-            return statistics.median(vals) if vals else None
-
-        s.update(items_per_s=med("items_per_s"), p50_ms=med("p50_ms"), p99_ms=med("p99_ms"),
-                 errors=sum(lo["errors"] for lo in loads),
-                 ok=sum(lo["ok"] for lo in loads))
-        means = [lo.get("batch", {}).get("mean") for lo in loads]
-        means = [m for m in means if m is not None]
-        s["mean_batch"] = statistics.median(means) if means else None
-        checks = [r["check"] for r in rs if "check" in r]
-        diffs = [c["max_abs_diff"] for c in checks if c.get("max_abs_diff") is not None]
-        s["max_abs_diff"] = max(diffs) if diffs else None
-        s["check_failed"] = sum(c["failed"] for c in checks)
-        s["check_requests"] = sum(c["n"] for c in checks)
-        s["check_ok"] = all(c["ok"] for c in checks) if checks else False
-        samples: dict[str, int] = {}
-        for lo in loads:
-            for k, v in lo.get("error_samples", {}).items():
-                samples[k] = samples.get(k, 0) + v
-        if samples:
-            s["error_sample"] = max(samples, key=samples.get)[:200]
-        out.append(s)
-    ts = {s["concurrency"]: s.get("items_per_s") for s in out if s["peer"] == "tensorserve"}
-    for s in out:
-        t, p = ts.get(s["concurrency"]), s.get("items_per_s")
-        # no ratio against a configuration that mostly fails
-        ok_run = p and s.get("errors", 0) <= s.get("ok", 0)
-        s["tensorserve_ratio"] = (t / p) if t and ok_run else None
-    order = {p: i for i, p in enumerate(ALL_PEERS)}
-    out.sort(key=lambda s: (s["concurrency"], order.get(s["peer"], 99),
-                            s["variant"] != "true lengths"))
-    return out
-
-
-HEADER = (f"{'peer':<12} {'variant':<15} {'conc':>4} {'items/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'errors':>7} {'mean bs':>7} {'max|diff|':>9} {'check':>9} {'ts x':>6}")
-
-
-def fmt_summary(s: dict[str, Any]) -> str:
-    if "items_per_s" not in s:
-        return f"{s['peer']:<12} {s['variant']:<15} {s['concurrency']:>4}  n/a: {s.get('note')}"
-    diff = _f(s.get("max_abs_diff"), ".1e") + ("" if s.get("check_ok") else "!")
-    chk = "ok" if s.get("check_ok") else f"{s.get('check_failed')}/{s.get('check_requests')} bad"
-    return (f"{s['peer']:<12} {s['variant']:<15} {s['concurrency']:>4} "
-            f"{_f(s['items_per_s'], '.1f'):>8} {_f(s['p50_ms'], '.1f'):>8} "
-            f"{_f(s['p99_ms'], '.1f'):>8} {s['errors']:>7} {_f(s['mean_batch'], '.2f'):>7} "
-            f"{diff:>9} {chk:>9} {_f(s['tensorserve_ratio'], '.2f'):>6}")
-
-
-def fmt_row(r: dict[str, Any]) -> str:
-    if "load" not in r:
-        return f"{r['peer']} / {r['variant']} / c={r['concurrency']}: FAILED {r.get('failed')}"
-    lo, c = r["load"], r.get("check", {})
-    return (f"{r['peer']:<12} {r['variant']:<15} c={r['concurrency']:<3} "
-            f"{lo['items_per_s']:8.1f} items/s  p50 {_f(lo['p50_ms'], '.1f')} ms  "
-            f"p99 {_f(lo['p99_ms'], '.1f')} ms  errors {lo['errors']}  "
-            f"mean batch {_f(lo.get('batch', {}).get('mean'), '.2f')}  "
-            f"max|diff| {_f(c.get('max_abs_diff'), '.1e')} (check failures {c.get('failed')})")
-
-
-def plot(summary: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels: list[tuple[str, str]] = []
-    for s in summary:
-        key = (s["peer"], s["variant"])
-        if key not in labels and "items_per_s" in s:
-            labels.append(key)
-    concs = sorted({s["concurrency"] for s in summary})
-    if not labels:
-        return
-    by = {(s["peer"], s["variant"], s["concurrency"]): s for s in summary}
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2))
-    width = 0.8 / max(1, len(concs))
-    xs = range(len(labels))
-    colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
-    for ax, key, title in ((axes[0], "items_per_s", "throughput (items/s, higher is better)"),
-                           (axes[1], "p99_ms", "p99 latency (ms, lower is better)")):
-        for j, c in enumerate(concs):
-            vals = [(by.get((p, v, c)) or {}).get(key) or 0 for p, v in labels]
-            bars = ax.bar([x + (j - (len(concs) - 1) / 2) * width for x in xs], vals, width,
-                          label=f"concurrency {c}", color=colors[j % len(colors)])
-            for b, (p, v) in zip(bars, labels):
-                s = by.get((p, v, c)) or {}
-                if s.get("errors"):
-                    ax.annotate(f"{s['errors']} err", (b.get_x() + b.get_width() / 2,
-                                b.get_height()), ha="center", va="bottom", fontsize=7,
-                                color="crimson", rotation=90)
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels([f"{p}\n{v}" for p, v in labels], fontsize=8)
-        ax.set_title(title, fontsize=10)
-        ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"tagger (2-layer Transformer, vocab 30000), 1 item/request, lengths 8-128, "
-                 f"max batch {meta['max_batch']}, delay {meta['max_delay_ms']} ms, "
-                 f"{meta['cpus']} CPU cores, {meta['duration_s']:.0f} s windows"
-                 + (f"\n(shared machine: 1-min load average {meta['loadavg_start'][0]:.1f} "
-                    f"before the run)" if meta.get("loadavg_start") else ""), fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {pkg: metadata.version(pkg) for pkg in ("tensorserve", "torch", "psutil")}
     pkgs = {"pytriton": "nvidia-pytriton", "mlserver": "mlserver", "litserve": "litserve",
             "batched": "batched"}
-    out = {}
     for venv, pkg in pkgs.items():
         py = VENVS / venv / "bin" / "python"
         if py.exists():
             r = subprocess.run([str(py), "-c", f"import importlib.metadata as m; "
                                 f"print(m.version('{pkg}'), m.version('torch'))"],
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, check=False)
             out[pkg] = r.stdout.strip() or r.stderr.strip()[-200:]
     return out
 
@@ -655,6 +373,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads per server")
     ap.add_argument("--seed", type=int, default=1234, help="request-stream seed")
+    ap.add_argument("--pool", type=int, default=2048, help="distinct pre-encoded requests")
+    ap.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in s")
     ap.add_argument("--skip-setup", action="store_true", help="don't run setup.sh first")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--plot", default=str(PLOT))
@@ -665,28 +385,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main() -> int:
-    argv = sys.argv[1:]
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:])
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise SystemExit(f"unknown peer(s): {unknown}; known: {ALL_PEERS}")
-    bootstrap(argv, peers, args.skip_setup or args.replot)
     if args.replot:
         saved = json.loads(Path(args.out).read_text())
         plot(saved["summary"], saved["meta"], Path(args.plot))
         print(f"wrote {args.plot}")
         return 0
+    if not args.skip_setup:
+        setup_venvs(peers)
 
-    sys.path.insert(0, str(HERE))
+    from common import model_config
+
     concs = [int(c) for c in args.concurrency.split(",")]
     repo_model = prepare_repository()
-    cfg = __import__("common").model_config(repo_model)
+    cfg = model_config(repo_model)
     ctx = Ctx(repo=repo_model.parent, model_dir=repo_model,
               max_batch=int(cfg.get("max_batch_size", 32)),
               max_delay_ms=float(cfg.get("dynamic_batching", {}).get("max_queue_delay_ms", 5.0)),
-              threads=args.threads,
-              host_python=os.environ.get(HOST_PY_ENV) or shutil.which("python3") or "python3")
+              threads=args.threads)
     ref = Reference(repo_model)
     items = check_items()
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
@@ -694,9 +414,11 @@ def main() -> int:
             "python": platform.python_version(), "peers": peers, "concurrency": concs,
             "duration_s": args.duration, "warmup_s": args.warmup, "repeats": args.repeats,
             "threads": args.threads, "max_batch": ctx.max_batch,
-            "max_delay_ms": ctx.max_delay_ms, "seed": args.seed, "vocab_size": VOCAB_SIZE,
-            "lengths": [8, 128], "items_per_request": 1, "check_tolerance": CHECK_TOL,
-            "versions": versions(), "tensorserve_command": tensorserve_command(ctx)}
+            "max_delay_ms": ctx.max_delay_ms, "seed": args.seed, "pool": args.pool,
+            "vocab_size": VOCAB_SIZE, "lengths": list(LENGTHS), "items_per_request": 1,
+            "check_tolerance": CHECK_TOL, "versions": versions(),
+            "loadgen": "tensorserve.bench.loadgen.run_point (closed loop, RawHttpPool)",
+            "tensorserve_command": [sys.executable, "-m", "tensorserve", "serve"]}
     print(f"model: {repo_model} (max batch {ctx.max_batch}, delay {ctx.max_delay_ms} ms, "
           f"{ctx.threads} torch threads)", flush=True)
 
@@ -706,24 +428,21 @@ def main() -> int:
               "starting; other work on this machine will skew the numbers", flush=True)
     meta["loadavg_start"] = os.getloadavg()
     rows: list[dict[str, Any]] = []
-    t_start = time.time()
+    started = time.monotonic()
     for rep in range(args.repeats):
         for conc in concs:
             for name in peers:
                 print(f"[rep {rep} c={conc}] {name}", flush=True)
                 rows.extend(run_peer(PEERS[name], ctx, conc, rep, args, ref, items))
     summary = summarize(rows)
-    meta["elapsed_s"] = time.time() - t_start
+    meta["elapsed_s"] = time.monotonic() - started
     meta["loadavg_end"] = os.getloadavg()
 
     print("\n" + HEADER)
     print("-" * len(HEADER))
     for s in summary:
         print(fmt_summary(s))
-    print("items/s: successful items per second; mean bs: mean executed batch size in the "
-          "window;\nmax|diff|: max abs difference vs the model run alone ('!' = check failed "
-          f"or > {CHECK_TOL});\ncheck: a fixed request alone + a burst of 16 lengths, each vs the "
-          "model alone;\nts x: tensorserve items/s / peer items/s (same concurrency)")
+    print(LEGEND.replace("the tolerance", f"the tolerance {CHECK_TOL}"))
     for s in summary:
         if s.get("error_sample"):
             print(f"  {s['peer']} {s['variant']} c={s['concurrency']}: e.g. {s['error_sample']}")

@@ -2,13 +2,15 @@
 # Create one virtualenv per peer under benchmarks/peers/.venvs/<peer>.
 #
 #   bash benchmarks/peers/setup.sh                 # all peers
-#   bash benchmarks/peers/setup.sh litserve bench  # only these
+#   bash benchmarks/peers/setup.sh litserve batched  # only these
 #
 # Idempotent: a venv whose marker file matches its package spec is skipped.
 # torch==2.13.0 is always installed FIRST (the CPU wheel), and every later
 # install is constrained to it so no peer can drag in another torch build
 # (any other version pulls gigabytes of CUDA wheels).
-# None of these packages is a dependency of tensorserve itself.
+# None of these packages is a dependency of tensorserve itself. The runner,
+# the load generator and tensorserve run in the interpreter that has
+# tensorserve installed (pip install -e '.[bench]'), not in a venv of here.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -20,8 +22,6 @@ TORCH_SPEC="torch==2.13.0"
 COMMON="numpy safetensors"
 
 declare -A SPECS=(
-  # orchestration, load generator, reference model and plotting
-  [bench]="$COMMON aiohttp msgpack uvloop matplotlib"
   # NVIDIA Triton Inference Server driven from Python
   [pytriton]="$COMMON nvidia-pytriton==0.7.0"
   # Seldon MLServer; 1.7 breaks with uvloop>=0.22
@@ -31,7 +31,7 @@ declare -A SPECS=(
   # `batched` (in-process dynamic batching) behind a minimal aiohttp handler
   [batched]="$COMMON batched==0.1.5 aiohttp msgpack"
 )
-ORDER=(bench pytriton mlserver litserve batched)
+ORDER=(pytriton mlserver litserve batched)
 
 if [[ $# -gt 0 ]]; then
   WANT=("$@")
