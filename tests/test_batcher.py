@@ -245,14 +245,14 @@ async def test_an_async_caller_that_leaves_while_queued_is_skipped() -> None:
         assert await asyncio.to_thread(gate.entered.wait, 5)
         leaving = asyncio.ensure_future(model.infer({"x": np.array([7.0], np.float32)}))
         staying = asyncio.ensure_future(model.infer({"x": np.array([8.0], np.float32)}))
-        await asyncio.sleep(0.01)
+        while model.batcher.queue_depth < 2:  # both tasks run up to their await
+            await asyncio.sleep(0)
         leaving.cancel()  # e.g. the HTTP client disconnected
-        await asyncio.sleep(0.01)
+        with pytest.raises(asyncio.CancelledError):
+            await leaving  # its futures are cancelled on the way out
         gate.release.set()
         assert (await first)["y"].tolist() == [0.0]
         assert (await staying)["y"].tolist() == [8.0]
-        with pytest.raises(asyncio.CancelledError):
-            await leaving
     assert 7.0 not in gate.seen
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import msgpack
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -25,13 +26,13 @@ from tensorserve.errors import ConfigError
 from tensorserve.runtime import ipc
 from tests.conftest import REPOSITORY, ServerProcess
 from tests.helpers import (
-    ECHO_CONFIG,
+    ECHO,
     MSGPACK,
     POISON_MODEL,
     body,
     from_wire,
     token_item,
-    write_model,
+    write_toy_model,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,13 +40,11 @@ rng = np.random.default_rng(7)
 
 
 def _alive(pid: int) -> bool:
+    """Running, for our purposes: a zombie has gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    # A zombie still answers kill(0); it is gone for our purposes.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(")")[-1].split()[0] != "Z"
 
 
 def _pids(model: ServedModel) -> list[int]:
@@ -89,10 +88,9 @@ def test_pipelined_batches_through_a_worker_never_reorder_or_lose_items() -> Non
 
 @pytest.fixture
 def toy_repo(tmp_path: Path) -> Path:
-    # isolation is a top-level key: it comes before the [tables].
-    process = '\n    isolation = "process"' + ECHO_CONFIG
-    write_model(tmp_path, "poison", process, POISON_MODEL)
-    write_model(tmp_path, "mortal", process, """
+    process = {**ECHO, "isolation": "process"}
+    write_toy_model(tmp_path, "poison", POISON_MODEL, **process)
+    write_toy_model(tmp_path, "mortal", """
         import os, signal, torch
 
         class Model(torch.nn.Module):
@@ -102,44 +100,35 @@ def toy_repo(tmp_path: Path) -> Path:
                 if (x == 9).any():
                     os.kill(os.getpid(), signal.SIGKILL)
                 return x * 2
-    """)
-    write_model(tmp_path, "per_item", process, """
+    """, **process)
+    write_toy_model(tmp_path, "per_item", """
         import torch
 
         class Model(torch.nn.Module):
             def forward(self, x):
                 return [ValueError("negative start") if row[0, 0] < 0 else {"y": row} for row in x]
-    """)
-    write_model(tmp_path, "sleepy", process.replace("max_batch_size = 8", "max_batch_size = 2"), """
+    """, **process)
+    write_toy_model(tmp_path, "sleepy", """
         import time, torch
 
         class Model(torch.nn.Module):
             def forward(self, x):
-                time.sleep(0.05)
+                time.sleep(0.05)  # the behaviour under test: a batch takes 50 ms
                 return x
-    """)
-    write_model(tmp_path, "broken", process, """
+    """, **{**process, "max_batch_size": 2})
+    write_toy_model(tmp_path, "broken", """
         import torch
         raise ImportError("no such helper")
-    """)
-    write_model(tmp_path, "halves", """
-        isolation = "process"
-        max_batch_size = 8
-        [[input]]
-        name = "x"
-        dtype = "bfloat16"
-        shape = [-1]
-        [[output]]
-        name = "y"
-        dtype = "bfloat16"
-        shape = [-1]
-    """, """
+    """, **process)
+    write_toy_model(tmp_path, "halves", """
         import torch
 
         class Model(torch.nn.Module):
             def forward(self, x):
                 return x / 2
-    """)
+    """, isolation="process", max_batch_size=8,
+        inputs={"x": {"dtype": "bfloat16", "shape": [-1]}},
+        outputs={"y": {"dtype": "bfloat16", "shape": [-1]}})
     return tmp_path
 
 
@@ -476,26 +465,16 @@ def test_the_loops_reader_reassembles_a_dribbled_message_and_reads_no_further() 
 
 
 # ---------------------------------------------------------------------- a real server
-def _workers_of(pid: int) -> list[int]:
+def _workers_of(pid: int) -> list[psutil.Process]:
     """Worker processes whose parent is ``pid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                ppid = int(stat.read().split(")")[-1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read()
-        except OSError:
-            continue
-        if ppid == pid and b"tensorserve.runtime.worker" in command:
-            found.append(int(entry))
-    return found
+    return [
+        child for child in psutil.Process(pid).children()
+        if "tensorserve.runtime.worker" in child.cmdline()
+    ]
 
 
 def test_a_server_killed_outright_leaves_no_worker_behind(tmp_path: Path) -> None:
-    write_model(tmp_path, "poison", ECHO_CONFIG, POISON_MODEL)
+    write_toy_model(tmp_path, "poison", POISON_MODEL, **ECHO)
     server = ServerProcess(tmp_path, "--isolation", "process")
     try:
         workers = _workers_of(server.process.pid)
@@ -506,9 +485,7 @@ def test_a_server_killed_outright_leaves_no_worker_behind(tmp_path: Path) -> Non
         assert from_wire(msgpack.unpackb(reply.content)["outputs"][0]["y"]).tolist() == [[8.0] * 4] * 3
         server.process.send_signal(signal.SIGKILL)  # no shutdown code runs
         server.process.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(workers[0]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(workers[0]), "the worker outlived its server"
+        _, alive = psutil.wait_procs(workers, timeout=10)  # it exits on its socket's EOF
+        assert not alive, "the worker outlived its server"
     finally:
         server.stop()
