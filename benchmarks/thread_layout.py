@@ -510,7 +510,7 @@ def main() -> None:
     names = [p for p in PROCS if not args.only or p in args.only.split(",")]
     if BASELINE[0] not in names:
         names.insert(0, BASELINE[0])
-    t_start = time.time()
+    t_start = time.monotonic()
     import torch
     probe = thread_state_probe()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, torch.get_num_threads()="
@@ -530,7 +530,7 @@ def main() -> None:
             env = dict(os.environ)
             env.pop("OMP_WAIT_POLICY", None)
             env.update(PROCS[p]["env"])
-            t0 = time.time()
+            t0 = time.monotonic()
             r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", p,
                                 "--reps", str(args.reps), "--seed", str(rnd),
                                 "--deadline", str(args.deadline)],
@@ -541,7 +541,7 @@ def main() -> None:
             info = {k: res[k] for k in ("torch", "lens", "padded_len", "default_threads")}
             for k, v in res["raw"].items():
                 pooled[p].setdefault(k, []).extend(v)
-            print(f"  round {rnd + 1}/{args.rounds}  {p:<24} {time.time() - t0:5.1f} s"
+            print(f"  round {rnd + 1}/{args.rounds}  {p:<24} {time.monotonic() - t0:5.1f} s"
                   f"   (CPU busy from others just before: {busy[-1]:.0%})", flush=True)
 
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -559,7 +559,7 @@ def main() -> None:
         "cpu_busy_by_others_before_each_child": busy,
         "rounds": args.rounds, "reps_per_child": args.reps,
         "batch": {"items": 32, **info},
-        "elapsed_s": round(time.time() - t_start, 1),
+        "elapsed_s": round(time.monotonic() - t_start, 1),
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
