@@ -94,18 +94,19 @@ def client_case(kind: str, batch: int, return_torch: bool = False) -> dict[str, 
 def server_case(batch: int) -> dict[str, float] | None:
     """The server's codec on the same bytes, when tensorserve is importable."""
     try:
+        from tensorserve.repository.config import load_config
         from tensorserve.wire import native
     except ImportError:
         return None
+    config = load_config(RESULTS.parent.parent / "model_repository" / "tagger" / "config.toml")
     call = _protocol.infer("tagger", [item("numpy")] * batch)
     assert call.body is not None
     logits = np.random.default_rng(0).standard_normal((TOKENS, LABELS), dtype=np.float32)
     outputs = [{"logits": logits}] * batch
     body = call.body
-    decode = per_call_us(lambda: native.decode_request(body, 4096))
-    encode = per_call_us(
-        lambda: native.encode_response("tagger", "1", None, outputs, {"logits": "float32"})
-    )
+    decode = per_call_us(lambda: native.decode_request(body, {}, config, 4096))
+    request = native.decode_request(body, {}, config, 4096)
+    encode = per_call_us(lambda: native.encode_response(request, outputs, "tagger", "1", config))
     return {
         "encode_us_per_item": encode / batch,  # the server encodes the answer
         "decode_us_per_item": decode / batch,  # and decodes the request

@@ -114,7 +114,7 @@ BAD_REQUESTS = [
     ([{"input_ids": np.ones(600, np.int64), "attention_mask": np.ones(600, np.int64)}],
      "item 0, feature 'input_ids': axis 0 has length 600; it must be between 1 and 512"),
     ([{"input_ids": [[1, 2], [3]], "attention_mask": [1]}],
-     "item 0, feature 'input_ids': expected a rectangular (nested) list of numbers"),
+     "item 0, feature 'input_ids': the list is not a rectangular list of numbers"),
     ([{"input_ids": {"dtype": "int64", "shape": [4], "data": b"\0" * 8}, "attention_mask": [1]}],
      "item 0, feature 'input_ids': data holds 8 bytes, but shape [4] of int64 needs 32"),
     ([{"input_ids": {"dtype": "complex64", "shape": [1], "data": b"\0" * 8}, "attention_mask": [1]}],

@@ -1,9 +1,10 @@
-"""A typed tensor as it travels: ``{"dtype", "shape", "data"}`` with raw
-little-endian, C-order bytes. Decoding is zero-copy (``np.frombuffer``)."""
+"""A typed tensor as it travels: a dtype name, a shape and raw little-endian,
+C-order bytes. Decoding is zero-copy (``np.frombuffer``)."""
 
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,15 +34,18 @@ def check_shape(shape: Any, where: str) -> tuple[int, ...]:
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
         raise InvalidInput(
-            f"{where}: shape must be a list of at most {MAX_RANK} non-negative integers, got {shape!r}"
+            f"{where}: shape must be a list of at most {MAX_RANK} non-negative integers, "
+            f"got {reprlib.repr(shape)}"
         )
     return tuple(shape)
 
 
 def from_bytes(dtype_name: Any, shape: Any, data: Any, where: str) -> WireTensor:
     """Zero-copy view of raw bytes as a typed tensor, with every size checked."""
-    if dtype_name not in DTYPES:
-        raise InvalidInput(f"{where}: unknown dtype {dtype_name!r}")
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:  # a list is not hashable
+        raise InvalidInput(
+            f"{where}: unknown dtype {reprlib.repr(dtype_name)}; expected one of {', '.join(DTYPES)}"
+        )
     dt = DTYPES[dtype_name]
     dims = check_shape(shape, where)
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -53,21 +57,3 @@ def from_bytes(dtype_name: Any, shape: Any, data: Any, where: str) -> WireTensor
             f"needs {expected}"
         )
     return WireTensor(dt.name, np.frombuffer(data, dtype=dt.numpy).reshape(dims))
-
-
-def decode_tensor(value: Any, where: str) -> WireTensor | Any:
-    """A native-protocol tensor: a typed map, or a plain (nested) list / number
-    left for validation to cast to the declared dtype."""
-    if isinstance(value, dict):
-        missing = [k for k in ("dtype", "shape", "data") if k not in value]
-        if missing:
-            raise InvalidInput(f"{where}: tensor map is missing {', '.join(missing)}")
-        return from_bytes(value["dtype"], value["shape"], value["data"], where)
-    if isinstance(value, (list, int, float)) and not isinstance(value, bool):
-        return value
-    raise InvalidInput(f"{where}: expected a tensor map or a list of numbers, got {type(value).__name__}")
-
-
-def encode_tensor(array: np.ndarray, dtype_name: str) -> dict[str, Any]:
-    contiguous = np.ascontiguousarray(array)
-    return {"dtype": dtype_name, "shape": list(contiguous.shape), "data": contiguous.data}

@@ -1,35 +1,44 @@
-"""The native protocol: msgpack bodies (see docs/protocol.md).
+"""The native protocol: msgpack bodies (see docs/protocol.md). A codec in the
+sense of ``wire/request.py``.
 
-Request  ``{"items": [{feature: tensor}, ...], "id"?: str, "parameters"?: map}``
+Request  ``{"items": [{feature: tensor}, ...], "id"?: str, "parameters"?: {"timeout_ms"?: number}}``
 Response ``{"model_name", "model_version", "id"?, "outputs": [{output: tensor}, ...]}``
 Error    ``{"error": str, "code": str}``
+
+A tensor is ``{"dtype", "shape", "data"}`` (raw bytes, decoded zero-copy) or
+a plain (nested) list of numbers, cast strictly to the declared dtype when
+the item is validated (``wire/lists.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from tensorserve.errors import InvalidInput
-from tensorserve.tensors.wire_tensor import decode_tensor, encode_tensor
+from tensorserve.repository.config import ModelConfig
+from tensorserve.tensors.wire_tensor import WireTensor, from_bytes
+from tensorserve.wire.request import (
+    EncodedResponse,
+    InferRequest,
+    RequestedOutput,
+    Results,
+    timeout_seconds,
+)
 
 CONTENT_TYPE = "application/msgpack"
 
 
-@dataclass
-class InferRequest:
-    items: list[dict[str, Any]]
-    id: str | None = None
-    parameters: dict[str, Any] = field(default_factory=dict)
-
-
-def decode_request(body: bytes, max_items: int) -> InferRequest:
+def decode_request(
+    body: bytes, headers: Mapping[str, str], config: ModelConfig, max_items: int
+) -> InferRequest:
+    """Decode one request; items are checked against the model later, by
+    ``ServedModel.validate``, like every caller's."""
     try:
-        message = msgpack.unpackb(body, raw=False)
+        message = msgpack.unpackb(body, raw=False)  # map keys: str or bytes only
     except Exception as exc:  # msgpack raises several unrelated types
         raise InvalidInput(f"body is not valid msgpack: {exc}") from None
     if not isinstance(message, dict):
@@ -45,31 +54,73 @@ def decode_request(body: bytes, max_items: int) -> InferRequest:
     parameters = message.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise InvalidInput("'parameters' must be a map")
+    timeout = timeout_seconds(
+        parameters.get("timeout_ms"),
+        "parameters.timeout_ms",
+        "milliseconds",
+        1e-3,
+        integral=False,
+        zero_means_none=False,
+    )
     decoded: list[dict[str, Any]] = []
     for index, item in enumerate(items):
         if not isinstance(item, dict):
             raise InvalidInput(f"item {index}: expected a map of feature name to tensor")
         decoded.append(
-            {name: decode_tensor(value, f"item {index}, feature {name!r}") for name, value in item.items()}
+            {
+                name: decode_tensor(value, f"item {index}, feature {name!r}")
+                for name, value in item.items()
+            }
         )
-    return InferRequest(decoded, request_id, parameters)
+    # The native protocol has no output selection: every output, typed.
+    outputs = [RequestedOutput(spec.name, spec.dt) for spec in config.output]
+    return InferRequest(decoded, outputs, request_id, timeout, parameters)
+
+
+def decode_tensor(value: Any, where: str) -> WireTensor | Any:
+    """A typed tensor map, or a plain (nested) list / number left for
+    validation to cast to the declared dtype."""
+    if isinstance(value, dict):
+        missing = [k for k in ("dtype", "shape", "data") if k not in value]
+        if missing:
+            raise InvalidInput(f"{where}: tensor map is missing {', '.join(missing)}")
+        return from_bytes(value["dtype"], value["shape"], value["data"], where)
+    if isinstance(value, (list, int, float)) and not isinstance(value, bool):
+        return value
+    raise InvalidInput(
+        f"{where}: expected a tensor map or a list of numbers, got {type(value).__name__}"
+    )
+
+
+def encode_tensor(array: np.ndarray, dtype_name: str) -> dict[str, Any]:
+    contiguous = np.ascontiguousarray(array)
+    # memoryview: msgpack packs the buffer without an intermediate bytes copy.
+    return {"dtype": dtype_name, "shape": list(contiguous.shape), "data": contiguous.data}
 
 
 def encode_response(
+    request: InferRequest,
+    results: Results,
     model_name: str,
     model_version: str,
-    request_id: str | None,
-    outputs: Sequence[Mapping[str, np.ndarray]],
-    dtypes: Mapping[str, str],
-) -> bytes:
+    config: ModelConfig,
+) -> EncodedResponse:
     message: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
-    if request_id is not None:
-        message["id"] = request_id
+    if request.id is not None:
+        message["id"] = request.id
+    wanted = [(output.name, output.dt.name) for output in request.outputs]
     message["outputs"] = [
-        {name: encode_tensor(array, dtypes[name]) for name, array in result.items()}
-        for result in outputs
+        {name: encode_tensor(result[name], dtype) for name, dtype in wanted} for result in results
     ]
-    return msgpack.packb(message)
+    return EncodedResponse([msgpack.packb(message)], CONTENT_TYPE)
+
+
+def decode_is_costly(body: bytes) -> bool:
+    return False  # typed tensors unpack at memcpy speed; there is no JSON to parse
+
+
+def encode_is_costly(request: InferRequest, results: Results) -> bool:
+    return False  # raw bytes out: no per-element work
 
 
 def encode_error(message: str, code: str) -> bytes:

@@ -1,5 +1,6 @@
 """The Open Inference Protocol (KServe v2) infer codec, with Triton's binary
-tensor data extension. Pure: bytes in, items out; results in, bytes out.
+tensor data extension; a codec in the sense of ``wire/request.py``. Pure:
+bytes in, items out; results in, bytes out.
 
 Request body: a JSON header, optionally followed by raw tensor bytes. When
 the ``Inference-Header-Content-Length: N`` header is sent, the first N bytes
@@ -21,25 +22,38 @@ request is exactly one item.
 
 Response: ``{"model_name", "model_version", "id"?, "outputs": [...]}``; outputs
 asked for as binary carry ``parameters.binary_data_size`` and their bytes
-follow the JSON in output order (the caller sets the response's
-``Inference-Header-Content-Length`` to the returned header length).
+follow the JSON in output order, and the response's
+``Inference-Header-Content-Length`` says how long the JSON is.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import reprlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from tensorserve.errors import InvalidInput, ModelFailure
-from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, InputSpec, ModelConfig, OutputSpec
-from tensorserve.tensors.dtypes import BY_V2, DType, as_torch, from_torch
+from tensorserve.repository.config import (
+    DEFAULT_MAX_LENGTH,
+    VARIABLE,
+    InputSpec,
+    ModelConfig,
+    OutputSpec,
+)
+from tensorserve.tensors.dtypes import BY_V2, DType, as_torch
 from tensorserve.tensors.wire_tensor import WireTensor, check_shape, from_bytes
+from tensorserve.wire.lists import array_from_list
+from tensorserve.wire.request import (
+    EncodedResponse,
+    InferRequest,
+    RequestedOutput,
+    Results,
+    timeout_seconds,
+)
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 JSON_CONTENT_TYPE = "application/json"
@@ -53,23 +67,6 @@ _UNSUPPORTED_TENSOR_PARAMETERS = (
     "classification",
 )
 _SUPPORTED_V2 = ", ".join(BY_V2)
-
-
-@dataclass(frozen=True)
-class RequestedOutput:
-    name: str
-    binary: bool
-
-
-@dataclass
-class InferRequest:
-    """A decoded OIP request: ``items`` are ready for ``ServedModel.infer_many``."""
-
-    items: list[dict[str, WireTensor]]
-    outputs: list[RequestedOutput]
-    id: str | None = None
-    timeout: float | None = None  # seconds (OIP sends microseconds)
-    priority: int = 0
 
 
 # ---------------------------------------------------------------------- decoding
@@ -111,23 +108,28 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _request_parameters(parameters: dict[str, Any]) -> tuple[float | None, int, bool]:
-    """(timeout in seconds, priority, binary_data_output)."""
+def _request_parameters(parameters: dict[str, Any]) -> tuple[float | None, bool]:
+    """(timeout in seconds, binary_data_output). ``priority`` is checked but
+    not acted on: the batcher has no priority levels."""
     if parameters.get("sequence_id") not in (None, 0, ""):
         raise InvalidInput("sequence batching (parameters.sequence_id) is not supported")
-    timeout_us = parameters.get("timeout")
-    if timeout_us is not None and (not _is_int(timeout_us) or timeout_us < 0):
-        raise InvalidInput(
-            f"parameters.timeout must be a non-negative integer (microseconds), got {timeout_us!r}"
-        )
+    timeout = timeout_seconds(  # Triton: a timeout of 0 means "no timeout"
+        parameters.get("timeout"),
+        "parameters.timeout",
+        "microseconds",
+        1e-6,
+        integral=True,
+        zero_means_none=True,
+    )
     priority = parameters.get("priority", 0)
     if not _is_int(priority) or priority < 0:
-        raise InvalidInput(f"parameters.priority must be a non-negative integer, got {priority!r}")
+        raise InvalidInput(
+            f"parameters.priority must be a non-negative integer, got {reprlib.repr(priority)}"
+        )
     binary_default = parameters.get("binary_data_output", False)
     if not isinstance(binary_default, bool):
         raise InvalidInput("parameters.binary_data_output must be a boolean")
-    # Triton: a timeout of 0 means "no timeout".
-    return (timeout_us / 1e6 if timeout_us else None), priority, binary_default
+    return timeout, binary_default
 
 
 def _refuse_unsupported(parameters: Mapping[str, Any], where: str) -> None:
@@ -142,53 +144,34 @@ def _datatype(value: Any, spec: InputSpec, where: str) -> DType:
             f"{where}: BYTES (string) tensors are not supported; tensorserve models take "
             f"numeric tensors, and this input is {spec.dt.v2}"
         )
-    if value not in BY_V2:
-        raise InvalidInput(f"{where}: unknown datatype {value!r}; expected one of {_SUPPORTED_V2}")
+    if not isinstance(value, str) or value not in BY_V2:  # a list or a map is not hashable
+        raise InvalidInput(
+            f"{where}: unknown datatype {reprlib.repr(value)}; expected one of {_SUPPORTED_V2}"
+        )
     if value != spec.dt.v2:
         raise InvalidInput(f"{where}: datatype {value} does not match the model's {spec.dt.v2}")
     return BY_V2[value]
 
 
-_JSON_KINDS = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers"}
-
-
 def from_json_data(data: Any, dt: DType, shape: tuple[int, ...], where: str) -> np.ndarray:
     """JSON ``data`` (flat row-major, or nested to match ``shape``) as a host
-    array of ``dt``. Values are checked, never silently truncated or wrapped."""
-    try:
-        raw = np.asarray(data)
-    except (ValueError, TypeError) as exc:
-        raise InvalidInput(f"{where}: 'data' is not a rectangular list of numbers: {exc}") from None
-    kind = raw.dtype.kind
-    integral = not dt.torch.is_floating_point and dt.name != "bool"
-    allowed = "b" if dt.name == "bool" else ("iu" if integral else "iuf")
-    if raw.size and kind not in allowed:
-        found = _JSON_KINDS.get(kind, "values that are not numbers (or out of range)")
+    array of ``dt``, cast by the strict list caster both protocols share."""
+    array = array_from_list(data, dt, where, what="'data'", v2=True)
+    if array.ndim > 1 and array.shape != shape:
         raise InvalidInput(
-            f"{where}: 'data' holds {found}; datatype {dt.v2} needs {_JSON_KINDS[allowed[-1]]}"
-        )
-    if raw.size and integral:
-        info = np.iinfo(dt.numpy)
-        if raw.min() < info.min or raw.max() > info.max:
-            raise InvalidInput(f"{where}: 'data' holds integers out of range for {dt.v2}")
-    if raw.ndim > 1 and raw.shape != shape:
-        raise InvalidInput(
-            f"{where}: nested 'data' has shape {list(raw.shape)}, but 'shape' is {list(shape)}"
+            f"{where}: nested 'data' has shape {list(array.shape)}, but 'shape' is {list(shape)}"
         )
     expected = math.prod(shape)
-    if raw.size != expected:
+    if array.size != expected:
         raise InvalidInput(
-            f"{where}: 'data' holds {raw.size} values, but shape {list(shape)} needs {expected}"
+            f"{where}: 'data' holds {array.size} values, but shape {list(shape)} needs {expected}"
         )
-    raw = raw.reshape(shape)
-    if dt.name == "bfloat16":
-        return from_torch(torch.from_numpy(raw.astype(np.float32)).to(torch.bfloat16))
-    return raw.astype(dt.numpy)
+    return array.reshape(shape)
 
 
 def _check_shape(shape: tuple[int, ...], spec: InputSpec, batched: bool, where: str) -> None:
     """The shape against the model's, in the request's own axis numbers.
-    (``batching.validate`` checks every row again; this says it in OIP terms.)"""
+    (``wire.validate`` checks every row again; this says it in OIP terms.)"""
     expected = ([-1] if batched else []) + list(spec.shape)
     if len(shape) != len(expected):
         raise InvalidInput(
@@ -256,10 +239,10 @@ def _requested_outputs(
     value: Any, outputs: Sequence[OutputSpec], binary_default: bool
 ) -> list[RequestedOutput]:
     if value is None:
-        return [RequestedOutput(spec.name, binary_default) for spec in outputs]
+        return [RequestedOutput(spec.name, spec.dt, binary_default) for spec in outputs]
     if not isinstance(value, list):
         raise InvalidInput("'outputs' must be a list")
-    known = [spec.name for spec in outputs]
+    known = {spec.name: spec for spec in outputs}
     requested: list[RequestedOutput] = []
     for index, entry in enumerate(value):
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
@@ -276,24 +259,23 @@ def _requested_outputs(
         binary = parameters.get("binary_data", binary_default)
         if not isinstance(binary, bool):
             raise InvalidInput(f"output {name!r}: parameters.binary_data must be a boolean")
-        requested.append(RequestedOutput(name, binary))
+        requested.append(RequestedOutput(name, known[name].dt, binary))
     return requested
 
 
 def decode_request(
-    body: bytes, header_length: str | None, config: ModelConfig, max_items: int
+    body: bytes, headers: Mapping[str, str], config: ModelConfig, max_items: int
 ) -> InferRequest:
     """Decode and check one request against the model; ``InvalidInput`` names
     the input and what is wrong. Per-item checks (lengths, fixed axes) are
-    left to ``batching.validate`` like for every caller."""
-    header, binary = split_body(body, header_length)
+    left to ``wire.validate`` like for every caller."""
+    header, binary = split_body(body, headers.get(HEADER_LENGTH))
     message = _parse_json(header)
     request_id = message.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
-    timeout, priority, binary_default = _request_parameters(
-        _parameters(message.get("parameters"), "request")
-    )
+    parameters = _parameters(message.get("parameters"), "request")
+    timeout, binary_default = _request_parameters(parameters)
     tensors = message.get("inputs")
     if not isinstance(tensors, list) or not tensors:
         raise InvalidInput("'inputs' must be a non-empty list")
@@ -315,9 +297,8 @@ def decode_request(
     if missing:
         raise InvalidInput(f"missing input(s) {', '.join(map(repr, missing))}")
     outputs = _requested_outputs(message.get("outputs"), config.output, binary_default)
-    return InferRequest(
-        _split_rows(arrays, specs, batched, max_items), outputs, request_id, timeout, priority
-    )
+    items = _split_rows(arrays, specs, batched, max_items)
+    return InferRequest(items, outputs, request_id, timeout, parameters)
 
 
 def _split_rows(
@@ -340,7 +321,7 @@ def _split_rows(
 
 
 # ---------------------------------------------------------------------- encoding
-def stack_rows(results: Sequence[Mapping[str, np.ndarray]], name: str, batched: bool) -> np.ndarray:
+def stack_rows(results: Results, name: str, batched: bool) -> np.ndarray:
     """One output of a request: its items' un-padded rows, stacked."""
     if not batched:
         return results[0][name]
@@ -360,22 +341,25 @@ def _json_data(array: np.ndarray, dt: DType) -> list[Any]:
 
 
 def encode_response(
+    request: InferRequest,
+    results: Results,
     model_name: str,
     model_version: str,
-    request_id: str | None,
-    outputs: Sequence[tuple[RequestedOutput, DType, np.ndarray]],
-) -> tuple[list[bytes | memoryview], int | None]:
-    """Body chunks (JSON, then binary outputs in order) and the JSON's length
-    for ``Inference-Header-Content-Length`` (None when nothing is binary)."""
+    config: ModelConfig,
+) -> EncodedResponse:
+    """The requested outputs, each the request's rows stacked back into one
+    dense tensor: the JSON, then the binary outputs' bytes in order (with
+    ``Inference-Header-Content-Length`` when anything is binary)."""
     message: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
-    if request_id is not None:
-        message["id"] = request_id
+    if request.id is not None:
+        message["id"] = request.id
     tensors: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
-    for requested, dt, array in outputs:
+    for requested in request.outputs:
+        array = stack_rows(results, requested.name, config.batching)
         tensor: dict[str, Any] = {
             "name": requested.name,
-            "datatype": dt.v2,
+            "datatype": requested.dt.v2,
             "shape": list(array.shape),
         }
         if requested.binary:
@@ -383,8 +367,30 @@ def encode_response(
             tensor["parameters"] = {"binary_data_size": data.nbytes}
             chunks.append(data)
         else:
-            tensor["data"] = _json_data(array, dt)
+            tensor["data"] = _json_data(array, requested.dt)
         tensors.append(tensor)
     message["outputs"] = tensors
     header = json.dumps(message, separators=(",", ":")).encode()
-    return [header, *chunks], (len(header) if chunks else None)
+    if not chunks:
+        return EncodedResponse([header], JSON_CONTENT_TYPE)
+    return EncodedResponse(
+        [header, *chunks], BINARY_CONTENT_TYPE, {HEADER_LENGTH: str(len(header))}
+    )
+
+
+# Above this much JSON to parse or to write, the handler runs the codec in a
+# worker thread, so one large JSON request does not stall every connection.
+COSTLY_BODY_BYTES = 256 << 10
+COSTLY_JSON_VALUES = 32 << 10
+
+
+def decode_is_costly(body: bytes) -> bool:
+    return len(body) > COSTLY_BODY_BYTES
+
+
+def encode_is_costly(request: InferRequest, results: Results) -> bool:
+    """Whether many values go out as JSON (the rows of one request agree in
+    shape, so the first row tells)."""
+    first = results[0]
+    values = sum(first[out.name].size for out in request.outputs if not out.binary)
+    return values * len(results) > COSTLY_JSON_VALUES

@@ -14,37 +14,31 @@ import torch
 
 from tensorserve.errors import InvalidInput
 from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, InputSpec
-from tensorserve.tensors.dtypes import BY_TORCH, DType, from_torch
+from tensorserve.tensors.dtypes import BY_TORCH, from_torch
 from tensorserve.tensors.wire_tensor import WireTensor
-
-
-def _from_list(data: Any, dt: DType, where: str) -> np.ndarray:
-    """A plain (nested) list of numbers, cast to the declared dtype."""
-    try:
-        if dt.name == "bfloat16":
-            array = from_torch(torch.tensor(np.asarray(data, dtype=np.float32), dtype=torch.bfloat16))
-        else:
-            array = np.asarray(data, dtype=dt.numpy)
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise InvalidInput(
-            f"{where}: expected a rectangular (nested) list of numbers for dtype {dt.name}: {exc}"
-        ) from None
-    return array
+from tensorserve.wire.lists import array_from_list
 
 
 def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.ndarray:
     dt = spec.dt
     if isinstance(value, torch.Tensor):  # in-process callers
-        value = WireTensor(BY_TORCH[value.dtype].name, from_torch(value.detach().cpu()))
+        known = BY_TORCH.get(value.dtype)
+        if known is None:
+            raise InvalidInput(
+                f"{where}: torch dtype {value.dtype} does not match the declared {dt.name}"
+            )
+        value = WireTensor(known.name, from_torch(value.detach().cpu()))
     elif isinstance(value, np.ndarray):
         value = WireTensor(value.dtype.name, value)
     if isinstance(value, WireTensor):
         # Typed data is never silently cast: a mismatch is the caller's bug.
         if value.dtype != dt.name:
-            raise InvalidInput(f"{where}: dtype {value.dtype} does not match the declared {dt.name}")
+            raise InvalidInput(
+                f"{where}: dtype {value.dtype} does not match the declared {dt.name}"
+            )
         array = value.array
     else:
-        array = _from_list(value, dt, where)
+        array = array_from_list(value, dt, where, what="the list", v2=False)
     if array.ndim != len(spec.shape):
         raise InvalidInput(
             f"{where}: expected {len(spec.shape)} dimension(s) with shape {spec.shape}, "

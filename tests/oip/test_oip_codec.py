@@ -15,8 +15,9 @@ import tritonclient.http as triton_http
 
 from tensorserve.errors import InvalidInput, ModelFailure
 from tensorserve.repository.config import ModelConfig, parse_config
-from tensorserve.wire import oip
 from tensorserve.tensors.dtypes import BY_V2
+from tensorserve.wire import oip
+from tensorserve.wire.request import InferRequest, RequestedOutput
 
 TAGGER = parse_config(
     {
@@ -56,6 +57,11 @@ def triton_body(
 
 
 BY_V2_NAME = {d.numpy.name: v2 for v2, d in BY_V2.items() if v2 != "BF16"}
+OUTPUT_DT = {spec.name: spec.dt for spec in TAGGER.output}
+
+
+def wanted(name: str, binary: bool) -> RequestedOutput:
+    return RequestedOutput(name, OUTPUT_DT[name], binary)
 
 
 def decode(
@@ -63,10 +69,11 @@ def decode(
     header_length: str | None = None,
     config: ModelConfig = TAGGER,
     max_items: int = 16,
-) -> oip.InferRequest:
+) -> InferRequest:
     if isinstance(body, dict):
         body = json.dumps(body).encode()
-    return oip.decode_request(body, header_length, config, max_items)
+    headers = {} if header_length is None else {oip.HEADER_LENGTH: header_length}
+    return oip.decode_request(body, headers, config, max_items)
 
 
 def tokens(k: int, t: int) -> dict[str, np.ndarray]:
@@ -92,10 +99,7 @@ def test_rows_of_a_batch_become_items(binary: bool) -> None:
         np.testing.assert_array_equal(item["input_ids"].array, arrays["input_ids"][row])
         np.testing.assert_array_equal(item["attention_mask"].array, arrays["attention_mask"][row])
     # tritonclient asks for every output, as binary, when it names none
-    assert request.outputs == [
-        oip.RequestedOutput("logits", True),
-        oip.RequestedOutput("pooled", True),
-    ]
+    assert request.outputs == [wanted("logits", True), wanted("pooled", True)]
 
 
 def test_binary_rows_are_views_of_the_body() -> None:
@@ -122,7 +126,7 @@ def test_an_unbatched_model_takes_one_item_without_batch_dimension() -> None:
 def test_parameters_timeout_is_microseconds_and_priority_is_accepted() -> None:
     request = decode(*triton_body(tokens(1, 2), timeout=250_000, priority=2))
     assert request.timeout == pytest.approx(0.25)
-    assert request.priority == 2
+    assert request.parameters["priority"] == 2  # checked, kept, not acted on
     assert decode(*triton_body(tokens(1, 2), timeout=0)).timeout is None  # Triton: 0 = none
 
 
@@ -162,7 +166,7 @@ def test_bfloat16_json_data_becomes_bit_patterns() -> None:
             {"shape": [3, 2]},
             "inputs disagree on the batch dimension (first axis): 'input_ids': 3, 'attention_mask': 2",
         ),
-        ({"data": [1.5, 2, 3, 4, 5, 6]}, "'data' holds numbers; datatype INT64 needs integers"),
+        ({"data": [1.5, 2, 3, 4, 5, 6]}, "'data' holds floats; datatype INT64 needs integers"),
         ({"data": [1, 2, 3, 4, 5, "6"]}, "'data' holds values that are not numbers"),
         (
             {"data": [1, 2, 3, 4, 5, 2**64]},
@@ -224,7 +228,7 @@ def test_out_of_range_json_integers_are_refused() -> None:
         "u8",
     )
     body = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "UINT8", "data": [1, 300]}]}
-    with pytest.raises(InvalidInput, match="integers out of range for UINT8"):
+    with pytest.raises(InvalidInput, match=r"integers out of range for datatype UINT8 \(0 to 255\)"):
         decode(body, config=config)
 
 
@@ -331,10 +335,7 @@ def test_requested_outputs_keep_order_and_their_own_binary_flag() -> None:
             ],
         }
     )
-    assert request.outputs == [
-        oip.RequestedOutput("pooled", True),
-        oip.RequestedOutput("logits", False),
-    ]
+    assert request.outputs == [wanted("pooled", True), wanted("logits", False)]
     assert decode(json_request()).outputs[0].binary is False  # JSON unless asked
 
 
@@ -363,17 +364,14 @@ def test_bad_output_requests(outputs: list[dict[str, Any]], message: str) -> Non
 def encode(
     outputs: list[tuple[str, bool, np.ndarray]], request_id: str | None = "r"
 ) -> triton_http.InferResult:
-    dtypes = {spec.name: spec.dt for spec in TAGGER.output}
-    chunks, header_length = oip.encode_response(
-        "tagger",
-        "1",
-        request_id,
-        [
-            (oip.RequestedOutput(name, binary), dtypes[name], array)
-            for name, binary, array in outputs
-        ],
-    )
-    return triton_http.InferResult.from_response_body(b"".join(chunks), header_length=header_length)
+    """The reply to a request for ``outputs`` whose rows the model returned
+    one item at a time, parsed by tritonclient."""
+    k = len(outputs[0][2])
+    results = [{name: array[row] for name, _, array in outputs} for row in range(k)]
+    request = InferRequest([], [wanted(name, binary) for name, binary, _ in outputs], request_id)
+    encoded = oip.encode_response(request, results, "tagger", "1", TAGGER)
+    header_length = None if encoded.headers is None else int(encoded.headers[oip.HEADER_LENGTH])
+    return triton_http.InferResult.from_response_body(encoded.body, header_length=header_length)
 
 
 def test_binary_and_json_outputs_decode_with_tritonclient() -> None:
@@ -388,16 +386,26 @@ def test_binary_and_json_outputs_decode_with_tritonclient() -> None:
 
 
 def test_the_header_length_is_only_set_when_something_is_binary() -> None:
-    array = np.zeros((1, 2, 3), np.float32)
-    chunks, header_length = oip.encode_response(
-        "m", "1", None, [(oip.RequestedOutput("logits", False), TAGGER.output[0].dt, array)]
-    )
-    assert header_length is None and len(chunks) == 1
-    assert "id" not in json.loads(chunks[0])
-    chunks, header_length = oip.encode_response(
-        "m", "1", None, [(oip.RequestedOutput("logits", True), TAGGER.output[0].dt, array)]
-    )
-    assert header_length == len(chunks[0]) and bytes(chunks[1]) == array.tobytes()
+    rows = [{"logits": np.zeros((2, 3), np.float32)}]
+    as_json = InferRequest([], [wanted("logits", False)])
+    encoded = oip.encode_response(as_json, rows, "m", "1", TAGGER)
+    assert encoded.headers is None and len(encoded.chunks) == 1
+    assert encoded.content_type == "application/json"
+    assert "id" not in json.loads(encoded.body)
+    as_binary = InferRequest([], [wanted("logits", True)])
+    encoded = oip.encode_response(as_binary, rows, "m", "1", TAGGER)
+    assert encoded.content_type == "application/octet-stream"
+    assert encoded.headers == {oip.HEADER_LENGTH: str(len(encoded.chunks[0]))}
+    assert bytes(encoded.chunks[1]) == np.zeros((1, 2, 3), np.float32).tobytes()
+
+
+def test_only_many_json_values_move_the_encoder_off_the_loop() -> None:
+    rows = [{"logits": np.zeros((1000, 3), np.float32)}] * 11  # 33,000 values
+    assert oip.encode_is_costly(InferRequest([], [wanted("logits", False)]), rows)
+    assert not oip.encode_is_costly(InferRequest([], [wanted("logits", False)]), rows[:10])
+    assert not oip.encode_is_costly(InferRequest([], [wanted("logits", True)]), rows)
+    assert oip.decode_is_costly(bytes(oip.COSTLY_BODY_BYTES + 1))
+    assert not oip.decode_is_costly(bytes(oip.COSTLY_BODY_BYTES))
 
 
 def test_rows_stack_into_a_dense_batch_and_must_agree() -> None:
