@@ -111,9 +111,6 @@ ECHO: dict[str, Any] = {
     "inputs": {"x": {"dtype": "float32", "shape": [-1, 4]}},
     "outputs": {"y": {"dtype": "float32", "shape": [-1, 4]}},
 }
-# ECHO as text, for tests that still edit the text (tests/test_isolation.py
-# prepends a line to it); it starts with a newline so a prepended line stays one.
-ECHO_CONFIG = "\n" + toy_config(**ECHO)
 
 # Raises for any batch holding the value 13: a "poison" item.
 POISON_MODEL = """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -11,32 +10,17 @@ import pytest
 
 from tensorserve.bench.items import FeatureSpec, Item
 from tensorserve.bench.targets import Counters
+from tests.helpers import write_toy_model
 
-ECHO_CONFIG = """
-max_batch_size = 8
-device = "cpu"
-
-[warmup]
-enabled = false
-
-[dynamic_batching]
-max_queue_delay_ms = 1.0
-
-[[input]]
-name = "tokens"
-dtype = "int64"
-shape = [-1]
-
-[[input]]
-name = "token_mask"
-dtype = "int64"
-shape = [-1]
-
-[[output]]
-name = "doubled"
-dtype = "int64"
-shape = [-1]
-"""
+# Two int64 token features in, one out: a cheap stand-in for a tagger.
+ECHO_TOKENS: dict[str, Any] = {
+    "max_batch_size": 8,
+    "device": "cpu",
+    "warmup": {"enabled": False},
+    "dynamic_batching": {"max_queue_delay_ms": 1.0},
+    "inputs": {"tokens": {"dtype": "int64", "shape": [-1]}, "token_mask": {"dtype": "int64", "shape": [-1]}},
+    "outputs": {"doubled": {"dtype": "int64", "shape": [-1]}},
+}
 
 ECHO_MODEL = """
 import torch
@@ -52,10 +36,7 @@ class Model(nn.Module):
 @pytest.fixture
 def echo_repository(tmp_path: Path) -> Path:
     """A repository with one cheap model, ``echo``: doubled = 2 * tokens * token_mask."""
-    folder = tmp_path / "repo" / "echo"
-    (folder / "1").mkdir(parents=True)
-    (folder / "config.toml").write_text(textwrap.dedent(ECHO_CONFIG))
-    (folder / "1" / "model.py").write_text(textwrap.dedent(ECHO_MODEL))
+    write_toy_model(tmp_path / "repo", "echo", ECHO_MODEL, **ECHO_TOKENS)
     return tmp_path / "repo"
 
 
