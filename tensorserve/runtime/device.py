@@ -12,10 +12,11 @@ with one synchronisation per batch.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Mapping
 
 import torch
+
+from tensorserve.runtime.cpus import available_cpus
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,10 +79,12 @@ class DeviceContext:
 
 
 def default_intra_op_threads() -> int:
-    """Intra-op threads for each model thread: every core but one, which is
-    left to the event loop and the pipeline threads. On this project's 2-core
-    machines one model thread plus a free core served 1.4x the items/s of two
-    model threads fighting the HTTP stack for the cores (docs/threading.md).
-    The server's ``--intra-op-threads`` / ``TENSORSERVE_INTRA_OP_THREADS``
-    (``Settings``) overrides it."""
-    return max(1, (os.cpu_count() or 1) - 1)
+    """Intra-op threads for each model thread: every CPU this process may use
+    but one, which is left to the event loop and the pipeline threads. On this
+    project's 2-core machines one model thread plus a free core served 1.4x
+    the items/s of two model threads fighting the HTTP stack for the cores
+    (docs/threading.md). The CPUs are counted as a container sees them: its
+    cpuset and its cgroup CPU quota (``runtime.cpus.available_cpus``), not
+    the node's cores. The server's ``--intra-op-threads`` /
+    ``TENSORSERVE_INTRA_OP_THREADS`` (``Settings``) overrides it."""
+    return max(1, available_cpus() - 1)
