@@ -15,7 +15,7 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
@@ -112,15 +112,30 @@ def _settings_error(error: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def serve(settings: Settings) -> None:
-    from tensorserve.http.server import run  # aiohttp and torch: only to serve
+class OneLineErrors(argparse.ArgumentParser):
+    """A usage error is one line on stderr (``tensorserve serve: error: ...``)
+    and exit status 2: a log collector or a container's status keeps it whole."""
 
-    run(settings)
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def serve(settings: Settings) -> int:
+    """Serve until stopped (0); a server that cannot start says why in one
+    line and returns 1, having started nothing."""
+    from tensorserve.http.server import StartupError, run  # aiohttp and torch: only to serve
+
+    try:
+        run(settings)
+    except StartupError as exc:
+        print(f"tensorserve serve: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tensorserve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineErrors(prog="tensorserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
     serve_parser = add_serve_parser(sub)
     from tensorserve.bench.cli import add_parser as add_bench_parser
 
@@ -131,8 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = settings_from_args(args)
         except ValidationError as exc:
             serve_parser.error(_settings_error(exc))
-        serve(settings)
-        return 0
+        return serve(settings)
     return int(args.run(args))
 
 

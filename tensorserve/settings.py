@@ -39,6 +39,51 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body accepted.")
     max_items_per_request: int = Field(4096, ge=1, description="Most items in one request.")
 
+    # Deadlines, slow clients, start-up and shutdown (docs/reliability.md).
+    default_timeout_ms: float | None = Field(
+        None,
+        gt=0,
+        le=3_600_000,
+        description="Deadline of a request that asks for none, for models whose config.toml "
+        "sets no default_timeout_ms (unset: none, up to max_timeout_ms).",
+    )
+    max_timeout_ms: float = Field(
+        3_600_000,
+        gt=0,
+        le=3_600_000,
+        description="Longest any request is kept: a longer timeout asked for (or a model's "
+        "default) is lowered to this.",
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="Longest a request body may take to arrive (then 408)."
+    )
+    keepalive_timeout_s: float = Field(
+        75.0,
+        gt=0,
+        le=3600,
+        description="Close a connection idle this long; also the longest a request's line and "
+        "headers may take to arrive.",
+    )
+    drain_delay_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description="On SIGTERM/SIGINT: readiness answers 503 while requests are still served "
+        "this long, so load balancers stop sending.",
+    )
+    shutdown_grace_s: float = Field(
+        20.0,
+        ge=0,
+        le=3600,
+        description="Then: longest queued and running requests may take to finish; what is "
+        "left is answered 503.",
+    )
+    allow_empty_repository: bool = Field(
+        False,
+        description="Start with no model in the repository (to load models through the "
+        "repository API later); off: an empty repository is a start-up error.",
+    )
+
     intra_op_threads: int | None = Field(
         None, ge=1, description="torch intra-op threads per model thread (unset: cores - 1)."
     )

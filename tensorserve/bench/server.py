@@ -308,6 +308,8 @@ class ServerProcess(ChildServer):
             sys.executable, "-m", "tensorserve", "serve",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--model-repository", repository, "--log-level", "WARNING",
+            # No load balancer to drain: stop at once (``args`` may say otherwise).
+            "--drain-delay-s", "0",
             *args,
         ]  # fmt: skip
         super().__init__(

@@ -1,13 +1,22 @@
-"""Reading request bodies: size-bounded, with ``Content-Encoding`` undone.
+"""Reading request bodies: size-bounded, time-bounded, with
+``Content-Encoding`` undone.
 
 aiohttp's own request decompression is turned off in the app factory, so a
 compressed body arrives as sent (at most ``max_request_bytes``) and is
 inflated here with the same bound (``wire/compression.py``).
+
+A body must arrive within ``body_timeout_s`` of its headers, or the caller
+gets 408 and the connection is closed: a client trickling a body a byte at
+a time must not hold a connection (and its buffers) forever. aiohttp bounds
+the request line and headers only through its keep-alive timeout
+(``keepalive_timeout_s``, docs/reliability.md), and bodies not at all.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sys
 from typing import Any
 
 from aiohttp import web
@@ -18,9 +27,26 @@ from tensorserve.wire.compression import decompress
 
 
 async def read_body(request: web.Request) -> bytes:
-    body = await request.read()  # over client_max_size: 413
-    limit = request.app[SETTINGS].max_request_bytes
-    return decompress(body, request.headers.get("Content-Encoding"), limit)
+    settings = request.app[SETTINGS]
+    if request.content.is_eof():  # arrived with the headers (most bodies): nothing to bound
+        body = await request.read()
+    else:
+        body = await _read_within(request, settings.body_timeout_s)
+    return decompress(body, request.headers.get("Content-Encoding"), settings.max_request_bytes)
+
+
+async def _read_within(request: web.Request, timeout: float) -> bytes:
+    """The body (over ``client_max_size``: 413), or 408 after ``timeout`` s."""
+    try:
+        if sys.version_info >= (3, 11):
+            async with asyncio.timeout(timeout):  # no extra task, unlike wait_for
+                return await request.read()
+        return await asyncio.wait_for(request.read(), timeout)  # pragma: no cover
+    except asyncio.TimeoutError:
+        raise web.HTTPRequestTimeout(
+            text=f"the request body did not arrive within {timeout:g} s (body_timeout_s); "
+            f"the connection is closed"
+        ) from None
 
 
 async def read_json_object(request: web.Request, what: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from aiohttp import web
 from tensorserve import __version__
 from tensorserve.errors import ModelNotReady
 from tensorserve.http.keys import REGISTRY
+from tensorserve.http.lifecycle import SHUTTING_DOWN, draining
 from tensorserve.serving.registry import ModelState
 from tensorserve.serving import ServedModel
 from tensorserve.wire import triton
@@ -40,6 +41,8 @@ async def live(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    if draining(request.app):  # shutting down: load balancers, stop sending
+        return web.json_response({"ready": False, "reason": SHUTTING_DOWN}, status=503)
     registry = request.app[REGISTRY]
     is_ready = registry.all_ready
     return web.json_response({"ready": is_ready}, status=200 if is_ready else 503)
@@ -58,10 +61,10 @@ async def metadata(request: web.Request) -> web.Response:
 
 async def model_ready(request: web.Request) -> web.Response:
     entry = request.app[REGISTRY].get(*_model(request))
-    is_ready = entry.state is ModelState.READY
+    is_ready = entry.state is ModelState.READY and not draining(request.app)
     body = {"name": entry.name, "ready": is_ready, "state": entry.state.value}
-    if entry.reason:
-        body["reason"] = entry.reason
+    if entry.reason or draining(request.app):
+        body["reason"] = entry.reason or SHUTTING_DOWN
     return web.json_response(body, status=200 if is_ready else 503)
 
 

@@ -1,20 +1,92 @@
-"""Running the server: logging, the event loop, and aiohttp's ``run_app``.
+"""Running the server: start-up checks, the listening socket, the event loop,
+and a shutdown in phases (docs/reliability.md, "Start-up" and "Shutdown").
 
 The command line calls ``run``; everything that needs aiohttp stays under
 ``tensorserve/http/``.
+
+Start-up, in this order, so a start that cannot succeed fails before any
+model loads or any worker process starts:
+
+1. the model repository is a readable folder holding at least one model
+   (or ``allow_empty_repository``);
+2. the socket is bound and listening (a port in use fails here);
+3. the app starts, and models load in the background (liveness answers
+   meanwhile; readiness once they are ready).
+
+Each failure is a ``StartupError`` whose message is one sentence; the CLI
+prints it as one line and exits non-zero.
+
+Shutdown, on SIGTERM or SIGINT (the phases of ``http/lifecycle.py``):
+readiness turns 503 at once while requests are still served for
+``drain_delay_s``; then the listening socket closes, idle keep-alive
+connections close, and requests in flight get ``shutdown_grace_s`` to
+finish; whatever is still waiting then is answered 503; models close (their
+worker processes stop) and the process exits 0. A second signal exits at
+once with status 128 + the signal's number, as a shell reports a process
+killed by it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import os
+import signal
+import socket
 import sys
 import warnings
 
 from aiohttp import web
 
+from tensorserve.errors import ConfigError
 from tensorserve.http.app import create_app
+from tensorserve.http.lifecycle import LIFECYCLE, Lifecycle, Phase
+from tensorserve.repository.loader import discover
 from tensorserve.settings import Settings
+
+log = logging.getLogger(__name__)
+
+BACKLOG = 1024
+# After the grace period every tracked request has been answered; what aiohttp
+# still waits for is handlers of other routes (a model load, say).
+CLOSE_TIMEOUT_S = 5.0
+
+
+class StartupError(Exception):
+    """The server cannot start; the message says why, in one sentence."""
+
+
+def check_repository(settings: Settings) -> None:
+    """A readable folder holding at least one model, unless empty ones are allowed."""
+    path = settings.model_repository
+    if not path.exists():
+        raise StartupError(f"model repository {str(path)!r} does not exist")
+    try:
+        models = discover(path)
+    except ConfigError as exc:
+        raise StartupError(str(exc)) from None
+    except OSError as exc:  # a folder we may not list
+        raise StartupError(
+            f"model repository {str(path)!r} cannot be read: {exc.strerror or exc}"
+        ) from None
+    if not models and not settings.allow_empty_repository:
+        raise StartupError(
+            f"model repository {str(path)!r} holds no model (a folder with a config.toml); "
+            f"pass --allow-empty-repository to start without one and load models later "
+            f"through the repository API"
+        )
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, or ``StartupError`` saying why not."""
+    try:
+        return socket.create_server((host, port), backlog=BACKLOG)
+    except socket.gaierror as exc:
+        raise StartupError(f"cannot listen on {host}:{port}: unknown host ({exc.strerror})") from None
+    except OSError as exc:
+        reason = "the port is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise StartupError(f"cannot listen on {host}:{port}: {reason or exc}") from None
 
 
 def _install_uvloop() -> None:
@@ -26,23 +98,88 @@ def _install_uvloop() -> None:
 
 
 def run(settings: Settings) -> None:
-    """Serve until interrupted."""
+    """Serve until SIGTERM or SIGINT, then shut down in phases. Raises
+    ``StartupError`` (before anything started) when the server cannot start."""
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    check_repository(settings)
+    sock = bind(settings.host, settings.port)
     _install_uvloop()
     sys.setswitchinterval(settings.switch_interval_ms / 1000)
     # nn.TransformerEncoder's default fast path announces itself on every start:
     # noise for operators, not a problem of theirs.
     warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
-    app = create_app(settings)
-    web.run_app(
+    try:
+        app = create_app(settings)
+        app[LIFECYCLE] = Lifecycle()
+        asyncio.run(_serve(app, sock, settings))
+    finally:
+        sock.close()
+
+
+async def _serve(app: web.Application, sock: socket.socket, settings: Settings) -> None:
+    stop = asyncio.Event()
+    _handle_signals(stop)
+    runner = web.AppRunner(
         app,
-        host=settings.host,
-        port=settings.port,
+        handle_signals=False,  # ours: a shutdown in phases
         access_log=logging.getLogger("aiohttp.access") if settings.access_log else None,
         handler_cancellation=True,  # a caller that disconnects frees its queued items
-        print=lambda msg: logging.getLogger("tensorserve").info(
-            "serving %s on http://%s:%s", settings.model_repository, settings.host, settings.port
-        ),
+        keepalive_timeout=settings.keepalive_timeout_s,
+        shutdown_timeout=CLOSE_TIMEOUT_S,
     )
+    await runner.setup()  # the app's start-up: models begin to load
+    try:
+        site = web.SockSite(runner, sock)
+        await site.start()
+        host, port = sock.getsockname()[:2]
+        log.info("serving %s on http://%s:%s", settings.model_repository, host, port)
+        await stop.wait()
+        await _shut_down(app[LIFECYCLE], runner, site, settings)
+    finally:
+        await runner.cleanup()  # models close: queued items withdrawn, workers stopped
+    log.info("shutdown: done")
+
+
+def _handle_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():
+            log.warning("shutdown: second %s, exiting at once (status %d)", name, 128 + signum)
+            logging.shutdown()
+            os._exit(128 + signum)  # worker processes exit when their socket closes
+        log.info("shutdown: %s received (send it again to exit at once)", name)
+        stop.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, on_signal, signum)
+
+
+async def _shut_down(
+    lifecycle: Lifecycle, runner: web.AppRunner, site: web.BaseSite, settings: Settings
+) -> None:
+    lifecycle.phase = Phase.DRAINING
+    log.info(
+        "shutdown: readiness answers 503; still serving for %.1f s (drain_delay_s)",
+        settings.drain_delay_s,
+    )
+    await asyncio.sleep(settings.drain_delay_s)
+
+    lifecycle.phase = Phase.CLOSING
+    await site.stop()  # no new connections
+    if runner.server is not None:
+        runner.server.pre_shutdown()  # idle keep-alive connections close; busy ones after their reply
+    log.info(
+        "shutdown: no longer accepting; %d request(s) in flight get %.1f s to finish "
+        "(shutdown_grace_s)",
+        lifecycle.in_flight,
+        settings.shutdown_grace_s,
+    )
+    if not await lifecycle.wait_idle(settings.shutdown_grace_s):
+        left = lifecycle.abort()
+        log.warning("shutdown: grace period over; answering %d request(s) still waiting with 503", left)
+        await lifecycle.wait_idle(CLOSE_TIMEOUT_S)
+    log.info("shutdown: every request answered; closing models")
