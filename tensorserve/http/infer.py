@@ -22,8 +22,9 @@ from aiohttp import web
 
 from tensorserve.http.bodies import read_body
 from tensorserve.http.keys import METRICS, REGISTRY, SETTINGS
+from tensorserve.http.lifecycle import track
 from tensorserve.wire import native, oip
-from tensorserve.wire.request import Codec
+from tensorserve.wire.request import Codec, effective_timeout
 
 T = TypeVar("T")
 
@@ -36,6 +37,11 @@ async def _maybe_in_thread(costly: bool, fn: Callable[..., T], *args: Any) -> T:
 
 
 async def infer(request: web.Request) -> web.Response:
+    with track(request.app):  # in flight, for a shutdown's grace period
+        return await _infer(request)
+
+
+async def _infer(request: web.Request) -> web.Response:
     registry, settings = request.app[REGISTRY], request.app[SETTINGS]
     served = registry.ready(request.match_info["model"], request.match_info.get("version"))
     started = time.perf_counter()
@@ -50,7 +56,11 @@ async def infer(request: web.Request) -> web.Response:
         config,
         settings.max_items_per_request,
     )
-    results = await served.infer_many(decoded.items, timeout=decoded.timeout)
+    timeout = effective_timeout(  # the request's, the model's or the server's; at most the max
+        decoded.timeout, config.default_timeout_ms, settings.default_timeout_ms,
+        settings.max_timeout_ms,
+    )
+    results = await served.infer_many(decoded.items, timeout=timeout)
     encoded = await _maybe_in_thread(
         codec.encode_is_costly(decoded, results),
         codec.encode_response,

@@ -83,7 +83,9 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         return socket.create_server((host, port), backlog=BACKLOG)
     except socket.gaierror as exc:
-        raise StartupError(f"cannot listen on {host}:{port}: unknown host ({exc.strerror})") from None
+        raise StartupError(
+            f"cannot listen on {host}:{port}: unknown host ({exc.strerror})"
+        ) from None
     except OSError as exc:
         reason = "the port is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
         raise StartupError(f"cannot listen on {host}:{port}: {reason or exc}") from None
@@ -171,7 +173,8 @@ async def _shut_down(
     lifecycle.phase = Phase.CLOSING
     await site.stop()  # no new connections
     if runner.server is not None:
-        runner.server.pre_shutdown()  # idle keep-alive connections close; busy ones after their reply
+        # Idle keep-alive connections close now; busy ones after their reply.
+        runner.server.pre_shutdown()
     log.info(
         "shutdown: no longer accepting; %d request(s) in flight get %.1f s to finish "
         "(shutdown_grace_s)",
@@ -180,6 +183,8 @@ async def _shut_down(
     )
     if not await lifecycle.wait_idle(settings.shutdown_grace_s):
         left = lifecycle.abort()
-        log.warning("shutdown: grace period over; answering %d request(s) still waiting with 503", left)
+        log.warning(
+            "shutdown: grace period over; answering %d request(s) still waiting with 503", left
+        )
         await lifecycle.wait_idle(CLOSE_TIMEOUT_S)
     log.info("shutdown: every request answered; closing models")

@@ -117,6 +117,15 @@ class Warmup(_Strict):
 
 class ModelConfig(_Strict):
     max_batch_size: int = Field(32, ge=0, le=65_536, description="0 or 1: no batching.")
+    default_timeout_ms: float | None = Field(
+        None,
+        gt=0,
+        le=3_600_000,
+        strict=True,  # a number: not true (1 ms), not a string
+        description="Deadline of a request that asks for none (queue and run); a request may "
+        "ask for less, or more up to the server's max_timeout_ms. Unset: the server's "
+        "default_timeout_ms.",
+    )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     instance_count: int = Field(1, ge=1, le=16, description="Model copies executing in parallel.")
     isolation: Literal["thread", "process"] = Field(

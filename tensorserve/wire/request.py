@@ -93,6 +93,22 @@ class Codec(Protocol):
         ...
 
 
+def effective_timeout(
+    requested_s: float | None,
+    model_default_ms: float | None,
+    server_default_ms: float | None,
+    max_ms: float,
+) -> float:
+    """A request's deadline in seconds: its own timeout, else its model's
+    ``default_timeout_ms``, else the server's; never more than ``max_ms``
+    (a longer one is lowered to it: the caller said it would wait that
+    long at most, and the server keeps nothing longer than its maximum)."""
+    if requested_s is not None:
+        return min(requested_s, max_ms / 1000)
+    default_ms = model_default_ms if model_default_ms is not None else server_default_ms
+    return min(default_ms, max_ms) / 1000 if default_ms is not None else max_ms / 1000
+
+
 def timeout_seconds(
     value: Any, name: str, unit: str, unit_s: float, *, integral: bool, zero_means_none: bool
 ) -> float | None:
@@ -107,7 +123,7 @@ def timeout_seconds(
     # NaN fails every comparison, so it is refused with the rest.
     if is_number and not isinstance(value, bool) and 0 <= value <= limit:
         if value:
-            return value * unit_s
+            return value / round(1 / unit_s)  # 50_000 µs is 0.05 s, not 0.049999999999999996
         if zero_means_none:
             return None
     if zero_means_none:
