@@ -115,17 +115,33 @@ class Warmup(_Strict):
         return value
 
 
+class InstanceGroup(_Strict):
+    """Triton's ``instance_group``: ``count`` model instances on each device
+    of the group. Instances on one device share one copy of the model (one
+    model thread each); every device gets its own copy."""
+
+    count: int = Field(1, ge=1, le=16, description="Instances on each device of this group.")
+    kind: Literal["KIND_AUTO", "KIND_GPU", "KIND_CPU"] = Field(
+        "KIND_AUTO",
+        description="KIND_GPU: on GPUs; KIND_CPU: on the CPU; KIND_AUTO: every visible GPU, "
+        "or the CPU when there is none.",
+    )
+    gpus: list[int] | None = Field(
+        None, description="GPU indices (KIND_GPU, KIND_AUTO); unset: every visible GPU."
+    )
+
+    @model_validator(mode="after")
+    def _gpus(self) -> InstanceGroup:
+        if self.gpus is not None:
+            if self.kind == "KIND_CPU":
+                raise ValueError("gpus is for KIND_GPU or KIND_AUTO, not KIND_CPU")
+            if not self.gpus or any(g < 0 for g in self.gpus) or len(set(self.gpus)) < len(self.gpus):
+                raise ValueError(f"gpus must be distinct indices >= 0, got {self.gpus}")
+        return self
+
+
 class ModelConfig(_Strict):
     max_batch_size: int = Field(32, ge=0, le=65_536, description="0 or 1: no batching.")
-    default_timeout_ms: float | None = Field(
-        None,
-        gt=0,
-        le=3_600_000,
-        strict=True,  # a number: not true (1 ms), not a string
-        description="Deadline of a request that asks for none (queue and run); a request may "
-        "ask for less, or more up to the server's max_timeout_ms. Unset: the server's "
-        "default_timeout_ms.",
-    )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     instance_count: int = Field(1, ge=1, le=16, description="Model copies executing in parallel.")
     isolation: Literal["thread", "process"] = Field(
@@ -134,6 +150,11 @@ class ModelConfig(_Strict):
         "each instance runs in a worker process of its own, so the event loop never holds "
         "the GIL the forward needs (costs one socket copy of the padded inputs and the "
         "outputs per batch; repository models only). See docs/threading.md.",
+    )
+    instance_group: list[InstanceGroup] = Field(
+        default_factory=list,
+        description="Where the instances run, as Triton's instance groups (several devices, "
+        "so one server uses every GPU of a node); replaces device and instance_count.",
     )
     dynamic_batching: DynamicBatching = Field(default_factory=DynamicBatching)
     parameters: dict[str, Any] = Field(default_factory=dict, description="Model(**parameters).")
@@ -158,6 +179,10 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
+        if self.instance_group and (self.device != "auto" or self.instance_count != 1):
+            raise ValueError(
+                "instance_group places the instances itself: leave device and instance_count unset"
+            )
         for kind, specs in (("input", self.input), ("output", self.output)):
             names = [s.name for s in specs]
             dupes = sorted({n for n in names if names.count(n) > 1})
@@ -197,6 +222,8 @@ class ModelConfig(_Strict):
         for key, value in overrides.items():
             if value is None:
                 continue
+            if key in ("device", "instance_count"):
+                data["instance_group"] = []  # the server-wide placement wins
             if key in DynamicBatching.model_fields:
                 data["dynamic_batching"][key] = value
             else:

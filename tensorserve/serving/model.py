@@ -39,6 +39,7 @@ from tensorserve.batching.batcher import Batcher
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
+from tensorserve.errors import ConfigError
 from tensorserve.wire.validate import validate_item
 from tensorserve.repository.config import VARIABLE, DynamicBatching, ModelConfig, parse_config
 from tensorserve.repository.loader import (
@@ -51,6 +52,7 @@ from tensorserve.repository.loader import (
 from tensorserve.runtime.device import default_intra_op_threads, resolve_device
 from tensorserve.runtime.executor import ThreadExecutor, on_device
 from tensorserve.runtime.isolated import ProcessExecutor
+from tensorserve.runtime.placement import PlacedExecutor, placed_thread_executor, resolve_placement
 
 Item = Mapping[str, Any]
 Result = dict[str, np.ndarray]
@@ -63,7 +65,7 @@ class ServedModel:
         config: ModelConfig,
         fn: Callable[..., Any] | None,
         *,
-        executor: ThreadExecutor | ProcessExecutor | None = None,
+        executor: ThreadExecutor | ProcessExecutor | PlacedExecutor | None = None,
         version: int = 1,
         on_fatal: Callable[[BaseException], None] | None = None,
         intra_op_threads: int | None = None,
@@ -72,8 +74,10 @@ class ServedModel:
         give a ready ``executor`` (a ``ProcessExecutor`` for isolated models)."""
         self.name = name
         self.version = version
+        # instance_group: one device -> that device and count; several -> placements.
+        config, placements = resolve_placement(config)
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(placements[0].device)
         self.stats = BatchStats()
         self.fn: Callable[..., Any] | None = None
         if executor is None:
@@ -84,14 +88,20 @@ class ServedModel:
                     f"{name}: isolation = 'process' needs a repository model (its worker "
                     f"process imports the model's model.py); use from_repository"
                 )
-            self.fn = on_device(fn, config, self.device)
-            executor = ThreadExecutor(
-                self.fn,
-                config,
-                self.device,
-                instance_count=config.instance_count,
-                intra_op_threads=intra_op_threads or default_intra_op_threads(),
-            )
+            if len(placements) > 1:
+                executor = placed_thread_executor(
+                    fn, config, placements, intra_op_threads or default_intra_op_threads()
+                )
+                self.fn = executor.fn
+            else:
+                self.fn = on_device(fn, config, self.device)
+                executor = ThreadExecutor(
+                    self.fn,
+                    config,
+                    self.device,
+                    instance_count=config.instance_count,
+                    intra_op_threads=intra_op_threads or default_intra_op_threads(),
+                )
         self.executor = executor
         batching = config.dynamic_batching
         options = BatcherOptions(
@@ -152,6 +162,12 @@ class ServedModel:
         """Load one version of a repository model: here (``isolation = "thread"``)
         or in worker processes that load it themselves (``"process"``)."""
         threads = intra_op_threads or default_intra_op_threads()
+        config, placements = resolve_placement(config)
+        if config.isolation == "process" and len(placements) > 1:
+            raise ConfigError(
+                f"{source.name}: instance_group over several devices needs isolation = "
+                f"'thread' (each worker process runs on the model's one device)"
+            )
         if config.isolation == "process":
             version = resolve_version(source, version)
             executor = ProcessExecutor(source, version, config, intra_op_threads=threads)
