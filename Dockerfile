@@ -1,38 +1,79 @@
-# tensorserve GPU image: CUDA-enabled torch from PyPI (its wheels bundle the
-# CUDA runtime; the host needs only the NVIDIA driver + container toolkit).
-# Build:  docker build -t tensorserve .
-# Run:    docker run --gpus all -p 8000:8000 -v $PWD/model_repository:/models tensorserve
-FROM python:3.11-slim-bookworm
+# tensorserve images, two variants from one file (docs/deployment.md):
+#
+#   GPU (default): torch's CUDA build. PyPI's Linux torch wheels bundle the
+#   CUDA runtime, so the host needs only the NVIDIA driver and the NVIDIA
+#   container toolkit (docker run --gpus all, or nvidia.com/gpu on Kubernetes).
+#     docker build -t tensorserve:gpu .
+#   CPU: torch's CPU build (no CUDA libraries: a far smaller image).
+#     docker build -t tensorserve:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#
+#   docker run --stop-timeout 30 -p 8000:8000 -v "$PWD/model_repository:/models:ro" tensorserve:cpu
+#
+# Every server setting is an environment variable TENSORSERVE_<NAME>
+# (docs/configuration.md). On SIGTERM the server drains: readiness turns 503
+# for TENSORSERVE_DRAIN_DELAY_S, then queued and running requests get up to
+# TENSORSERVE_SHUTDOWN_GRACE_S to finish. The engine's stop timeout (docker
+# --stop-timeout, Kubernetes terminationGracePeriodSeconds) must exceed their
+# sum, 25 s here; docs and manifests use 30 s.
+
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+# ---- build: a virtual environment with torch and tensorserve -------------
+FROM ${BASE_IMAGE} AS build
 
 ARG TORCH_VERSION=2.13.0
+# PyPI (the default) serves the CUDA build; a PyTorch index serves the others.
+ARG TORCH_INDEX_URL=https://pypi.org/simple
 
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
+ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    TENSORSERVE_HOST=0.0.0.0 \
-    TENSORSERVE_PORT=8000 \
-    TENSORSERVE_MODEL_REPOSITORY=/models
+    PATH=/opt/venv/bin:$PATH
 
-# torch first, in its own layer: it is by far the largest and changes least.
-RUN pip install "torch==${TORCH_VERSION}"
+# torch first, in its own layer: by far the largest, and it changes least.
+# (An extra index: the other dependencies still come from PyPI; a local build
+# such as torch's "+cpu" sorts above the plain version, so it is preferred.)
+RUN python3 -m venv /opt/venv \
+    && pip install --extra-index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
-WORKDIR /opt/tensorserve
+WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY tensorserve ./tensorserve
 COPY clients/python ./clients/python
-# Local paths, not registry names: their dependency ranges live in pyproject.toml.
+# DL3013 (pin versions): these are local paths, not registry names; their
+# dependency ranges live in pyproject.toml.
 # hadolint ignore=DL3013
 RUN pip install . ./clients/python
 
-COPY model_repository /models
+# ---- runtime: the environment and the models, no build tools -------------
+FROM ${BASE_IMAGE}
+
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    TENSORSERVE_HOST=0.0.0.0 \
+    TENSORSERVE_PORT=8000 \
+    TENSORSERVE_MODEL_REPOSITORY=/models \
+    TENSORSERVE_LOG_FORMAT=json \
+    TENSORSERVE_DRAIN_DELAY_S=5 \
+    TENSORSERVE_SHUTDOWN_GRACE_S=20
 
 RUN useradd --create-home --uid 10001 tensorserve
+
+COPY --from=build /opt/venv /opt/venv
+# The bundled example models; mount a repository over /models to serve yours.
+COPY model_repository /models
+
 USER 10001
+WORKDIR /home/tensorserve
 
 EXPOSE 8000
-HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
-    CMD ["python", "-c", "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2).status == 200 else 1)"]
+# Ready = every model loaded and warmed up, and not draining.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
+    CMD ["python3", "-c", "import os, sys, urllib.request; url = 'http://127.0.0.1:%s/v2/health/ready' % os.environ.get('TENSORSERVE_PORT', '8000'); sys.exit(0 if urllib.request.urlopen(url, timeout=2).status == 200 else 1)"]
 
-# exec form: tensorserve is PID 1 and gets SIGTERM, so queued requests drain on stop.
-CMD ["tensorserve", "serve"]
+# tensorserve is PID 1 (exec form) and drains on SIGTERM.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["tensorserve"]
+CMD ["serve"]
