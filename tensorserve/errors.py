@@ -59,4 +59,6 @@ def as_model_failure(exc: BaseException, model: str) -> TensorServeError:
     """What a caller sees when the model raised ``exc``."""
     if isinstance(exc, TensorServeError):
         return exc
-    return ModelFailure(f"model {model!r} failed: {type(exc).__name__}: {exc}")
+    failure = ModelFailure(f"model {model!r} failed: {type(exc).__name__}: {exc}")
+    failure.__cause__ = exc  # the model's own traceback, for the server's log
+    return failure

@@ -34,6 +34,12 @@ class Settings(BaseSettings):
     model_repository: Path = Field(Path("model_repository"), description="Model repository folder.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     access_log: bool = Field(False, description="Log every request (off: keeps the hot path lean).")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="Log lines as text, or as one JSON object per line."
+    )
+    log_probes: bool = Field(
+        False, description="Include health and /metrics probes in the access log."
+    )
 
     # Bounds on what a client may send.
     max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body accepted.")

@@ -174,7 +174,9 @@ class Pipeline:
         with self.cond:
             self.in_flight.add(batch)
         try:
+            pad_started = time.perf_counter()
             batch.padded = self.collator.pad([e.item for e in live])
+            batch.pad_seconds = time.perf_counter() - pad_started
         except BaseException as exc:  # padding failed: this batch only
             batch.error = exc
         return batch

@@ -5,6 +5,7 @@ stats: no threads, no futures (``Batcher._finish`` delivers what this returns).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ class Batch:
     error: BaseException | None = None
     started: float = 0.0  # perf_counter() at launch
     seconds: float = 0.0
+    pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
     finish_now: Callable[[], None] | None = None  # set while an event loop drives it
     loop: asyncio.AbstractEventLoop | None = None
 
@@ -48,7 +50,9 @@ class BatchResults:
         entries = batch.entries
         if batch.error is None:
             try:
+                unpad_started = time.perf_counter()
                 rows = self._rows(batch)
+                unpad_seconds: float | None = time.perf_counter() - unpad_started
             except BaseException as exc:
                 batch.error = exc
         if batch.error is not None:
@@ -61,7 +65,7 @@ class BatchResults:
                 else (entry, row, False)
                 for entry, row in zip(entries, rows)
             ]
-        self._record(batch, outcomes)
+        self._record(batch, outcomes, unpad_seconds if batch.error is None else None)
         return outcomes
 
     def _rows(self, batch: Batch) -> Sequence[Any]:
@@ -78,7 +82,9 @@ class BatchResults:
         assert outputs.batched is not None
         return self.collator.unpad(outputs.batched, batch.padded)
 
-    def _record(self, batch: Batch, outcomes: list[Outcome]) -> None:
+    def _record(
+        self, batch: Batch, outcomes: list[Outcome], unpad_seconds: float | None = None
+    ) -> None:
         entries = batch.entries
         cost = self.policy.cost
         if batch.error is None and cost is not None:
@@ -87,7 +93,21 @@ class BatchResults:
         queued = sum(batch.dispatched - e.enqueued for e in entries)
         padded = batch.padded
         real, elements = (padded.real_elements, padded.padded_elements) if padded else (0, 0)
-        self.stats.record_batch(len(entries), batch.seconds, queued, real, elements)
+        self.stats.record_batch(
+            len(entries), batch.seconds, queued, real, elements,
+            enqueued=[e.enqueued for e in entries], dispatched=batch.dispatched,
+            pad_seconds=batch.pad_seconds, unpad_seconds=unpad_seconds,
+            padded_length=_padded_length(padded),
+        )
         failures = sum(failed for _, _, failed in outcomes)
         if failures:
             self.stats.record_failures(failures)
+
+
+def _padded_length(padded: PaddedBatch | None) -> int | None:
+    """The longest item's variable extent (product of its variable axes): the
+    length the batch is padded to. None for a batch with no variable axis."""
+    if padded is None:
+        return None
+    lengths = [int(e.prod(axis=1).max()) for e in padded.extents.values() if e.size and e.shape[1]]
+    return max(lengths, default=None)

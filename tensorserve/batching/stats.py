@@ -1,15 +1,87 @@
 """Per-model batching counters: plain numbers under a lock, read by the stats
 endpoint and by the Prometheus collector at scrape time (so the hot path
-never touches a metrics library)."""
+never touches a metrics library).
+
+Histograms are kept here as bucket counts (``Buckets``), the way Prometheus
+keeps them: one ``bisect`` and two additions per observation. A short
+window of recent items and batches (``WINDOW_S``) gives the stats endpoint
+p50/p99 and padding efficiency over the last minute; Prometheus computes its
+own windows from the cumulative counters.
+"""
 
 from __future__ import annotations
 
+import bisect
 import threading
+import time
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 # Upper bounds of the executed-batch-size histogram buckets.
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 65536)
+# Upper bounds (seconds) of the queue-wait, pad, compute and un-pad histograms.
+SECONDS_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0,
+)
+# Upper bounds of the padded-length histogram (the longest item's variable
+# extent in a batch: the length every item of it is padded to).
+LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536, 1 << 20)
+# The stats endpoint's recent window, and the most items it remembers.
+WINDOW_S = 60.0
+WINDOW_ITEMS = 20_000
+
+
+class Buckets:
+    """A histogram as Prometheus keeps it: counts per upper bound (the last,
+    unbounded bucket is ``+Inf``), a sum and a count. Not thread-safe on its
+    own: ``BatchStats`` holds its lock around ``observe``."""
+
+    __slots__ = ("bounds", "counts", "total", "count")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # + the +Inf bucket
+        self.total = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``[(upper bound, cumulative count), ..., ("+Inf", count)]``."""
+        out, running = [], 0
+        for bound, count in zip((*map(str, map(float, self.bounds)), "+Inf"), self.counts):
+            running += count
+            out.append((bound, running))
+        return out
+
+    def copy(self) -> Buckets:
+        other = Buckets(self.bounds)
+        other.counts, other.total, other.count = list(self.counts), self.total, self.count
+        return other
+
+
+def _histograms() -> dict[str, Buckets]:
+    return {
+        "queue_wait_seconds": Buckets(SECONDS_BUCKETS),  # per item: submit -> taken
+        "pad_seconds": Buckets(SECONDS_BUCKETS),  # per batch: collate.pad
+        "compute_seconds": Buckets(SECONDS_BUCKETS),  # per batch: the model's run
+        "unpad_seconds": Buckets(SECONDS_BUCKETS),  # per batch: un-pad into rows
+        "padded_length": Buckets(LENGTH_BUCKETS),  # per batch
+    }
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values (0.0 when empty)."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, -(-len(sorted_values) * q // 100))  # ceil
+    return float(sorted_values[int(rank) - 1])
 
 
 @dataclass
@@ -24,6 +96,19 @@ class BatchStats:
     real_elements: int = 0
     padded_elements: int = 0
     batch_size_counts: list[int] = field(default_factory=lambda: [0] * len(BATCH_SIZE_BUCKETS))
+    histograms: dict[str, Buckets] = field(default_factory=_histograms)
+    # Failed batches answered by batching.recovery, by what was done: split
+    # (a poison, a crash, the watchdog), rows (RowErrors), rerun (a batch its
+    # worker died before running), oom (split after running out of memory).
+    recoveries: dict[str, int] = field(default_factory=dict)
+    # (monotonic time finished, seconds from submit to outcome), per item
+    recent_items: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=WINDOW_ITEMS)
+    )
+    # (monotonic time finished, real elements, padded elements), per batch
+    recent_batches: deque[tuple[float, int, int]] = field(
+        default_factory=lambda: deque(maxlen=WINDOW_ITEMS)
+    )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def reset(self) -> None:
@@ -39,8 +124,23 @@ class BatchStats:
             self.total_items += items
 
     def record_batch(
-        self, size: int, seconds: float, queue_seconds: float, real: int, padded: int
+        self,
+        size: int,
+        seconds: float,
+        queue_seconds: float,
+        real: int,
+        padded: int,
+        *,
+        enqueued: Sequence[float] = (),
+        dispatched: float | None = None,
+        pad_seconds: float | None = None,
+        unpad_seconds: float | None = None,
+        padded_length: int | None = None,
     ) -> None:
+        """One finished batch. ``enqueued`` (each item's ``time.monotonic()``
+        at submit) and ``dispatched`` (when the batch left the queue) give the
+        per-item queue-wait histogram and the recent latency window."""
+        now = time.monotonic()
         with self._lock:
             self.total_batches += 1
             self.batch_items += size
@@ -48,16 +148,60 @@ class BatchStats:
             self.queue_seconds += queue_seconds
             self.real_elements += real
             self.padded_elements += padded
-            for index, bound in enumerate(BATCH_SIZE_BUCKETS):
-                if size <= bound:
-                    self.batch_size_counts[index] += 1
-                    break
+            index = bisect.bisect_left(BATCH_SIZE_BUCKETS, size)
+            if index < len(BATCH_SIZE_BUCKETS):
+                self.batch_size_counts[index] += 1
+            h = self.histograms
+            h["compute_seconds"].observe(seconds)
+            if pad_seconds is not None:
+                h["pad_seconds"].observe(pad_seconds)
+            if unpad_seconds is not None:
+                h["unpad_seconds"].observe(unpad_seconds)
+            if padded_length is not None:
+                h["padded_length"].observe(padded_length)
+            if dispatched is not None:
+                wait, recent = h["queue_wait_seconds"], self.recent_items
+                for submitted in enqueued:
+                    wait.observe(dispatched - submitted)
+                    recent.append((now, now - submitted))
+            self.recent_batches.append((now, real, padded))
+
+    def record_recovery(self, kind: str) -> None:
+        with self._lock:
+            self.recoveries[kind] = self.recoveries.get(kind, 0) + 1
 
     def record_failures(self, items: int) -> None:
         with self._lock:
             self.failed_items += items
 
-    def snapshot(self, queue_depth: int) -> dict[str, Any]:
+    def histogram_snapshot(self) -> dict[str, Buckets]:
+        """Copies of the histograms (for the Prometheus collector)."""
+        with self._lock:
+            sizes = Buckets(BATCH_SIZE_BUCKETS)
+            sizes.counts = [*self.batch_size_counts, 0]
+            sizes.count = self.total_batches
+            sizes.total = float(self.batch_items)
+            return {"batch_size": sizes, **{k: v.copy() for k, v in self.histograms.items()}}
+
+    def _window(self, now: float, window: float) -> dict[str, Any]:
+        """p50/p99 latency and padding efficiency over the last ``window`` s
+        (the lock held)."""
+        since = now - window
+        latencies = sorted(s for t, s in self.recent_items if t >= since)
+        real = padded = batches = 0
+        for t, r, p in self.recent_batches:
+            if t >= since:
+                real, padded, batches = real + r, padded + p, batches + 1
+        return {
+            "window_s": window,
+            "items": len(latencies),
+            "batches": batches,
+            "p50_ms": 1000 * percentile(latencies, 50),
+            "p99_ms": 1000 * percentile(latencies, 99),
+            "padding_efficiency": real / padded if padded else 1.0,
+        }
+
+    def snapshot(self, queue_depth: int, window: float = WINDOW_S) -> dict[str, Any]:
         """The ``batching`` object of the stats endpoint."""
         with self._lock:
             batches = self.total_batches
@@ -78,9 +222,12 @@ class BatchStats:
                 "padding_efficiency": (
                     self.real_elements / self.padded_elements if self.padded_elements else 1.0
                 ),
+                "recoveries": dict(self.recoveries),
                 "batch_size_histogram": {
                     str(bound): count
                     for bound, count in zip(BATCH_SIZE_BUCKETS, self.batch_size_counts)
                     if count
                 },
+                # The last minute: what `tensorserve top` shows.
+                "recent": self._window(time.monotonic(), window),
             }

@@ -13,6 +13,8 @@ from aiohttp import web
 from tensorserve.http import handlers, infer, repository
 from tensorserve.http.errors import error_middleware
 from tensorserve.http.keys import METRICS, REGISTRY, SETTINGS
+from tensorserve.http.logs import install_request_ids
+from tensorserve.http.observe import observe_middleware
 from tensorserve.metrics import CONTENT_TYPE, Metrics
 from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
@@ -50,9 +52,11 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
     every model has loaded (tests use this); otherwise loading runs in the
     background and ``/v2/health/ready`` tells when it is done."""
     settings = settings or Settings()
+    install_request_ids()  # every log record carries the request id (http/logs.py)
     app = web.Application(
         client_max_size=settings.max_request_bytes,
-        middlewares=[error_middleware],
+        # observe (request id, metrics, access log) sees what error_middleware answered.
+        middlewares=[observe_middleware, error_middleware],
         # Bodies are decompressed by http/bodies.py, bounded by max_request_bytes.
         handler_args={"auto_decompress": False},
     )

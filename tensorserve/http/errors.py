@@ -1,7 +1,13 @@
 """The one place where tensorserve errors become HTTP statuses.
 
 Error bodies are ``{"error": message, "code": code}`` in the request's
-content type (msgpack for the native protocol, JSON otherwise).
+content type (msgpack for the native protocol, JSON otherwise); a JSON body
+also carries the ``request_id`` (every response carries it as X-Request-ID).
+
+Every error is logged here, with its request id: a 5xx that is the server's
+or the model's fault at ERROR with its traceback; a 4xx or a rejection
+(queue full, deadline, not ready) at WARNING, rate-limited per code so a
+flood of bad requests cannot flood the log.
 """
 
 from __future__ import annotations
@@ -13,9 +19,13 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from tensorserve import errors
+from tensorserve.http.keys import REQUEST_INFO, RequestInfo
+from tensorserve.http.logs import RateLimit
+from tensorserve.metrics.requests import rejection_reason
 from tensorserve.wire import native
 
 log = logging.getLogger(__name__)
+_client_errors = RateLimit()  # 4xx and rejections: a few lines per code every 10 s
 
 STATUS = {
     errors.InvalidInput.code: 400,
@@ -28,6 +38,9 @@ STATUS = {
 
 
 def error_response(request: web.Request, status: int, message: str, code: str) -> web.Response:
+    info: RequestInfo | None = request.get(REQUEST_INFO)
+    if info is not None:
+        info.error_code = code
     headers = {"Retry-After": "1"} if code == errors.ServerBusy.code else None
     if request.content_type == native.CONTENT_TYPE:
         return web.Response(
@@ -38,7 +51,10 @@ def error_response(request: web.Request, status: int, message: str, code: str) -
         )
     return web.Response(
         status=status,
-        text=json.dumps({"error": message, "code": code}),
+        text=json.dumps(
+            {"error": message, "code": code}
+            | ({"request_id": info.request_id} if info is not None else {})
+        ),
         content_type="application/json",
         headers=headers,
     )
@@ -47,19 +63,40 @@ def error_response(request: web.Request, status: int, message: str, code: str) -
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def log_error(
+    request: web.Request, status: int, code: str, message: str, exc: BaseException
+) -> None:
+    """One line per failed request (see the module's docstring)."""
+    info: RequestInfo | None = request.get(REQUEST_INFO)
+    where = f"{request.method} {request.path}"
+    if info is not None and info.kserve_id is not None:
+        where += f" (id {info.kserve_id!r})"
+    if status >= 500 and rejection_reason(code, status) is None:
+        log.error("%s -> %d %s: %s", where, status, code, message, exc_info=exc)
+        return
+    allowed, dropped = _client_errors.allow(code)
+    if allowed:
+        more = f" ({dropped} more since the last line)" if dropped else ""
+        log.warning("%s -> %d %s: %s%s", where, status, code, message, more)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except errors.TensorServeError as exc:
-        return error_response(request, STATUS.get(exc.code, 500), exc.message, exc.code)
+        status = STATUS.get(exc.code, 500)
+        log_error(request, status, exc.code, exc.message, exc)
+        return error_response(request, status, exc.message, exc.code)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         message = exc.text if exc.text and exc.text != exc.reason else exc.reason
         if exc.status == 413:
             message = f"request body too large: {exc.text}"
+        log_error(request, exc.status, "http_error", message, exc)
         return error_response(request, exc.status, message, "http_error")
     except Exception as exc:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(request, 500, f"internal error: {type(exc).__name__}: {exc}", "internal")
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        log_error(request, 500, "internal", message, exc)
+        return error_response(request, 500, message, "internal")

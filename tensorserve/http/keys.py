@@ -1,6 +1,10 @@
-"""Typed application state (aiohttp ``AppKey``s)."""
+"""Typed application state (aiohttp ``AppKey``s), and what a request carries
+for the observing middleware (``REQUEST_INFO``)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
@@ -11,3 +15,26 @@ from tensorserve.settings import Settings
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", ModelRegistry)
 METRICS = web.AppKey("metrics", Metrics)
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    """What the log lines and metrics of one request need, filled in as it
+    goes: the id by the middleware, the model and items by the handler,
+    the error code by the error middleware."""
+
+    request_id: str
+    model: str | None = None  # the served model's name, once the handler found it
+    version: str = ""
+    items: int = 0
+    kserve_id: str | None = None  # the OIP body's "id", when given
+    error_code: str | None = None
+    encode_seconds: float | None = None
+
+
+# web.RequestKey since aiohttp 3.12 (a string key there warns); a string before.
+REQUEST_INFO: Any = (
+    web.RequestKey("request_info", RequestInfo)
+    if hasattr(web, "RequestKey")
+    else "tensorserve.request_info"
+)

@@ -15,6 +15,7 @@ import asyncio
 import enum
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ class ModelEntry:
     served: ServedModel | None = None
     config: ModelConfig | None = None
     version: int | None = None
+    load_seconds: float | None = None  # the last successful load's duration (metrics)
 
     def describe(self) -> dict[str, Any]:
         described: dict[str, Any] = {"name": self.name, "state": self.state.value}
@@ -122,18 +124,22 @@ class ModelRegistry:
             old = entry.served
             if old is None:
                 entry.state = ModelState.LOADING
+            started = time.monotonic()
             try:
                 served = await asyncio.to_thread(self._build, sources[name])
             except Exception as exc:
                 reason = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-                log.error("model %s failed to load: %s", name, reason)
+                log.error("model %s failed to load after %.2f s: %s", name,
+                          time.monotonic() - started, reason)
                 if old is None:
                     entry.state, entry.reason = ModelState.FAILED, reason
                     entry.served = None
                 return entry  # a failed reload keeps serving the old version
             entry.served, entry.config, entry.version = served, served.config, served.version
             entry.state, entry.reason = ModelState.READY, ""
-            log.info("model %s version %s ready on %s", name, served.version, served.device)
+            entry.load_seconds = time.monotonic() - started
+            log.info("model %s version %s ready on %s (loaded in %.2f s)", name, served.version,
+                     served.device, entry.load_seconds)
             if old is not None:
                 await asyncio.to_thread(old.close)
             return entry
@@ -166,9 +172,11 @@ class ModelRegistry:
             entry = self.get(name)
             served, entry.served = entry.served, None
             entry.state, entry.reason = ModelState.UNLOADING, ""
+            started = time.monotonic()
             if served is not None:
                 await asyncio.to_thread(served.close)  # queued requests finish first
             entry.state = ModelState.UNAVAILABLE
+            log.info("model %s unloaded in %.2f s", name, time.monotonic() - started)
 
     async def close(self) -> None:
         await asyncio.gather(

@@ -1,0 +1,123 @@
+"""Logging: request ids on every line, text or JSON lines, and a rate limit
+for lines a client can cause.
+
+A request's id lives in a ``ContextVar`` that the observing middleware sets
+(``http/observe.py``). A log-record factory copies it onto every record as
+``record.request_id`` ("-" outside a request), so a line logged by any code
+the handler calls (a codec, the registry, a thread started with
+``asyncio.to_thread``) carries the id of the request it is about.
+
+    2026-11-23 16:20:01,532 WARNING tensorserve.http [3f2a...]: 400 invalid_input ...
+    {"ts": "...", "level": "WARNING", "logger": "tensorserve.http", "request_id": "3f2a...", ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import threading
+import time
+import traceback
+import uuid
+from contextvars import ContextVar
+from typing import Any
+
+REQUEST_ID: ContextVar[str] = ContextVar("tensorserve_request_id", default="-")
+HEADER = "X-Request-ID"
+MAX_ID_LENGTH = 128
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,%d}" % MAX_ID_LENGTH)
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
+# Record attributes that are not "extra" fields of the JSON line.
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message", "asctime", "request_id",
+}
+
+
+def request_id_from(header: str | None) -> str:
+    """The caller's ``X-Request-ID`` when it is safe to echo and log (at most
+    128 of ``A-Z a-z 0-9 . _ : -``), else a new random id."""
+    if header is not None and _SAFE_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
+_factory_lock = threading.Lock()
+_installed = False
+
+
+def install_request_ids() -> None:
+    """Make every log record carry ``request_id`` (idempotent)."""
+    global _installed
+    with _factory_lock:
+        if _installed:
+            return
+        previous = logging.getLogRecordFactory()
+
+        def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+            record = previous(*args, **kwargs)
+            record.request_id = REQUEST_ID.get()
+            return record
+
+        logging.setLogRecordFactory(factory)
+        _installed = True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, request id, message,
+    the ``extra`` fields given to the call, and the traceback if any."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": self.formatTime(record),
+            "level": record.levelname,
+            "logger": record.name,
+            "request_id": getattr(record, "request_id", "-"),
+            "message": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _STANDARD and not key.startswith("_"):
+                line[key] = value
+        if record.exc_info:
+            line["exc"] = "".join(traceback.format_exception(*record.exc_info)).rstrip()
+        return json.dumps(line, default=str)
+
+
+def configure(level: str, fmt: str) -> None:
+    """The server's logging: one stderr handler, text or JSON lines."""
+    install_request_ids()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    # aiohttp's own access log is replaced by tensorserve.access (http/observe.py).
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+class RateLimit:
+    """At most ``burst`` lines per ``period`` seconds for each key (an error
+    code, say); a flood of bad requests then costs a few lines, the first of
+    which after a quiet spell says how many were left out."""
+
+    def __init__(self, burst: int = 10, period: float = 10.0) -> None:
+        self.burst, self.period = burst, period
+        self._lock = threading.Lock()
+        self._windows: dict[str, tuple[float, int, int]] = {}  # key -> (start, sent, dropped)
+
+    def allow(self, key: str, now: float | None = None) -> tuple[bool, int]:
+        """(log this line?, lines left out since the last one logged)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            start, sent, dropped = self._windows.get(key, (now, 0, 0))
+            if now - start >= self.period:
+                start, sent = now, 0
+            if sent < self.burst:
+                self._windows[key] = (start, sent + 1, 0)
+                return True, dropped
+            self._windows[key] = (start, sent, dropped + 1)
+            return False, dropped + 1

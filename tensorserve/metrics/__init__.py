@@ -1,0 +1,65 @@
+"""Prometheus metrics, exposed at ``GET /metrics`` (docs/observability.md
+lists every one).
+
+    collector.py   batching metrics, read from each model's BatchStats at
+                   scrape time (the hot path never calls the metrics library)
+    requests.py    per-request outcome, rejection and latency metrics,
+                   observed once per request by the HTTP layer
+
+One ``CollectorRegistry`` per server, so many apps can live in one process;
+it also carries the process, platform and GC collectors and the build info.
+"""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+from tensorserve import __version__
+from tensorserve.metrics.collector import BatchingCollector
+from tensorserve.metrics.requests import RequestMetrics
+
+if TYPE_CHECKING:
+    from tensorserve.serving.registry import ModelRegistry
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+class Metrics:
+    """One Prometheus registry per server."""
+
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.prometheus = CollectorRegistry()
+        self.prometheus.register(BatchingCollector(registry))
+        self.requests = RequestMetrics(self.prometheus)
+        ProcessCollector(registry=self.prometheus)
+        PlatformCollector(registry=self.prometheus)
+        GCCollector(registry=self.prometheus)
+        Info("tensorserve_build", "The running tensorserve's version.",
+             registry=self.prometheus).info({
+                 "version": __version__,
+                 "python": platform.python_version(),
+                 "torch": _version("torch"),  # from the package metadata: no torch import
+             })
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.prometheus)

@@ -1,0 +1,160 @@
+"""The batching metrics, read from each model's ``BatchStats`` at scrape time.
+
+The batcher's hot path never calls into the metrics library: it adds to plain
+counters and bucket counts (``batching/stats.py``), and this collector turns
+them into Prometheus families when ``/metrics`` is scraped.
+
+A reload builds a new ``ServedModel`` with fresh stats. So that no counter
+ever goes backwards, the collector keeps every ``BatchStats`` it has seen for
+a (model, version) and exports their sum; a model unloaded keeps its last
+totals. (An instance loaded and replaced between two scrapes is never seen:
+reloading twice within one scrape interval loses the middle one's counts.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from tensorserve.batching.stats import BatchStats, Buckets
+
+if TYPE_CHECKING:
+    from tensorserve.serving.registry import ModelRegistry
+
+MODEL_STATES = ("LOADING", "READY", "FAILED", "UNLOADING", "UNAVAILABLE")
+
+# (stats field, metric name, help): cumulative counters per model and version.
+COUNTERS = (
+    ("total_requests", "tensorserve_admitted_requests", "Inference requests admitted to the queue."),
+    ("total_items", "tensorserve_admitted_items", "Items admitted to the queue."),
+    ("total_batches", "tensorserve_batches", "Batches executed."),
+    ("batch_items", "tensorserve_batch_items", "Items that reached the model (sum of batch sizes)."),
+    ("failed_items", "tensorserve_model_failed_items", "Items whose batch (or row) failed in the model."),
+    ("real_elements", "tensorserve_real_elements", "Elements of real data in executed batches."),
+    ("padded_elements", "tensorserve_padded_elements", "Elements in executed batches, padding included."),
+)
+# (stats histogram, metric name, help)
+HISTOGRAMS = (
+    ("batch_size", "tensorserve_batch_size", "Items per executed batch."),
+    ("padded_length", "tensorserve_batch_padded_length",
+     "Longest item's variable extent in a batch: the length it is padded to."),
+    ("queue_wait_seconds", "tensorserve_queue_wait_seconds",
+     "Per item: from admission to leaving the queue in a batch."),
+    ("pad_seconds", "tensorserve_batch_pad_seconds", "Per batch: assembling (padding) the batch."),
+    ("compute_seconds", "tensorserve_batch_compute_seconds", "Per batch: the model's run."),
+    ("unpad_seconds", "tensorserve_batch_unpad_seconds", "Per batch: un-padding outputs into rows."),
+)
+
+
+@dataclass
+class _Seen:
+    """Every stats object of one (model, version), and the last worker
+    restart count read from each one's executor."""
+
+    stats: dict[int, BatchStats] = field(default_factory=dict)
+    restarts: dict[int, int] = field(default_factory=dict)
+
+
+def _sum_counters(stats: list[BatchStats]) -> dict[str, float]:
+    totals = dict.fromkeys((name for name, _, _ in COUNTERS), 0.0)
+    for one in stats:
+        with one._lock:
+            for name in totals:
+                totals[name] += getattr(one, name)
+    return totals
+
+
+def _sum_histograms(stats: list[BatchStats]) -> dict[str, Buckets]:
+    merged: dict[str, Buckets] = {}
+    for one in stats:
+        for name, buckets in one.histogram_snapshot().items():
+            if name not in merged:
+                merged[name] = buckets
+                continue
+            into = merged[name]
+            into.counts = [a + b for a, b in zip(into.counts, buckets.counts)]
+            into.total += buckets.total
+            into.count += buckets.count
+    return merged
+
+
+class BatchingCollector(Collector):
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+        self._seen: dict[tuple[str, str], _Seen] = {}
+
+    def _observe_current(self) -> dict[tuple[str, str], Any]:
+        """Remember the served instances of now; returns (name, version) -> served."""
+        current = {}
+        for entry in list(self.registry.entries.values()):
+            served = entry.served
+            if served is None:
+                continue
+            key = (entry.name, str(served.version))
+            seen = self._seen.setdefault(key, _Seen())
+            seen.stats[id(served.stats)] = served.stats
+            seen.restarts[id(served.stats)] = int(getattr(served.executor, "restarts", 0))
+            current[key] = served
+        return current
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "version"]
+        current = self._observe_current()
+        counters = {
+            name: CounterMetricFamily(metric, text, labels=labels) for name, metric, text in COUNTERS
+        }
+        restarts = CounterMetricFamily(
+            "tensorserve_worker_restarts", "Worker processes started again after one died.",
+            labels=labels,
+        )
+        histograms = {
+            name: HistogramMetricFamily(metric, text, labels=labels)
+            for name, metric, text in HISTOGRAMS
+        }
+        depth = GaugeMetricFamily("tensorserve_queue_depth", "Items waiting to be batched.",
+                                  labels=labels)
+        for key, seen in sorted(self._seen.items()):
+            stats = list(seen.stats.values())
+            totals = _sum_counters(stats)
+            for name, family in counters.items():
+                family.add_metric(key, totals[name])
+            restarts.add_metric(key, sum(seen.restarts.values()))
+            for name, buckets in _sum_histograms(stats).items():
+                histograms[name].add_metric(key, buckets.cumulative(), buckets.total)
+            served = current.get(key)
+            depth.add_metric(key, served.batcher.queue_depth if served is not None else 0)
+        yield from counters.values()
+        yield restarts
+        yield from histograms.values()
+        yield depth
+        yield from self._model_families()
+
+    def _model_families(self) -> Iterator[Metric]:
+        ready = GaugeMetricFamily("tensorserve_model_ready", "1 if the model is ready.",
+                                  labels=["model"])
+        state = GaugeMetricFamily(
+            "tensorserve_model_state", "1 for the model's current state, 0 for the others.",
+            labels=["model", "state"],
+        )
+        load = GaugeMetricFamily(
+            "tensorserve_model_load_seconds",
+            "How long the model's last load took (import, weights, warm-up).",
+            labels=["model"],
+        )
+        for entry in sorted(self.registry.entries.values(), key=lambda e: e.name):
+            ready.add_metric([entry.name], 1.0 if entry.state.value == "READY" else 0.0)
+            for name in MODEL_STATES:
+                state.add_metric([entry.name, name], 1.0 if entry.state.value == name else 0.0)
+            seconds = getattr(entry, "load_seconds", None)
+            if seconds is not None:
+                load.add_metric([entry.name], seconds)
+        yield from (ready, state, load)

@@ -1,0 +1,89 @@
+"""Request metrics, observed once per inference request by the HTTP layer:
+outcome counters, rejections by reason, the end-to-end latency histogram and
+the in-flight gauge.
+
+Every outcome is counted, labelled by its stable error code (``ok`` for a
+success, ``disconnect`` for a caller that left). Rejections (the request never
+got a model's answer, through no fault of the model) are also counted by
+reason. Model names come from the route: a name the registry does not know
+is counted as ``_unknown``, so a scan of random names cannot add series.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tensorserve import errors
+
+OK = "ok"
+DISCONNECT = "disconnect"  # the caller closed the connection before the answer
+UNKNOWN_MODEL = "_unknown"
+
+# Error code -> rejection reason. A code missing here (model_failure,
+# internal) is an error of the server or the model, not a rejection.
+REJECTION_REASONS = {
+    errors.ServerBusy.code: "queue_full",
+    errors.DeadlineExceeded.code: "deadline",
+    errors.InvalidInput.code: "invalid_input",
+    errors.ModelNotReady.code: "not_ready",
+    errors.ModelNotFound.code: "unknown_model",
+    "out_of_memory": "too_large",  # one item too large for the model's memory
+    DISCONNECT: "disconnect",
+}
+REASONS = ("queue_full", "deadline", "disconnect", "invalid_input", "too_large", "not_ready",
+           "unknown_model")
+
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+
+
+def rejection_reason(code: str, status: int) -> str | None:
+    """The rejection reason of an outcome, or None if it is not a rejection."""
+    if status == 413:
+        return "too_large"  # a body over max_request_bytes (aiohttp's own 413)
+    return REJECTION_REASONS.get(code)
+
+
+class RequestMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["model", "version", "code"]
+        self.requests = Counter(
+            "tensorserve_requests", "Inference requests by outcome code.", labels,
+            registry=registry,
+        )
+        self.items = Counter(
+            "tensorserve_items",
+            "Items of inference requests by outcome code (0 for a body that did not decode).",
+            labels, registry=registry,
+        )
+        self.rejections = Counter(
+            "tensorserve_rejections",
+            "Inference requests refused or abandoned before a model answered, by reason.",
+            ["model", "reason"], registry=registry,
+        )
+        self.latency = Histogram(
+            "tensorserve_request_duration_seconds",
+            "Inference request latency, handler entry to response ready, by outcome code.",
+            labels, registry=registry, buckets=LATENCY_BUCKETS,
+        )
+        self.encode = Histogram(
+            "tensorserve_response_encode_seconds",
+            "Encoding a successful response (after un-padding), per request.",
+            ["model"], registry=registry, buckets=LATENCY_BUCKETS,
+        )
+        self.in_flight = Gauge(
+            "tensorserve_requests_in_flight", "Inference requests being handled now.",
+            registry=registry,
+        )
+
+    def observe(
+        self, model: str, version: str, code: str, status: int, items: int, seconds: float
+    ) -> None:
+        self.requests.labels(model, version, code).inc()
+        if items:
+            self.items.labels(model, version, code).inc(items)
+        self.latency.labels(model, version, code).observe(seconds)
+        reason = rejection_reason(code, status)
+        if reason is not None:
+            self.rejections.labels(model, reason).inc()
