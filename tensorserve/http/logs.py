@@ -121,3 +121,25 @@ class RateLimit:
                 return True, dropped
             self._windows[key] = (start, sent, dropped + 1)
             return False, dropped + 1
+
+
+# The settings an operator needs to read a server's log (the rest are defaults).
+STARTUP_SETTINGS = (
+    "host", "port", "model_repository", "log_level", "log_format", "access_log",
+    "max_request_bytes", "max_items_per_request", "intra_op_threads",
+)
+
+
+def log_startup(settings: Any) -> None:
+    """The first line of a server's log: version, Python, the settings that
+    matter, and every per-model override given. (The listening address, with
+    the real port of ``--port 0``, follows once the socket is bound.)"""
+    from tensorserve import __version__
+
+    chosen = {name: getattr(settings, name) for name in STARTUP_SETTINGS}
+    chosen.update(settings.model_overrides())
+    logging.getLogger("tensorserve").info(
+        "tensorserve %s (Python %s) starting: %s", __version__, sys.version.split()[0],
+        ", ".join(f"{k}={v}" for k, v in chosen.items()),
+        extra={"version": __version__, "settings": {k: str(v) for k, v in chosen.items()}},
+    )

@@ -40,6 +40,7 @@ import warnings
 from aiohttp import web
 
 from tensorserve.errors import ConfigError
+from tensorserve.http import logs
 from tensorserve.http.app import create_app
 from tensorserve.http.lifecycle import LIFECYCLE, Lifecycle, Phase
 from tensorserve.repository.loader import discover
@@ -102,9 +103,8 @@ def _install_uvloop() -> None:
 def run(settings: Settings) -> None:
     """Serve until SIGTERM or SIGINT, then shut down in phases. Raises
     ``StartupError`` (before anything started) when the server cannot start."""
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(settings.log_level, settings.log_format)  # text or JSON lines, request ids
+    logs.log_startup(settings)
     check_repository(settings)
     sock = bind(settings.host, settings.port)
     _install_uvloop()
@@ -126,7 +126,7 @@ async def _serve(app: web.Application, sock: socket.socket, settings: Settings) 
     runner = web.AppRunner(
         app,
         handle_signals=False,  # ours: a shutdown in phases
-        access_log=logging.getLogger("aiohttp.access") if settings.access_log else None,
+        access_log=None,  # tensorserve.access, with latency and request id (http/observe.py)
         handler_cancellation=True,  # a caller that disconnects frees its queued items
         keepalive_timeout=settings.keepalive_timeout_s,
         shutdown_timeout=CLOSE_TIMEOUT_S,
