@@ -15,6 +15,8 @@ from tensorserve.errors import (
     ModelFailure,
     ModelNotFound,
     ModelNotReady,
+    OutOfMemory,
+    RowErrors,
     ServerBusy,
     TensorServeError,
 )
@@ -30,6 +32,8 @@ __all__ = [
     "ModelFailure",
     "ModelNotFound",
     "ModelNotReady",
+    "OutOfMemory",
+    "RowErrors",
     "ServedModel",
     "ServerBusy",
     "TensorServeError",

@@ -10,7 +10,13 @@ the response body. Nothing here knows about HTTP.
     ├── ModelNotReady                model_not_ready   loading, failed to load, or unloading
     ├── ServerBusy                   server_busy       a bounded queue is full
     ├── DeadlineExceeded             deadline_exceeded the item waited longer than its timeout
-    └── ModelFailure                 model_failure     the model (or batch function) raised
+    ├── ModelFailure                 model_failure     the model (or batch function) raised
+    │   ├── WorkerCrashed            model_failure     its worker process died (or the watchdog killed it)
+    │   └── BatchOutOfMemory         model_failure     the padded batch did not fit (split and retried)
+    └── OutOfMemory                  out_of_memory     one item does not fit in memory even alone
+
+``RowErrors`` is not a caller's error: a model raises it to fail some rows of
+a batch only (docs/model-repository.md, "Failing single rows").
 """
 
 from __future__ import annotations
@@ -48,6 +54,43 @@ class DeadlineExceeded(TensorServeError):
 
 class ModelFailure(TensorServeError):
     code = "model_failure"
+
+
+class WorkerCrashed(ModelFailure):
+    """The worker process running (``ran``) or holding the batch died. A batch
+    that never ran is sent again whole; one that ran is split (batching.recovery)."""
+
+    def __init__(self, message: str, *, ran: bool, watchdog: bool = False) -> None:
+        super().__init__(message)
+        self.ran = ran
+        self.watchdog = watchdog  # killed for running too long, not a crash of its own
+
+
+class BatchOutOfMemory(ModelFailure):
+    """The device (or host) ran out of memory on this padded batch; the
+    executor has already freed its caches. The batcher splits and retries."""
+
+
+class OutOfMemory(TensorServeError):
+    """One item that does not fit in memory even alone: a smaller item may."""
+
+    code = "out_of_memory"
+
+
+class RowErrors(Exception):
+    """Raised by a model's forward to fail some rows of a batch only: ``errors``
+    maps row index (in the padded batch) to a message for that caller. The
+    other rows run again without the failed ones, and get their results.
+
+        bad = (input_ids >= self.vocab).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            raise RowErrors({row: "token id out of vocabulary" for row in bad})
+    """
+
+    def __init__(self, errors: dict[int, str]) -> None:
+        super().__init__(f"{len(errors)} row(s) failed: " + "; ".join(
+            f"row {row}: {message}" for row, message in sorted(errors.items())[:3]))
+        self.errors = {int(row): str(message) for row, message in errors.items()}
 
 
 class ConfigError(Exception):

@@ -94,7 +94,9 @@ async def test_results_do_not_depend_on_batch_composition() -> None:
         np.testing.assert_allclose(a["y"], c["y"], rtol=1e-5, atol=1e-5)
 
 
-async def test_a_model_that_raises_fails_its_batch_and_the_next_one_succeeds() -> None:
+async def test_without_splitting_a_model_that_raises_fails_its_batch_and_the_next_succeeds() -> None:
+    # (With splitting on, the default, a batch that raised runs again in
+    # halves: tests/test_faults.py.)
     calls = []
 
     def fn(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +105,8 @@ async def test_a_model_that_raises_fails_its_batch_and_the_next_one_succeeds() -
             raise RuntimeError("CUDA says no")
         return x
 
-    model = ServedModel.from_function(fn, inputs=X_IN, outputs=Y_OUT, max_batch_size=8)
+    model = ServedModel.from_function(fn, inputs=X_IN, outputs=Y_OUT, max_batch_size=8,
+                                      faults={"split_failed_batches": False})
     async with model:
         with pytest.raises(ModelFailure, match="RuntimeError: CUDA says no"):
             await model.infer_many(items(3))
@@ -262,7 +265,7 @@ def test_a_failure_while_finishing_a_batch_answers_its_callers_and_keeps_serving
     model, _ = cumsum_model(max_batch_size=4)
     calls = []
 
-    def broken_record(*args: object) -> None:
+    def broken_record(*args: object, **kwargs: object) -> None:
         calls.append(args)
         if len(calls) == 1:
             raise RuntimeError("stats bug")

@@ -32,6 +32,7 @@ from tests.helpers import (
     body,
     from_wire,
     token_item,
+    wait_until,
     write_toy_model,
 )
 
@@ -477,8 +478,9 @@ def test_a_server_killed_outright_leaves_no_worker_behind(tmp_path: Path) -> Non
     write_toy_model(tmp_path, "poison", POISON_MODEL, **ECHO)
     server = ServerProcess(tmp_path, "--isolation", "process")
     try:
+        # The instance's worker, and the standby loading in the background.
+        wait_until(lambda: len(_workers_of(server.process.pid)) == 2, "worker and standby", 60)
         workers = _workers_of(server.process.pid)
-        assert len(workers) == 1
         reply = httpx.post(f"{server.url}/v2/models/poison/infer", content=body([_x(4.0)]),
                            headers=MSGPACK)
         assert reply.status_code == 200

@@ -36,6 +36,10 @@ class BatcherOptions:
     policy: BatchPolicy = field(default_factory=FifoPolicy)
     max_queue_size: int = 4096
     max_batch_elements: int | None = None  # hard cap on one padded batch's elements
+    # Faults (batching.recovery, batching.watchdog): re-run a failed batch in
+    # halves; the longest one batch may run (None: off; "auto": see watchdog.py).
+    split_failed_batches: bool = True
+    watchdog_s: float | str | None = "auto"
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("eager", "timer"):
@@ -55,11 +59,15 @@ class Pending:
     loop: asyncio.AbstractEventLoop | None  # set for asyncio futures
     enqueued: float  # time.monotonic()
     deadline: float | None
+    reruns: int = 0  # times sent again whole because its worker died before running it
+    crashes: int = 0  # batches it was in whose worker died running them (or hung)
 
     def caller_left(self) -> bool:
         """True if the caller cancelled; for a thread's future this also marks
         it running, so a later cancel() cannot race with the result."""
         if self.loop is None:
+            if self.future.running():  # claimed before: a batch retried (recovery)
+                return False
             return not self.future.set_running_or_notify_cancel()  # type: ignore[union-attr]
         # Read from another thread: a stale "not yet" only runs an item whose
         # caller is about to leave; its result is then dropped.
@@ -82,6 +90,9 @@ class AdmissionQueue:
         self.name = name
         self._padded_elements = padded_elements  # of a batch of these items (collate)
         self._waiting: list[Pending] = []
+        # A ceiling on padded elements learned from out-of-memory failures
+        # (batching.recovery.MemoryCeiling), below the configured cap.
+        self.memory_limit: int | None = None
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -137,9 +148,10 @@ class AdmissionQueue:
         """Leave the newest items waiting until the padded batch fits the cap
         (items of very different shapes could otherwise pad to a huge tensor).
         One item always fits: its own size is bounded by validation."""
-        cap = self.options.max_batch_elements
-        if cap is None:
+        caps = [c for c in (self.options.max_batch_elements, self.memory_limit) if c is not None]
+        if not caps:
             return chosen
+        cap = min(caps)
         while len(chosen) > 1 and self._padded_elements([window[i].item for i in chosen]) > cap:
             chosen.pop()
         return chosen

@@ -130,6 +130,7 @@ class Batcher:
         with p.cond:
             if not p.accepting:
                 raise ModelNotReady(f"model {self.name!r} is not accepting requests (stopping)")
+            p.refuse_if_hung()
             idle = not len(p.queue)
             p.queue.admit(entries)
             direct = self._claim_direct(now) if idle and loop is not None else None
@@ -181,7 +182,7 @@ class Batcher:
     def _claim_direct(self, now: float) -> tuple[list[Pending], int] | None:
         """A parked instance and the batch the loop should run on it (the lock held)."""
         p = self.pipeline
-        if not self._direct:
+        if not self._direct or p.retries:
             return None
         executor: DirectExecutor = p.executor  # type: ignore[assignment]
         for instance, state in enumerate(p.states):
@@ -199,7 +200,7 @@ class Batcher:
         the reply arrives. Any trouble before the send hands it to the threads."""
         p = self.pipeline
         executor: DirectExecutor = p.executor  # type: ignore[assignment]
-        batch = p.begin(entries)
+        batch = p.begin(entries, instance)
         if batch is None or batch.error is not None:
             self._release(batch, instance)
             return
@@ -208,7 +209,7 @@ class Batcher:
             batch.started = time.perf_counter()
             batch.launched = executor.try_launch_direct(batch.padded.features, instance)
         except BaseException as exc:  # the model's own failure, reported at once
-            batch.error = exc
+            batch.error, batch.ran = exc, True
             self._release(batch, instance)
             return
         if batch.launched is None:  # not sent: the model thread (re)starts the worker

@@ -23,15 +23,18 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.delivery import settle
 from tensorserve.batching.executor import BatchOutputs, Executor
+from tensorserve.batching.recovery import Recovery
 from tensorserve.batching.results import Batch, BatchResults
 from tensorserve.batching.stats import BatchStats
-from tensorserve.errors import ModelFailure
+from tensorserve.batching.watchdog import Watchdog
+from tensorserve.errors import ModelFailure, ModelNotReady
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,8 @@ class Pipeline:
         self._on_fatal = on_fatal
         self.queue = AdmissionQueue(options, collator.padded_elements, name)
         self.results = BatchResults(collator, options.policy, stats, name)
+        self.recovery = Recovery(name, options.split_failed_batches, stats)
+        self.watchdog = Watchdog(self, options.watchdog_s)
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)  # work for the model threads
         self.parked = threading.Condition(self.lock)  # an instance was parked (wait_idle)
@@ -70,6 +75,12 @@ class Pipeline:
         instances = executor.instance_count
         self.states = [InstanceState.BUSY] * instances
         self.in_flight: set[Batch] = set()  # left the queue, not yet finished
+        # Parts of failed batches to run again (batching.recovery), before any
+        # new batch: each list runs as a batch of its own.
+        self.retries: deque[list[Pending]] = deque()
+        self.free_at = [0.0] * instances  # perf_counter() when each last finished a batch
+        self.slowest_s = 0.0  # the longest batch so far (the watchdog's "auto")
+        self.hung: list[Batch | None] = [None] * instances  # a thread the watchdog gave up on
         self._to_finisher: queue.Queue[Batch | None] = queue.Queue(maxsize=instances + 1)
         self._threads: list[threading.Thread] = []
 
@@ -83,6 +94,7 @@ class Pipeline:
             thread.daemon = True
             thread.start()
         self._threads = threads
+        self.watchdog.start()
         self.accepting = True
 
     def stop_accepting(self) -> None:
@@ -93,6 +105,7 @@ class Pipeline:
             self.cond.notify_all()
 
     def join(self, timeout: float | None) -> None:
+        self.watchdog.stop()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout)
@@ -104,12 +117,14 @@ class Pipeline:
         with self.lock:
             return self.parked.wait_for(
                 lambda: not len(self.queue)
+                and not self.retries
                 and not self.in_flight
                 and all(state is InstanceState.PARKED for state in self.states),
                 timeout,
             )
 
     def _model_loop(self, instance: int) -> None:
+        entries: list[Pending] = []  # taken from the queue, maybe not yet in flight
         try:
             self.executor.start_instance(instance)
             on_device: Batch | None = None  # launched, not yet collected
@@ -125,7 +140,7 @@ class Pipeline:
                     launched = None
                 on_device = launched
         except BaseException as exc:  # pragma: no cover - a bug: fail loudly, not silently
-            self._fatal(exc)
+            self._fatal(exc, entries)
         finally:
             self._to_finisher.put(None)
 
@@ -140,6 +155,9 @@ class Pipeline:
                 if self.states[instance] is InstanceState.DRIVEN:
                     self.cond.wait()  # an event loop runs a batch on this instance
                     continue
+                if self.retries:
+                    self.states[instance] = InstanceState.BUSY
+                    return self.retries.popleft()
                 now = time.monotonic()
                 due_in = self.queue.due_in(now, ahead=ahead, closing=self.closing)
                 if ahead:
@@ -163,14 +181,14 @@ class Pipeline:
         else:
             self.cond.notify()
 
-    def begin(self, entries: list[Pending]) -> Batch | None:
+    def begin(self, entries: list[Pending], instance: int) -> Batch | None:
         """Drop the entries nobody waits for any more, then pad the rest."""
         now = time.monotonic()
         live, expired = self.queue.expire(entries, now)
         settle(expired)
         if not live:
             return None
-        batch = Batch(live, now)
+        batch = Batch(live, now, instance=instance)
         with self.cond:
             self.in_flight.add(batch)
         try:
@@ -178,11 +196,11 @@ class Pipeline:
             batch.padded = self.collator.pad([e.item for e in live])
             batch.pad_seconds = time.perf_counter() - pad_started
         except BaseException as exc:  # padding failed: this batch only
-            batch.error = exc
+            batch.error, batch.ran = exc, True
         return batch
 
     def _launch(self, entries: list[Pending], instance: int) -> Batch | None:
-        batch = self.begin(entries)
+        batch = self.begin(entries, instance)
         if batch is None or batch.error is not None:
             return batch
         assert batch.padded is not None
@@ -190,7 +208,7 @@ class Pipeline:
             batch.started = time.perf_counter()
             batch.launched = self.executor.launch(batch.padded.features, instance)
         except BaseException as exc:  # the model failed: this batch only
-            batch.error = exc
+            batch.error, batch.ran = exc, True
         return batch
 
     def _collect(self, batch: Batch) -> None:
@@ -207,11 +225,17 @@ class Pipeline:
     def collected(self, batch: Batch, outputs: BatchOutputs | None, error: BaseException | None) -> None:
         batch.outputs, batch.error = outputs, error
         batch.launched = None  # free device and socket buffers early
-        batch.seconds = time.perf_counter() - batch.started
+        now = time.perf_counter()
+        batch.seconds = now - batch.started
+        with self.lock:  # read by the watchdog
+            batch.ran = True
+            self.free_at[batch.instance] = now
         # A batch launched ahead waited for the one before it: prefer the
         # executor's own figure of the model's time, which the cost model learns.
         if outputs is not None and outputs.seconds is not None:
             batch.seconds = outputs.seconds
+        if error is None:
+            self.slowest_s = max(self.slowest_s, batch.seconds)
 
     # ------------------------------------------------------------------ finishing
     def _finish_loop(self) -> None:
@@ -226,24 +250,64 @@ class Pipeline:
     def finish(self, batch: Batch) -> None:
         """The one place a batch ends: un-pad, record and deliver. Runs on the
         finisher thread, on the model thread when nothing else waits, or on
-        the loop that drove it. Whatever goes wrong, every caller is answered."""
+        the loop that drove it. Whatever goes wrong, every caller is answered.
+        A batch that failed as a whole may instead go back in parts
+        (batching.recovery): those run before any new batch."""
+        retries: list[list[Pending]] = []
         try:
-            outcomes = self.results.outcomes(batch)
+            plan = self.recovery.plan(batch)
+            if plan is not None:
+                outcomes, retries = plan.outcomes, plan.retries
+                self.results.record_recovered(batch, outcomes)
+            else:
+                outcomes = self.results.outcomes(batch)
+                if batch.error is None and self.recovery.ceiling.fitted():
+                    log.info("model %s: trying batches of up to %d padded elements again",
+                             self.name, self.recovery.ceiling.limit)
         except BaseException as exc:  # a bug in un-padding, stats or the cost model
             log.exception("batcher %s: finishing a batch failed", self.name)
             error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
-            outcomes = [(entry, error, True) for entry in batch.entries]
+            outcomes, retries = [(entry, error, True) for entry in batch.entries], []
+        if retries:
+            log.warning("model %s: a batch of %d failed (%s); running it again as %s",
+                        self.name, len(batch.entries), batch.error,
+                        " + ".join(str(len(part)) for part in retries))
         with self.cond:
             self.in_flight.discard(batch)
+            if self.hung[batch.instance] is batch:
+                self.hung[batch.instance] = None  # the forward came back after all
+            self.queue.memory_limit = self.recovery.ceiling.limit
+            self.retries.extend(retries)
+            if retries:
+                self.cond.notify_all()
             self.parked.notify_all()
         settle(outcomes)
 
-    def _fatal(self, exc: BaseException) -> None:
-        """A pipeline thread died: answer every caller, queued or launched."""
+    def health(self) -> str | None:
+        """Why no batch can run now (None: one can)."""
+        with self.lock:
+            if self._threads and all(self.hung):
+                return "every instance is stuck in a batch past the watchdog's limit"
+        return self.watchdog.stalled()
+
+    def refuse_if_hung(self) -> None:
+        """No instance can run a batch: answer now instead of queueing (the lock held)."""
+        if self._threads and all(self.hung):
+            raise ModelNotReady(
+                f"model {self.name!r} is not ready: every instance is stuck in a batch that "
+                f"ran past the watchdog's limit"
+            )
+
+    def _fatal(self, exc: BaseException, holding: list[Pending] | None = None) -> None:
+        """A pipeline thread died: answer every caller, queued, launched, to be
+        retried, or in the dying thread's hands (``holding``)."""
         log.exception("batcher %s: internal thread failed", self.name, exc_info=exc)
         with self.cond:
             self.accepting = False
             stranded = self.queue.drain() + [e for b in self.in_flight for e in b.entries]
+            stranded += holding or []
+            stranded += [entry for part in self.retries for entry in part]
+            self.retries.clear()
         error = ModelFailure(f"model {self.name!r}: internal batcher failure: {exc!r}")
         settle([(entry, error, True) for entry in stranded])
         if self._on_fatal is not None:

@@ -30,6 +30,9 @@ class Batch:
     error: BaseException | None = None
     started: float = 0.0  # perf_counter() at launch
     seconds: float = 0.0
+    instance: int = 0  # the instance it runs on
+    ran: bool = False  # collected (or its launch failed): nothing left on the device
+    overdue: bool = False  # the watchdog already acted on it
     pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
     finish_now: Callable[[], None] | None = None  # set while an event loop drives it
     loop: asyncio.AbstractEventLoop | None = None
@@ -67,6 +70,11 @@ class BatchResults:
             ]
         self._record(batch, outcomes, unpad_seconds if batch.error is None else None)
         return outcomes
+
+    def record_recovered(self, batch: Batch, outcomes: list[Outcome]) -> None:
+        """A failed batch that batching.recovery answers (and may run again in
+        parts): it ran, so it counts, with the items that failed for good."""
+        self._record(batch, outcomes)
 
     def _rows(self, batch: Batch) -> Sequence[Any]:
         """One result (or Exception) per entry."""

@@ -34,6 +34,8 @@ STATUS = {
     errors.ServerBusy.code: 503,
     errors.DeadlineExceeded.code: 504,
     errors.ModelFailure.code: 500,
+    # One item too large for the model's memory even alone: send a smaller one.
+    errors.OutOfMemory.code: 413,
 }
 
 

@@ -43,9 +43,12 @@ async def live(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     if draining(request.app):  # shutting down: load balancers, stop sending
         return web.json_response({"ready": False, "reason": SHUTTING_DOWN}, status=503)
-    registry = request.app[REGISTRY]
-    is_ready = registry.all_ready
-    return web.json_response({"ready": is_ready}, status=200 if is_ready else 503)
+    # 200 while every model meant to serve can run a batch now; else 503
+    # naming the models that cannot, and why.
+    problems = request.app[REGISTRY].not_ready()
+    if not problems:
+        return web.json_response({"ready": True})
+    return web.json_response({"ready": False, "not_ready": problems}, status=503)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -60,12 +63,13 @@ async def metadata(request: web.Request) -> web.Response:
 
 
 async def model_ready(request: web.Request) -> web.Response:
-    entry = request.app[REGISTRY].get(*_model(request))
-    is_ready = entry.state is ModelState.READY and not draining(request.app)
-    body = {"name": entry.name, "ready": is_ready, "state": entry.state.value}
-    if entry.reason or draining(request.app):
-        body["reason"] = entry.reason or SHUTTING_DOWN
-    return web.json_response(body, status=200 if is_ready else 503)
+    registry = request.app[REGISTRY]
+    entry = registry.get(*_model(request))
+    why = SHUTTING_DOWN if draining(request.app) else registry.health(entry)
+    body = {"name": entry.name, "ready": why is None, "state": entry.state.value}
+    if why is not None:
+        body["reason"] = entry.reason or why
+    return web.json_response(body, status=200 if why is None else 503)
 
 
 async def model_config(request: web.Request) -> web.Response:

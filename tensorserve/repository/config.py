@@ -115,6 +115,34 @@ class Warmup(_Strict):
         return value
 
 
+class Faults(_Strict):
+    """What the batcher does when a batch fails (docs/reliability.md)."""
+
+    split_failed_batches: bool = Field(
+        True,
+        description="Re-run a batch that raised in halves until the failure is pinned on the "
+        "items that fail alone; every other caller gets its row (about 2*log2(B) extra runs).",
+    )
+    watchdog_ms: float | Literal["auto"] = Field(
+        "auto",
+        description="Longest one batch may run. Past it a worker process is killed and "
+        "replaced (the batch is retried split); a model thread is marked not ready and its "
+        "callers answered. auto: 50x the slowest warm-up batch, at least 30 s; 0: off.",
+    )
+    standby_worker: bool = Field(
+        True,
+        description="isolation = 'process': keep one loaded spare worker, so a crashed "
+        "worker is replaced in milliseconds instead of a full model load.",
+    )
+
+    @field_validator("watchdog_ms")
+    @classmethod
+    def _watchdog(cls, value: float | str) -> float | str:
+        if value != "auto" and not (0 <= float(value) <= 86_400_000):
+            raise ValueError(f"must be 'auto' or between 0 (off) and 86400000 ms, got {value}")
+        return value
+
+
 class InstanceGroup(_Strict):
     """Triton's ``instance_group``: ``count`` model instances on each device
     of the group. Instances on one device share one copy of the model (one
@@ -142,6 +170,15 @@ class InstanceGroup(_Strict):
 
 class ModelConfig(_Strict):
     max_batch_size: int = Field(32, ge=0, le=65_536, description="0 or 1: no batching.")
+    default_timeout_ms: float | None = Field(
+        None,
+        gt=0,
+        le=3_600_000,
+        strict=True,  # a number: not true (1 ms), not a string
+        description="Deadline of a request that asks for none (queue and run); a request may "
+        "ask for less, or more up to the server's max_timeout_ms. Unset: the server's "
+        "default_timeout_ms.",
+    )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     instance_count: int = Field(1, ge=1, le=16, description="Model copies executing in parallel.")
     isolation: Literal["thread", "process"] = Field(
@@ -161,6 +198,7 @@ class ModelConfig(_Strict):
     input: list[InputSpec] = Field(min_length=1)
     output: list[OutputSpec] = Field(min_length=1)
     warmup: Warmup = Field(default_factory=Warmup)
+    faults: Faults = Field(default_factory=Faults)
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field(
         "off",
         description="torch.compile the model with this mode (reduce-overhead: CUDA graphs; "

@@ -17,6 +17,7 @@ Exception that fails that item alone.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorserve.errors import ModelFailure
+from tensorserve.errors import BatchOutOfMemory, ModelFailure
 from tensorserve.repository.config import ModelConfig, OutputSpec
 from tensorserve.runtime.device import DeviceContext
 from tensorserve.tensors.dtypes import from_torch
@@ -80,7 +81,21 @@ class ThreadExecutor:
         self._contexts[instance].enter_thread()
 
     def launch(self, features: dict[str, torch.Tensor], instance: int) -> Launched:
-        """Queue the batch on the device (on a CPU this runs it to the end)."""
+        """Queue the batch on the device (on a CPU this runs it to the end).
+        Out of memory: the caches are freed, then ``BatchOutOfMemory`` (the
+        batcher splits the batch and lowers its ceiling)."""
+        try:
+            return self._launch(features, instance)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            reason = f"{type(exc).__name__}: {exc}"
+        # Outside the handler: the exception's frames (and the tensors they
+        # hold) are gone before the caches are emptied.
+        free_memory(self.device)
+        raise BatchOutOfMemory(reason)
+
+    def _launch(self, features: dict[str, torch.Tensor], instance: int) -> Launched:
         context = self._contexts[instance]
         with context.running():
             result = self.fn(**context.to_device(features))
@@ -113,6 +128,23 @@ class ThreadExecutor:
 
     def close(self) -> None:
         """Nothing to release: the model threads belong to the batcher."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's CUDA (and MPS) out-of-memory error, or the CPU allocator's."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
+def free_memory(device: torch.device) -> None:
+    """Give back what a failed batch left: garbage, then the CUDA cache."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def named_outputs(result: Any, outputs: list[OutputSpec]) -> Mapping[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorserve.errors import ConfigError, as_model_failure
+from tensorserve.errors import BatchOutOfMemory, ConfigError, RowErrors, as_model_failure
 from tensorserve.repository.config import ModelConfig, parse_config
 from tensorserve.repository.loader import ModelSource, load_model
 from tensorserve.runtime import ipc
@@ -71,6 +71,10 @@ def _run_batch(
             else:
                 tensors.update({f"{i}/{key}": value for key, value in result.items()})
         return {"items": len(executed.per_item), "failed": failed, "seconds": seconds}, tensors
+    except BatchOutOfMemory as exc:  # the server splits the batch and lowers its ceiling
+        return {"error": exc.message, "kind": "oom"}, {}
+    except RowErrors as exc:  # some rows failed: the server runs the others again
+        return {"error": str(exc), "kind": "rows", "rows": sorted(exc.errors.items())}, {}
     except Exception as exc:  # the model failed: this batch only
         return {"error": as_model_failure(exc, name).message}, {}
 

@@ -54,6 +54,12 @@ from tensorserve.runtime.executor import ThreadExecutor, on_device
 from tensorserve.runtime.isolated import ProcessExecutor
 from tensorserve.runtime.placement import PlacedExecutor, placed_thread_executor, resolve_placement
 
+def _watchdog_seconds(watchdog_ms: float | str) -> float | str | None:
+    if watchdog_ms == "auto":
+        return "auto"
+    return float(watchdog_ms) / 1000 or None
+
+
 Item = Mapping[str, Any]
 Result = dict[str, np.ndarray]
 
@@ -111,6 +117,8 @@ class ServedModel:
             policy=make_policy(batching.policy, batching.max_batch_tokens),
             max_queue_size=batching.max_queue_size,
             max_batch_elements=batching.max_batch_elements,
+            split_failed_batches=config.faults.split_failed_batches,
+            watchdog_s=_watchdog_seconds(config.faults.watchdog_ms),
         )
         self.batcher = Batcher(
             executor,
@@ -210,6 +218,12 @@ class ServedModel:
         # Not on the loop's thread: a batch the loop drives itself (a worker
         # process's direct path) must be able to finish while close() waits.
         await asyncio.to_thread(self.close)
+
+    def health(self) -> str | None:
+        """Why the model cannot run a batch now (None: it can): every worker
+        down, or every instance stuck in a batch (docs/reliability.md)."""
+        health = getattr(self.executor, "health", None)
+        return self.batcher.pipeline.health() or (health() if health is not None else None)
 
     # ------------------------------------------------------------------ inference
     def validate(self, items: Sequence[Item]) -> list[dict[str, np.ndarray]]:

@@ -89,8 +89,28 @@ class ModelRegistry:
 
     @property
     def all_ready(self) -> bool:
-        return all(e.state is ModelState.READY for e in self.entries.values()
-                   if e.state is not ModelState.UNAVAILABLE)
+        return not self.not_ready()
+
+    def not_ready(self) -> dict[str, str]:
+        """Why each model that should serve cannot run a batch now (empty: the
+        server is ready). A model unloaded through the API is not expected to
+        serve; one that failed to load, is loading, or whose workers are all
+        down or stuck is."""
+        problems = {}
+        for entry in self.entries.values():
+            if entry.state in (ModelState.UNAVAILABLE, ModelState.UNLOADING):
+                continue
+            why = self.health(entry)
+            if why is not None:
+                problems[entry.name] = why
+        return problems
+
+    @staticmethod
+    def health(entry: ModelEntry) -> str | None:
+        """Why this model cannot run a batch now (None: it can)."""
+        if entry.state is not ModelState.READY or entry.served is None:
+            return f"{entry.state.value}: {entry.reason}" if entry.reason else entry.state.value
+        return entry.served.health()
 
     def index(self) -> list[dict[str, Any]]:
         self._rescan()

@@ -1,0 +1,173 @@
+"""A batch that failed as a whole: what to answer now and what to run again,
+so that a fault stays with the items that cause it.
+
+    the model raised RowErrors      those rows fail; the other rows run again
+    the worker died before running  the batch runs again whole, on the replacement
+      it (a batch queued behind     (at most MAX_RERUNS times per item)
+      the one that killed it)
+    out of memory                   the memory ceiling drops, the batch runs again
+                                    in halves; an item that does not fit alone fails
+                                    with OutOfMemory (its padded size, the ceiling)
+    anything else: a poisoned item, the batch runs again in halves, until every
+      a crash, the watchdog         failure is pinned on an item that fails alone
+                                    (an item whose worker died running it alone runs
+                                    once more, unless it was in a crashed batch before)
+
+Splitting in halves costs about 2*log2(B) extra runs for one bad item in a
+batch of B (each level runs two halves, one of which is good). With the
+per-model switch ``[faults] split_failed_batches = false`` the whole batch
+fails, as every other batching server does.
+
+This module only plans: no threads, no futures. The pipeline runs the
+retries before any new batch (``Pipeline.retries``) and settles the outcomes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tensorserve.batching.admission import Outcome, Pending
+from tensorserve.batching.results import Batch
+from tensorserve.batching.stats import BatchStats
+from tensorserve.errors import (
+    BatchOutOfMemory,
+    ModelFailure,
+    OutOfMemory,
+    RowErrors,
+    TensorServeError,
+    WorkerCrashed,
+)
+
+# A batch whose worker died before running it is sent again whole; an item
+# caught in that more often than this fails (a worker that keeps dying).
+MAX_RERUNS = 3
+
+
+@dataclass
+class Plan:
+    outcomes: list[Outcome] = field(default_factory=list)  # settle these now
+    retries: list[list[Pending]] = field(default_factory=list)  # run each again, alone
+
+
+class MemoryCeiling:
+    """A learned bound on one batch's padded elements: halved below a batch
+    that ran out of memory, raised again slowly (by ``GROWTH`` after every
+    ``GROW_AFTER`` batches that fit) so one bad moment does not shrink the
+    model's batches forever. The queue forms batches under it."""
+
+    GROW_AFTER = 32
+    GROWTH = 1.25
+
+    def __init__(self) -> None:
+        self.limit: int | None = None  # None: nothing learned yet
+        self._fitted = 0
+
+    def ran_out(self, padded_elements: int) -> None:
+        below = max(1, padded_elements // 2)
+        self.limit = below if self.limit is None else min(self.limit, below)
+        self._fitted = 0
+
+    def fitted(self) -> bool:
+        """A batch fit; True when the limit just went up."""
+        if self.limit is None:
+            return False
+        self._fitted += 1
+        if self._fitted < self.GROW_AFTER:
+            return False
+        self._fitted = 0
+        self.limit = int(self.limit * self.GROWTH) + 1
+        return True
+
+
+class Recovery:
+    def __init__(self, name: str, split: bool, stats: BatchStats) -> None:
+        self.name = name
+        self.split = split
+        self.stats = stats
+        self.ceiling = MemoryCeiling()
+
+    def plan(self, batch: Batch) -> Plan | None:
+        """None: the batch ends as usual (``BatchResults.outcomes``)."""
+        error, entries = batch.error, batch.entries
+        if error is None:
+            return None
+        if isinstance(error, RowErrors):
+            return self._rows(entries, error)
+        if isinstance(error, WorkerCrashed) and not error.ran:
+            return self._rerun(entries, error)
+        if isinstance(error, BatchOutOfMemory):
+            padded = batch.padded.padded_elements if batch.padded is not None else 0
+            self.ceiling.ran_out(padded)
+            if len(entries) == 1:
+                return Plan([(entries[0], self._too_large(padded, error), True)])
+        if isinstance(error, WorkerCrashed):
+            for entry in entries:
+                entry.crashes += 1
+            if len(entries) == 1:
+                return self._crashed_alone(entries[0], error)
+        if len(entries) == 1:
+            return None  # the model's own error, for this item alone
+        if not self.split:
+            return None
+        half = len(entries) // 2
+        self.stats.record_recovery("oom" if isinstance(error, BatchOutOfMemory) else "split")
+        return Plan(retries=[entries[:half], entries[half:]])
+
+    def _rows(self, entries: list[Pending], error: RowErrors) -> Plan:
+        bad = sorted(error.errors)
+        if not bad or bad[0] < 0 or bad[-1] >= len(entries):
+            failure = ModelFailure(
+                f"model {self.name!r} raised RowErrors for rows {bad} of a batch of "
+                f"{len(entries)} rows"
+            )
+            return Plan([(entry, failure, True) for entry in entries])
+        self.stats.record_recovery("rows")
+        plan = Plan()
+        for row, entry in enumerate(entries):
+            if row in error.errors:
+                failure = ModelFailure(f"model {self.name!r} failed this item: {error.errors[row]}")
+                plan.outcomes.append((entry, failure, True))
+        rest = [entry for row, entry in enumerate(entries) if row not in error.errors]
+        if rest:
+            plan.retries.append(rest)
+        return plan
+
+    def _rerun(self, entries: list[Pending], error: WorkerCrashed) -> Plan:
+        plan = Plan()
+        again = []
+        for entry in entries:
+            entry.reruns += 1
+            if entry.reruns > MAX_RERUNS:
+                plan.outcomes.append((entry, error, True))
+            else:
+                again.append(entry)
+        if again:
+            self.stats.record_recovery("rerun")
+            plan.retries.append(again)
+        return plan
+
+    def _too_large(self, padded: int, error: BaseException) -> TensorServeError:
+        return OutOfMemory(
+            f"model {self.name!r}: this item does not fit in memory even alone: it pads to "
+            f"{padded} elements, and batches now form under {self.ceiling.limit} elements "
+            f"({error}); send a smaller item"
+        )
+
+    def _crashed_alone(self, entry: Pending, error: WorkerCrashed) -> Plan:
+        """A worker died running this item alone. The first time (a lone
+        request: the worker may have died of something else) it runs once
+        more; an item already in two crashed batches is the cause."""
+        if entry.crashes < 2:
+            self.stats.record_recovery("rerun")
+            return Plan(retries=[[entry]])
+        if error.watchdog:
+            failure = ModelFailure(
+                f"model {self.name!r}: this item alone ran longer than the watchdog allows, "
+                f"so its worker process was killed ({error.message})"
+            )
+        else:
+            failure = ModelFailure(
+                f"model {self.name!r}: this item crashed the model's worker process "
+                f"({error.message}); it is not retried"
+            )
+        return Plan([(entry, failure, True)])
