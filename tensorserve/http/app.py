@@ -12,8 +12,8 @@ from aiohttp import web
 
 from tensorserve.http import handlers, infer, repository
 from tensorserve.http.errors import error_middleware
-from tensorserve.http.keys import METRICS, REGISTRY, SETTINGS
-from tensorserve.http.logs import install_request_ids
+from tensorserve.http.keys import LOG_LIMIT, METRICS, REGISTRY, SETTINGS
+from tensorserve.http.logs import RateLimit, install_request_ids
 from tensorserve.http.observe import observe_middleware
 from tensorserve.metrics import CONTENT_TYPE, Metrics
 from tensorserve.serving.registry import ModelRegistry
@@ -68,6 +68,7 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
     app[SETTINGS] = settings
     app[REGISTRY] = registry
     app[METRICS] = Metrics(registry)
+    app[LOG_LIMIT] = RateLimit()
     _routes(app)
 
     async def models(app: web.Application) -> AsyncIterator[None]:

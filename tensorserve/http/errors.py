@@ -19,13 +19,11 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from tensorserve import errors
-from tensorserve.http.keys import REQUEST_INFO, RequestInfo
-from tensorserve.http.logs import RateLimit
+from tensorserve.http.keys import LOG_LIMIT, REQUEST_INFO, RequestInfo
 from tensorserve.metrics.requests import rejection_reason
 from tensorserve.wire import native
 
 log = logging.getLogger(__name__)
-_client_errors = RateLimit()  # 4xx and rejections: a few lines per code every 10 s
 
 STATUS = {
     errors.InvalidInput.code: 400,
@@ -76,7 +74,7 @@ def log_error(
     if status >= 500 and rejection_reason(code, status) is None:
         log.error("%s -> %d %s: %s", where, status, code, message, exc_info=exc)
         return
-    allowed, dropped = _client_errors.allow(code)
+    allowed, dropped = request.app[LOG_LIMIT].allow(code)  # a few lines per code every 10 s
     if allowed:
         more = f" ({dropped} more since the last line)" if dropped else ""
         log.warning("%s -> %d %s: %s%s", where, status, code, message, more)

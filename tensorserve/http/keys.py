@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from tensorserve.http.logs import RateLimit
 from tensorserve.metrics import Metrics
 from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
@@ -15,6 +16,8 @@ from tensorserve.settings import Settings
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", ModelRegistry)
 METRICS = web.AppKey("metrics", Metrics)
+# Lines a client can cause (4xx, rejections, disconnects): per app, per code.
+LOG_LIMIT = web.AppKey("log_limit", RateLimit)
 
 
 @dataclass(slots=True)

@@ -20,8 +20,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from tensorserve.http.keys import METRICS, REGISTRY, REQUEST_INFO, SETTINGS, RequestInfo
-from tensorserve.http.logs import HEADER, REQUEST_ID, RateLimit, request_id_from
+from tensorserve.http.keys import LOG_LIMIT, METRICS, REGISTRY, REQUEST_INFO, SETTINGS, RequestInfo
+from tensorserve.http.logs import HEADER, REQUEST_ID, request_id_from
 from tensorserve.metrics.requests import DISCONNECT, OK, UNKNOWN_MODEL
 
 access_log = logging.getLogger("tensorserve.access")
@@ -29,7 +29,6 @@ log = logging.getLogger("tensorserve.http")
 
 PROBES = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
 DISCONNECT_STATUS = 499  # nginx's "client closed request", for the access log only
-_disconnects = RateLimit()
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -83,7 +82,7 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
         try:
             response = await handler(request)
         except asyncio.CancelledError:
-            allowed, dropped = _disconnects.allow(DISCONNECT)
+            allowed, dropped = request.app[LOG_LIMIT].allow(DISCONNECT)
             if allowed:
                 more = f" ({dropped} more since the last line)" if dropped else ""
                 log.info("%s %s: the client disconnected before the answer%s",

@@ -73,6 +73,15 @@ def _sum_counters(stats: list[BatchStats]) -> dict[str, float]:
     return totals
 
 
+def _sum_recoveries(stats: list[BatchStats]) -> dict[str, int]:
+    totals: dict[str, int] = {}
+    for one in stats:
+        with one._lock:
+            for kind, count in getattr(one, "recoveries", {}).items():
+                totals[kind] = totals.get(kind, 0) + count
+    return totals
+
+
 def _sum_histograms(stats: list[BatchStats]) -> dict[str, Buckets]:
     merged: dict[str, Buckets] = {}
     for one in stats:
@@ -112,6 +121,13 @@ class BatchingCollector(Collector):
         counters = {
             name: CounterMetricFamily(metric, text, labels=labels) for name, metric, text in COUNTERS
         }
+        recoveries = CounterMetricFamily(
+            "tensorserve_batch_recoveries",
+            "Failed batches answered by splitting or re-running them, by kind (split: a "
+            "poison, a crash or the watchdog; rows: RowErrors; rerun: a worker died before "
+            "running it; oom: out of memory).",
+            labels=[*labels, "kind"],
+        )
         restarts = CounterMetricFamily(
             "tensorserve_worker_restarts", "Worker processes started again after one died.",
             labels=labels,
@@ -128,12 +144,15 @@ class BatchingCollector(Collector):
             for name, family in counters.items():
                 family.add_metric(key, totals[name])
             restarts.add_metric(key, sum(seen.restarts.values()))
+            for kind, count in sorted(_sum_recoveries(stats).items()):
+                recoveries.add_metric([*key, kind], count)
             for name, buckets in _sum_histograms(stats).items():
                 histograms[name].add_metric(key, buckets.cumulative(), buckets.total)
             served = current.get(key)
             depth.add_metric(key, served.batcher.queue_depth if served is not None else 0)
         yield from counters.values()
         yield restarts
+        yield recoveries
         yield from histograms.values()
         yield depth
         yield from self._model_families()
