@@ -91,7 +91,10 @@ class Settings(BaseSettings):
     )
 
     intra_op_threads: int | None = Field(
-        None, ge=1, description="torch intra-op threads per model thread (unset: cores - 1)."
+        None,
+        ge=1,
+        description="torch intra-op threads per model thread (unset: the CPUs this process may "
+        "use, counting a container's CPU quota, less one).",
     )
     switch_interval_ms: float = Field(
         0.1,
