@@ -8,10 +8,12 @@ so that a fault stays with the items that cause it.
     out of memory                   the memory ceiling drops, the batch runs again
                                     in halves; an item that does not fit alone fails
                                     with OutOfMemory (its padded size, the ceiling)
-    anything else: a poisoned item, the batch runs again in halves, until every
-      a crash, the watchdog         failure is pinned on an item that fails alone
-                                    (an item whose worker died running it alone runs
-                                    once more, unless it was in a crashed batch before)
+    the worker died running it      each item runs again alone (a crash costs a
+      (a crash, the watchdog)       worker, a run only a forward): only the item that
+                                    kills its worker alone fails (a lone item whose
+                                    worker died runs once more: it may not be the cause)
+    anything else: a poisoned item  the batch runs again in halves, until every
+                                    failure is pinned on an item that fails alone
 
 Splitting in halves costs about 2*log2(B) extra runs for one bad item in a
 batch of B (each level runs two halves, one of which is good). With the
@@ -109,6 +111,12 @@ class Recovery:
             return None  # the model's own error, for this item alone
         if not self.split:
             return None
+        if isinstance(error, WorkerCrashed):
+            # A crash costs a worker (a standby swap, or a model load), a run
+            # costs a forward: one item at a time, so the item that kills its
+            # worker does so once more, alone, instead of log2(B) times.
+            self.stats.record_recovery("singles")
+            return Plan(retries=[[entry] for entry in entries])
         half = len(entries) // 2
         self.stats.record_recovery("oom" if isinstance(error, BatchOutOfMemory) else "split")
         return Plan(retries=[entries[:half], entries[half:]])

@@ -118,7 +118,10 @@ class Watchdog:
             p.name, len(batch.entries), ran_s, batch.instance, limit,
         )
         abort = getattr(p.executor, "abort", None)
-        if abort is not None and abort(batch.instance, f"the batch ran longer than {limit:g} s"):
+        launched = batch.launched
+        if abort is not None and launched is not None and abort(
+            launched, f"the batch ran longer than {limit:g} s"
+        ):
             return  # the worker is killed: the batch fails as a crash and is retried split
         error = ModelFailure(
             f"model {p.name!r}: the batch ran longer than the watchdog's {limit:g} s and was "

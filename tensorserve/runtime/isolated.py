@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,7 @@ class ProcessExecutor:
             for i in range(config.instance_count)
         ]
         self.standby = Standby(self.hello, self.label) if config.faults.standby_worker else None
+        self._replacing = [threading.Lock() for _ in self.workers]
 
     def start(self) -> None:
         try:
@@ -125,21 +127,30 @@ class ProcessExecutor:
         return Sent(instance, worker, worker.submit(_host(features)))
 
     def collect(self, sent: Sent) -> Executed:
-        try:
-            message = sent.worker.receive(sent.ticket)
-        except WorkerCrashed:
-            self._replace(sent.instance)  # at once: the retries and readiness need it
-            raise
-        return self._executed(message)
+        return self._executed(sent.worker.receive(sent.ticket))
 
-    def abort(self, instance: int, because: str) -> bool:
-        """The watchdog: kill the instance's worker (its batch then fails as a crash)."""
-        self.workers[instance].kill(because)
+    def repair(self, instance: int) -> None:
+        """After a failed batch: a dead worker is replaced at once (not at the
+        next batch), so the model is ready again without waiting for traffic."""
+        try:
+            self._replace(instance)
+        except ModelFailure as exc:  # the next batch tries again, and says why
+            log.error("%s", exc)
+
+    def abort(self, sent: Sent, because: str) -> bool:
+        """The watchdog: kill the worker running this batch, so it fails as a
+        crash (a worker already replaced, or being replaced, is left alone)."""
+        if sent.worker.generation == sent.ticket:
+            sent.worker.kill(because)
         return True
 
     def _replace(self, instance: int) -> WorkerProcess:
         """An up worker for the instance: the standby if one is loaded (a
         swap), else a new one (a full model load, on this model thread)."""
+        with self._replacing[instance]:  # a model thread and a loop's repair may race
+            return self._replace_locked(instance)
+
+    def _replace_locked(self, instance: int) -> WorkerProcess:
         old = self.workers[instance]
         if old.alive:
             return old  # replaced already (a batch behind the dead one)
@@ -179,6 +190,8 @@ class ProcessExecutor:
         def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
             if message is None:
                 done(None, error)
+                if isinstance(error, WorkerCrashed):  # replace it off the loop
+                    loop.run_in_executor(None, self.repair, sent.instance)
                 return
             try:
                 executed = self._executed(message)

@@ -283,7 +283,12 @@ class Standby:
             worker.stop()  # closed while it loaded
 
     def take(self) -> WorkerProcess | None:
-        """The loaded spare (None if it is not ready yet); a new one starts loading."""
+        """The loaded spare (waiting for one that is loading: it is further
+        along than a new start would be); a new one starts loading."""
+        with self._lock:
+            thread = self._thread if self._loading is not None else None
+        if thread is not None:
+            thread.join(LOAD_TIMEOUT_S)
         with self._lock:
             spare, self._ready = self._ready, None
         if spare is not None and not spare.alive:
