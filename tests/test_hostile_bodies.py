@@ -1,0 +1,288 @@
+"""Property test: no body, however malformed, gets a 5xx or hangs, on either
+protocol, and the server still answers a correct request afterwards.
+
+The bodies are structurally plausible (a native ``{"items": [...]}`` map, a
+KServe v2 ``{"inputs": [...]}`` object, tensors with dtype, shape and data)
+with hostile leaves anywhere: a wrong type where a name, dtype, shape or
+parameter belongs (lists and maps included), unknown dtypes, impossible or
+huge shapes, data that disagrees with its shape, non-finite and huge
+numbers, junk keys. Bounded (``max_examples``) so it costs a few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tensorserve.http.app import create_app
+from tensorserve.settings import Settings
+from tensorserve.tensors.dtypes import DTYPES
+from tests.helpers import MSGPACK, write_toy_model
+
+MODEL = """
+    import torch
+
+    class Model(torch.nn.Module):
+        def forward(self, ids, real):  # each feature has its own length
+            return ids.float() * 10 + real.sum(dim=1, keepdim=True)
+"""
+CONFIG: dict[str, Any] = {
+    "max_batch_size": 8,
+    "dynamic_batching": {"max_queue_delay_ms": 0.0},
+    "inputs": {
+        "ids": {"dtype": "int64", "shape": [-1], "max_length": 64},
+        "real": {"dtype": "float32", "shape": [-1], "max_length": 64},
+    },
+    "outputs": {"y": {"dtype": "float32", "shape": [-1]}},
+    "warmup": {"enabled": False},
+}
+ROUTE = "/v2/models/m/infer"
+ANSWER_WITHIN_S = 10.0  # far above any honest answer: past it, the server hung
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,  # the per-request bound is ANSWER_WITHIN_S
+    database=None,
+    # One app for every example, on purpose: it must survive them all.
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+# ---------------------------------------------------------------------- strategies
+NAMES = ["ids", "real", "y", "", "IDS", "x" * 300]
+DTYPE_NAMES = [*DTYPES, "int46", "float", "BYTES", "object", "<f4"]
+V2_NAMES = [*(dt.v2 for dt in DTYPES.values()), "BYTES", "FP8", "int64", ""]
+# msgpack holds integers from -2**63 to 2**64 - 1; JSON holds any.
+NUMBERS = st.one_of(
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, -1, 1, 2**63, 2**64 - 1, 1e300, -0.0]),
+)
+SCALARS = st.one_of(st.none(), st.booleans(), NUMBERS, st.text(max_size=6))
+# Anything at all: what a hostile leaf may be, nested a little.
+JUNK = st.recursive(
+    SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
+    max_leaves=6,
+)
+
+
+def hostile(
+    plausible: st.SearchStrategy[Any], junk: st.SearchStrategy[Any] = JUNK
+) -> st.SearchStrategy[Any]:
+    """The plausible value, or one time in eight anything: rare enough per
+    field that most bodies get deep before something is wrong."""
+    return st.integers(0, 7).flatmap(lambda n: junk if n == 3 else plausible)
+
+
+SHAPES = st.lists(
+    st.one_of(st.integers(0, 6), st.sampled_from([-1, 64, 65, 2**31, 2**62]), JUNK),
+    max_size=4,
+)
+# Values a feature may hold: right for it, of the other kind, out of range,
+# ragged, empty, too long (max_length is 64).
+VALUES = {
+    "ids": st.lists(st.integers(0, 1000), min_size=1, max_size=6),
+    "real": st.lists(st.floats(-1e3, 1e3, width=32), min_size=1, max_size=6),
+}
+BAD_VALUES = st.one_of(
+    st.lists(NUMBERS, max_size=6),
+    st.lists(st.lists(NUMBERS, max_size=3), max_size=3),
+    st.lists(st.booleans(), max_size=4),
+    st.just(list(range(65))),
+)
+DTYPE_OF = {"ids": "int64", "real": "float32"}
+
+
+def as_array(values: Any, dtype: str, otherwise: tuple[int, ...]) -> np.ndarray:
+    """The bytes a client would send for ``values`` (zeros where numpy cannot)."""
+    try:
+        with np.errstate(all="ignore"):  # an overflowing cast is fine: it is hostile data
+            return np.asarray(values, dtype)
+    except (ValueError, TypeError, OverflowError):
+        return np.zeros(otherwise, dtype)
+
+
+@st.composite
+def native_tensor(draw: st.DrawFn, name: str) -> Any:
+    """A feature as a plain list, or typed (dtype, shape, raw bytes), each
+    part of it possibly wrong or missing."""
+    values = draw(st.one_of(VALUES[name], VALUES[name], BAD_VALUES))
+    if draw(st.booleans()):
+        return values
+    dtype = draw(hostile(st.sampled_from([DTYPE_OF[name]] * 4 + DTYPE_NAMES)))
+    raw = as_array(values, DTYPE_OF[name], (3,))
+    data = raw.tobytes()
+    tensor = {
+        "dtype": dtype,
+        "shape": draw(hostile(st.just(list(raw.shape)), SHAPES | JUNK)),
+        "data": draw(hostile(st.just(data), st.binary(max_size=48) | JUNK)),
+    }
+    for key in draw(st.sets(st.sampled_from(["dtype", "shape", "data"]), max_size=1)):
+        if draw(st.integers(0, 7)) == 3:
+            del tensor[key]
+    return tensor
+
+
+@st.composite
+def native_item(draw: st.DrawFn) -> Any:
+    item = {name: draw(hostile(native_tensor(name))) for name in ("ids", "real")}
+    if draw(st.integers(0, 7)) == 3:
+        del item[draw(st.sampled_from(["ids", "real"]))]
+    if draw(st.integers(0, 7)) == 3:
+        item[draw(st.sampled_from(NAMES))] = draw(JUNK)
+    return item
+
+
+@st.composite
+def native_body(draw: st.DrawFn) -> bytes:
+    if draw(st.integers(0, 15)) == 3:
+        return draw(st.binary(max_size=40))  # not msgpack at all, now and then
+    message: dict[str, Any] = {
+        "items": draw(hostile(st.lists(hostile(native_item()), min_size=1, max_size=3)))
+    }
+    if draw(st.booleans()):
+        message["parameters"] = draw(
+            hostile(st.fixed_dictionaries({"timeout_ms": hostile(st.floats(1, 60_000))}))
+        )
+    if draw(st.integers(0, 3)) == 2:
+        message["id"] = draw(hostile(st.text(max_size=8)))
+    if draw(st.integers(0, 7)) == 3:
+        message[draw(st.text(max_size=5))] = draw(JUNK)
+    return msgpack.packb(draw(hostile(st.just(message))))
+
+
+@st.composite
+def oip_input(draw: st.DrawFn, name: str, rows: int) -> tuple[dict[str, Any], bytes]:
+    """One input (JSON data, or binary), and the bytes it puts after the header."""
+    width = draw(st.integers(1, 4))
+    values = draw(
+        st.one_of(
+            st.lists(VALUES[name], min_size=rows, max_size=rows),
+            st.lists(VALUES[name].map(lambda v: v[:1] * width), min_size=rows, max_size=rows),
+            BAD_VALUES,
+        )
+    )
+    array = as_array(values, DTYPE_OF[name], (rows, width))
+    tensor: dict[str, Any] = {
+        "name": draw(hostile(st.sampled_from([name] * 6 + NAMES))),
+        "datatype": draw(hostile(st.sampled_from([DTYPES[DTYPE_OF[name]].v2] * 6 + V2_NAMES))),
+        "shape": draw(hostile(st.just(list(array.shape)), SHAPES | JUNK)),
+    }
+    binary = b""
+    if draw(st.booleans()):
+        tensor["data"] = draw(hostile(st.just(values), BAD_VALUES | JUNK))
+    else:
+        binary = array.tobytes()
+        size = draw(hostile(st.just(len(binary)), st.integers(-4, 200)))
+        tensor["parameters"] = {"binary_data_size": size}
+    if draw(st.integers(0, 7)) == 3:
+        tensor.setdefault("parameters", {})["shared_memory_region"] = draw(JUNK)
+    if draw(st.integers(0, 7)) == 3:
+        del tensor[draw(st.sampled_from(["name", "datatype", "shape"]))]
+    return tensor, binary
+
+
+@st.composite
+def oip_body(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
+    rows = draw(st.integers(1, 3))
+    drawn = [draw(oip_input(name, rows)) for name in ("ids", "real")]
+    inputs = [tensor for tensor, _ in drawn]
+    if draw(st.integers(0, 7)) == 3:
+        inputs = inputs[: draw(st.integers(0, 1))] + draw(st.lists(JUNK, max_size=2))
+    message: dict[str, Any] = {"inputs": draw(hostile(st.just(inputs)))}
+    if draw(st.booleans()):
+        message["parameters"] = draw(
+            hostile(
+                st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "timeout": hostile(st.integers(0, 10**8)),
+                        "priority": hostile(st.integers(0, 3)),
+                        "binary_data_output": hostile(st.booleans()),
+                        "sequence_id": hostile(st.just(0)),
+                    },
+                )
+            )
+        )
+    if draw(st.booleans()):
+        output = st.fixed_dictionaries(
+            {"name": hostile(st.sampled_from(["y", "y", *NAMES]))},
+            optional={"parameters": hostile(st.fixed_dictionaries({"binary_data": st.booleans()}))},
+        )
+        message["outputs"] = draw(hostile(st.lists(hostile(output), max_size=2)))
+    if draw(st.integers(0, 3)) == 2:
+        message["id"] = draw(hostile(st.text(max_size=8)))
+    header = json.dumps(draw(hostile(st.just(message)))).encode()  # NaN, Infinity: JSON's extensions
+    binary = b"".join(part for _, part in drawn)
+    if not binary and draw(st.booleans()):
+        return header, {"Content-Type": "application/json"}
+    junk_length = st.integers(-5, 200) | st.text(alphabet="0123456789x -+.", max_size=4)
+    length = draw(hostile(st.just(len(header)), junk_length))
+    return header + binary, {"Inference-Header-Content-Length": str(length)}
+
+
+# ---------------------------------------------------------------------- the test
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("hostile")
+    write_toy_model(repo, "m", MODEL, **CONFIG)
+    return repo
+
+
+@pytest.fixture
+async def client(aiohttp_client: Any, repository: Path) -> Any:
+    return await aiohttp_client(
+        create_app(Settings(model_repository=repository), wait_for_models=True)
+    )
+
+
+async def post(client: Any, data: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    async def exchange() -> tuple[int, bytes]:
+        response = await client.post(ROUTE, data=data, headers=headers)
+        return response.status, await response.read()
+
+    return await asyncio.wait_for(exchange(), ANSWER_WITHIN_S)
+
+
+async def assert_still_serving(client: Any) -> None:
+    ids, real = [1, 2, 3], [0.5, 0.25, 0.0]
+    good = msgpack.packb({"items": [{"ids": ids, "real": real}]})
+    status, reply = await post(client, good, MSGPACK)
+    assert status == 200, reply
+    y = msgpack.unpackb(reply)["outputs"][0]["y"]
+    got = np.frombuffer(y["data"], dtype=y["dtype"]).reshape(y["shape"])
+    np.testing.assert_array_equal(got, np.array(ids) * 10 + np.float32(sum(real)))
+
+
+def assert_refused_or_served(status: int, reply: bytes, body: bytes) -> None:
+    assert status < 500, f"{status} {reply[:300]!r} for {body[:300]!r}"
+
+
+@FUZZ
+@given(body=native_body())
+async def test_native_bodies_never_get_a_5xx(client: Any, body: bytes) -> None:
+    status, reply = await post(client, body, MSGPACK)
+    assert_refused_or_served(status, reply, body)
+    await assert_still_serving(client)
+
+
+@FUZZ
+@given(request=oip_body())
+async def test_oip_bodies_never_get_a_5xx(
+    client: Any, request: tuple[bytes, dict[str, str]]
+) -> None:
+    body, headers = request
+    status, reply = await post(client, body, headers)
+    assert_refused_or_served(status, reply, body)
+    if status == 400:  # a refusal says why, in the protocol's error shape
+        assert json.loads(reply)["code"] == "invalid_input"
+    await assert_still_serving(client)
