@@ -221,7 +221,8 @@ def oip_body(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
         message["outputs"] = draw(hostile(st.lists(hostile(output), max_size=2)))
     if draw(st.integers(0, 3)) == 2:
         message["id"] = draw(hostile(st.text(max_size=8)))
-    header = json.dumps(draw(hostile(st.just(message)))).encode()  # NaN, Infinity: JSON's extensions
+    # NaN and Infinity as JSON's extensions write them.
+    header = json.dumps(draw(hostile(st.just(message)))).encode()
     binary = b"".join(part for _, part in drawn)
     if not binary and draw(st.booleans()):
         return header, {"Content-Type": "application/json"}

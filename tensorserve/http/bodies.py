@@ -43,6 +43,10 @@ async def _read_within(request: web.Request, timeout: float) -> bytes:
                 return await request.read()
         return await asyncio.wait_for(request.read(), timeout)  # pragma: no cover
     except asyncio.TimeoutError:
+        # Closed after the 408 (and aiohttp's lingering read of at most 10 s of
+        # what is left, so the client reads the 408 rather than a reset), even
+        # if the rest of the body arrives meanwhile.
+        request.protocol.close()
         raise web.HTTPRequestTimeout(
             text=f"the request body did not arrive within {timeout:g} s (body_timeout_s); "
             f"the connection is closed"
