@@ -1,4 +1,4 @@
-"""``tensorserve`` command line: ``serve`` (and ``bench``, see tensorserve/bench).
+"""``tensorserve`` command line: ``serve``, ``bench`` (tensorserve/bench) and ``top``.
 
 ``serve``'s flags are generated from ``Settings``: one per field, with its
 type, choices, description, default and environment variable, so a setting
@@ -140,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tensorserve.bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from tensorserve.top import add_parser as add_top_parser
+
+    add_top_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         try:
