@@ -326,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_outputs(result: Any, args: argparse.Namespace) -> None:
-    from tensorserve.bench.plots import matplotlib_available, write_plots
+    from tensorserve.bench.plots import matplotlib_available, run_context, write_plots
 
     result.settings["cli"] = {
         key: str(value) if isinstance(value, Path) else value
@@ -343,5 +343,5 @@ def _write_outputs(result: Any, args: argparse.Namespace) -> None:
             file=sys.stderr,
         )
         return
-    for png in write_plots(result.points, path, args.title):
+    for png in write_plots(result.points, path, args.title, run_context(result)):
         print(f"wrote {png}")

@@ -70,7 +70,7 @@ def test_lengths_file_is_honoured(in_process_run: tuple[int, Path]) -> None:
 )
 def test_plots_are_written_beside_the_json(in_process_run: tuple[int, Path]) -> None:
     _, output = in_process_run
-    for suffix in ("throughput", "latency", "batch_sizes"):
+    for suffix in ("throughput", "latency", "padding", "batch_sizes"):
         png = output.with_name(f"tagger_{suffix}.png")
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
