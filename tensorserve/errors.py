@@ -8,7 +8,8 @@ the response body. Nothing here knows about HTTP.
     ├── InvalidInput                 invalid_input     bad item: wrong dtype, shape, size
     ├── ModelNotFound                model_not_found   unknown model or version
     ├── ModelNotReady                model_not_ready   loading, failed to load, or unloading
-    ├── ServerBusy                   server_busy       a bounded queue is full
+    ├── ServerBusy                   server_busy       a bounded queue is full (retry later)
+    ├── RequestTooLarge              request_too_large more items than the queue can ever hold
     ├── DeadlineExceeded             deadline_exceeded the item waited longer than its timeout
     ├── ModelFailure                 model_failure     the model (or batch function) raised
     │   ├── WorkerCrashed            model_failure     its worker process died (or the watchdog killed it)
@@ -45,7 +46,21 @@ class ModelNotReady(TensorServeError):
 
 
 class ServerBusy(TensorServeError):
+    """A bounded queue is full: retry after ``retry_after`` seconds (an
+    estimate from the queue ahead and how fast it drains)."""
+
     code = "server_busy"
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTooLarge(TensorServeError):
+    """A request that could never be admitted, however long it waited (more
+    items than the model's queue holds): split it; retrying cannot help."""
+
+    code = "request_too_large"
 
 
 class DeadlineExceeded(TensorServeError):

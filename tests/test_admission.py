@@ -29,38 +29,38 @@ def make_queue(**options: object) -> AdmissionQueue:
 
 def test_a_request_is_admitted_whole_or_refused_whole() -> None:
     queue = make_queue(max_queue_size=4)
-    queue.admit([entry(1), entry(2), entry(3)])
+    queue.admit([entry(1), entry(2), entry(3)], 0.0)
     with pytest.raises(ServerBusy, match=r"model 'toy' queue is full \(3 items waiting, limit 4\)"):
-        queue.admit([entry(4), entry(5)])
+        queue.admit([entry(4), entry(5)], 0.0)
     assert len(queue) == 3  # nothing of the refused request got in
-    queue.admit([entry(4)])
+    queue.admit([entry(4)], 0.0)
     assert len(queue) == 4
 
 
 def test_eager_dispatch_is_due_at_once_and_an_empty_queue_never() -> None:
     queue = make_queue(dispatch="eager")
     assert queue.due_in(0.0, ahead=False, closing=False) == math.inf
-    queue.admit([entry(1)])
+    queue.admit([entry(1)], 0.0)
     assert queue.due_in(0.0, ahead=False, closing=False) == 0.0
 
 
 def test_timer_dispatch_waits_for_the_oldest_items_delay_or_a_full_batch() -> None:
     queue = make_queue(dispatch="timer", max_queue_delay_ms=10, max_batch_size=3)
-    queue.admit([entry(1, enqueued=100.0)])
+    queue.admit([entry(1, enqueued=100.0)], 0.0)
     assert queue.due_in(100.004, ahead=False, closing=False) == pytest.approx(0.006)
     assert queue.due_in(100.010, ahead=False, closing=False) == 0.0
     assert queue.due_in(100.004, ahead=False, closing=True) == 0.0  # closing: drain now
-    queue.admit([entry(2, enqueued=100.001), entry(3, enqueued=100.002)])
+    queue.admit([entry(2, enqueued=100.001), entry(3, enqueued=100.002)], 0.0)
     assert queue.due_in(100.004, ahead=False, closing=False) == 0.0  # full
 
 
 def test_ahead_of_a_busy_device_only_a_batch_that_cannot_grow_is_due() -> None:
     queue = make_queue(max_batch_size=4)
-    queue.admit([entry(1), entry(1)])
+    queue.admit([entry(1), entry(1)], 0.0)
     assert queue.due_in(0.0, ahead=True, closing=False) == math.inf
     assert queue.take(0.0, leave_growing=True) == []  # could still grow: left waiting
     assert len(queue) == 2
-    queue.admit([entry(1), entry(1)])
+    queue.admit([entry(1), entry(1)], 0.0)
     assert queue.due_in(0.0, ahead=True, closing=False) == 0.0
 
 
@@ -68,7 +68,7 @@ def test_a_batch_the_budget_cut_short_is_taken_even_when_it_could_grow() -> None
     # A budget of 20 padded tokens: two items of 10 fit, three do not.
     queue = make_queue(max_batch_size=8, policy=make_policy("fifo", 20))
     items = [entry(10) for _ in range(3)]
-    queue.admit(items)
+    queue.admit(items, 0.0)
     assert queue.take(0.0, leave_growing=True) == items[:2]
     assert queue.take(0.0, leave_growing=True) == []  # the last one alone could grow
     assert queue.take(0.0) == items[2:]
@@ -77,7 +77,7 @@ def test_a_batch_the_budget_cut_short_is_taken_even_when_it_could_grow() -> None
 def test_the_element_cap_leaves_the_newest_items_waiting() -> None:
     queue = make_queue(max_batch_size=8, max_batch_elements=30)
     items = [entry(5), entry(10), entry(7), entry(6)]
-    queue.admit(items)
+    queue.admit(items, 0.0)
     assert queue.take(0.0) == items[:3]  # 3 x 10 = 30 fits; 4 x 10 would not
     assert queue.take(0.0) == items[3:]
     assert queue.take(0.0) == []
@@ -85,14 +85,14 @@ def test_the_element_cap_leaves_the_newest_items_waiting() -> None:
 
 def test_one_item_always_fits_the_element_cap() -> None:
     queue = make_queue(max_batch_elements=4)
-    queue.admit([entry(100)])
+    queue.admit([entry(100)], 0.0)
     assert [e.volume for e in queue.take(0.0)] == [100]
 
 
 def test_the_length_aware_policy_groups_similar_lengths_and_an_overdue_item_goes_first() -> None:
     queue = make_queue(max_batch_size=2, max_queue_delay_ms=5, policy=make_policy("length_aware", None))
     old, a, b, c = entry(100, enqueued=0.0), entry(3, 0.001), entry(90, 0.002), entry(4, 0.003)
-    queue.admit([old, a, b, c])
+    queue.admit([old, a, b, c], 0.0)
     # Not overdue yet: the two short ones form the tightest batch.
     assert queue.take(0.002) == [a, c]
     # Now the oldest is overdue: it must be in the batch.
@@ -102,7 +102,7 @@ def test_the_length_aware_policy_groups_similar_lengths_and_an_overdue_item_goes
 def test_put_back_returns_entries_to_the_head_in_order() -> None:
     queue = make_queue(max_batch_size=2)
     items = [entry(i) for i in range(1, 5)]
-    queue.admit(items)
+    queue.admit(items, 0.0)
     taken = queue.take(0.0)
     queue.put_back(taken)
     assert queue.drain() == items

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
-from tensorserve.errors import DeadlineExceeded, ServerBusy, TensorServeError
+from tensorserve.errors import DeadlineExceeded, RequestTooLarge, ServerBusy, TensorServeError
 
 # How far into the queue a policy looks (a multiple of max_batch_size): enough
 # to find items of similar length, bounded so selection stays cheap.
@@ -47,6 +48,31 @@ class BatcherOptions:
         if self.max_queue_delay_ms < 0:
             raise ValueError("max_queue_delay_ms must be >= 0")
         self.max_batch_size = max(1, self.max_batch_size)
+
+
+class DrainRate:
+    """How fast the queue empties: items taken over the last ``WINDOW_S``, for
+    the ``Retry-After`` of a refusal (clamped to ``RETRY_AFTER_S``)."""
+
+    WINDOW_S = 10.0
+    RETRY_AFTER_S = (1.0, 60.0)
+
+    def __init__(self) -> None:
+        self._taken: deque[tuple[float, int]] = deque()
+
+    def taken(self, count: int, now: float) -> None:
+        self._taken.append((now, count))
+        while self._taken and self._taken[0][0] < now - self.WINDOW_S:
+            self._taken.popleft()
+
+    def seconds_for(self, items: int, now: float) -> float:
+        """When ``items`` more will have left the queue, at the recent rate."""
+        low, high = self.RETRY_AFTER_S
+        recent = [count for at, count in self._taken if at >= now - self.WINDOW_S]
+        if not recent:
+            return low  # nothing measured yet
+        span = max(now - self._taken[0][0], 1.0)
+        return min(high, max(low, items / (sum(recent) / span)))
 
 
 @dataclass(eq=False)
@@ -90,6 +116,7 @@ class AdmissionQueue:
         self.name = name
         self._padded_elements = padded_elements  # of a batch of these items (collate)
         self._waiting: list[Pending] = []
+        self.drain_rate = DrainRate()
         # A ceiling on padded elements learned from out-of-memory failures
         # (batching.recovery.MemoryCeiling), below the configured cap.
         self.memory_limit: int | None = None
@@ -97,15 +124,43 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def admit(self, entries: Sequence[Pending]) -> None:
-        """Queue a request's entries, all or none."""
+    def admit(self, entries: Sequence[Pending], now: float) -> None:
+        """Queue a request's entries, all or none: ``RequestTooLarge`` if they
+        could never fit, ``ServerBusy`` (with a retry estimate) if not now.
+        Only live items count: those whose caller left or whose deadline
+        passed are dropped first."""
         limit = self.options.max_queue_size
+        if len(entries) > limit:
+            raise RequestTooLarge(
+                f"model {self.name!r}: a request of {len(entries)} items can never be queued "
+                f"(the queue holds at most {limit}); send at most {limit} items per request"
+            )
         if len(self._waiting) + len(entries) > limit:
+            self.withdraw(self.gone(now))
+        if len(self._waiting) + len(entries) > limit:
+            ahead = len(self._waiting) + len(entries) - limit
             raise ServerBusy(
                 f"model {self.name!r} queue is full ({len(self._waiting)} items waiting, "
-                f"limit {limit}); retry later"
+                f"limit {limit}); retry later",
+                retry_after=self.drain_rate.seconds_for(ahead, now),
             )
         self._waiting.extend(entries)
+
+    def gone(self, now: float) -> list[Pending]:
+        """Waiting entries nobody waits for: cancelled, or past their deadline
+        (their callers have had their answer: ``infer_many`` gave up)."""
+        return [
+            p for p in self._waiting
+            if p.future.cancelled() or (p.deadline is not None and now > p.deadline)
+        ]
+
+    def withdraw(self, entries: Sequence[Pending]) -> None:
+        """Remove these entries if they still wait (a caller that left, or
+        timed out): their slots are free at once."""
+        if not entries:
+            return
+        leaving = {id(p) for p in entries}
+        self._waiting = [p for p in self._waiting if id(p) not in leaving]
 
     def due_in(self, now: float, *, ahead: bool, closing: bool) -> float:
         """Seconds until a batch should be formed: 0 now, ``math.inf`` not
@@ -142,6 +197,7 @@ class AdmissionQueue:
             return []
         taken = set(chosen)
         self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
+        self.drain_rate.taken(len(chosen), now)
         return [window[i] for i in chosen]
 
     def _within_element_cap(self, window: list[Pending], chosen: list[int]) -> list[int]:

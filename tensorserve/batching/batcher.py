@@ -113,6 +113,11 @@ class Batcher:
         """Queue a request's items; one future per item, in order:
         ``asyncio.Future``s of ``loop`` (call from that loop), else
         ``concurrent.futures.Future``s."""
+        return [entry.future for entry in self._enqueue(items, timeout, loop)]
+
+    def _enqueue(
+        self, items: Sequence[Any], timeout: float | None, loop: asyncio.AbstractEventLoop | None
+    ) -> list[Pending]:
         p = self.pipeline
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
@@ -132,7 +137,7 @@ class Batcher:
                 raise ModelNotReady(f"model {self.name!r} is not accepting requests (stopping)")
             p.refuse_if_hung()
             idle = not len(p.queue)
-            p.queue.admit(entries)
+            p.queue.admit(entries, now)
             direct = self._claim_direct(now) if idle and loop is not None else None
             if len(p.queue):
                 p.wake()
@@ -140,7 +145,7 @@ class Batcher:
         if direct is not None:
             assert loop is not None
             self._run_direct(*direct, loop)
-        return [entry.future for entry in entries]
+        return entries
     def submit(self, item: Any, *, timeout: float | None = None) -> Future:
         return self.submit_many([item], timeout=timeout)[0]
 
@@ -156,7 +161,8 @@ class Batcher:
     async def infer_many(self, items: Sequence[Any], *, timeout: float | None = None) -> list[Any]:
         """All items' results in order; if one fails, the call fails (and the
         others still queued are cancelled)."""
-        futures = self.submit_many(items, timeout=timeout, loop=asyncio.get_running_loop())
+        entries = self._enqueue(items, timeout, asyncio.get_running_loop())
+        futures = [entry.future for entry in entries]
         # One item (the common case) needs no gather: one loop iteration less.
         waiting = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
         try:
@@ -165,8 +171,16 @@ class Batcher:
         except asyncio.TimeoutError:
             raise DeadlineExceeded(f"model {self.name!r}: no result within {timeout} s") from None
         finally:
-            for future in futures:
-                future.cancel()  # no-op for the finished; frees queue slots for the rest
+            if not all(future.done() for future in futures):
+                self._withdraw(entries)  # timed out, or the caller left
+
+    def _withdraw(self, entries: list[Pending]) -> None:
+        """Cancel what is unanswered; the entries still queued leave the queue
+        now, so their slots go to live requests at once."""
+        for entry in entries:
+            entry.future.cancel()
+        with self.pipeline.cond:
+            self.pipeline.queue.withdraw([e for e in entries if e.future.cancelled()])
 
     async def infer(self, item: Any, *, timeout: float | None = None) -> Any:
         return (await self.infer_many([item], timeout=timeout))[0]

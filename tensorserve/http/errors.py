@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -34,14 +35,20 @@ STATUS = {
     errors.ModelFailure.code: 500,
     # One item too large for the model's memory even alone: send a smaller one.
     errors.OutOfMemory.code: 413,
+    # More items than the queue can ever hold: split the request.
+    errors.RequestTooLarge.code: 413,
 }
 
 
-def error_response(request: web.Request, status: int, message: str, code: str) -> web.Response:
+def error_response(
+    request: web.Request, status: int, message: str, code: str, retry_after: float | None = None
+) -> web.Response:
     info: RequestInfo | None = request.get(REQUEST_INFO)
     if info is not None:
         info.error_code = code
-    headers = {"Retry-After": "1"} if code == errors.ServerBusy.code else None
+    # Overload is a 503 (what load balancers retry) with the batcher's estimate
+    # of when there is room, in whole seconds (docs/reliability.md).
+    headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after is not None else None
     if request.content_type == native.CONTENT_TYPE:
         return web.Response(
             status=status,
@@ -87,7 +94,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except errors.TensorServeError as exc:
         status = STATUS.get(exc.code, 500)
         log_error(request, status, exc.code, exc.message, exc)
-        return error_response(request, status, exc.message, exc.code)
+        retry_after = exc.retry_after if isinstance(exc, errors.ServerBusy) else None
+        return error_response(request, status, exc.message, exc.code, retry_after)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

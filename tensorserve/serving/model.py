@@ -255,6 +255,8 @@ class ServedModel:
         request pays no allocator growth or lazy initialisation."""
         grid = self.config.warmup
         sizes = grid.batch_sizes or sorted({1, max(1, self.config.max_batch_size)})
+        # A warm-up request must fit the queue, as any request must.
+        sizes = sorted({min(size, self.config.dynamic_batching.max_queue_size) for size in sizes})
         batches = []
         for length in grid.lengths:
             for size in sizes:
