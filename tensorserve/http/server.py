@@ -18,10 +18,10 @@ prints it as one line and exits non-zero.
 
 Shutdown, on SIGTERM or SIGINT (the phases of ``http/lifecycle.py``):
 readiness turns 503 at once while requests are still served for
-``drain_delay_s``; then the listening socket closes, idle keep-alive
-connections close, and requests in flight get ``shutdown_grace_s`` to
-finish; whatever is still waiting then is answered 503; models close (their
-worker processes stop) and the process exits 0. A second signal exits at
+``drain_delay_s``, each response closing its connection; then the listening
+socket closes and requests in flight get ``shutdown_grace_s`` to finish;
+whatever is still waiting then is answered 503; connections close, models
+close (their worker processes stop) and the process exits 0. A second signal exits at
 once with status 128 + the signal's number, as a shell reports a process
 killed by it.
 """
@@ -115,9 +115,21 @@ def run(settings: Settings) -> None:
     try:
         app = create_app(settings)
         app[LIFECYCLE] = Lifecycle()
+        app.on_response_prepare.append(_close_when_draining)
         asyncio.run(_serve(app, sock, settings))
     finally:
         sock.close()
+
+
+async def _close_when_draining(request: web.Request, response: web.StreamResponse) -> None:
+    """Once shutdown begins, every response closes its connection (``Connection:
+    close``), so clients reconnect through their load balancer to another
+    replica. Without it, closing an idle keep-alive connection later races
+    with the client's next request on it, which it would see as a reset."""
+    if request.app[LIFECYCLE].draining:
+        response.force_close()
+        # aiohttp has already chosen the Connection header when this hook runs.
+        response.headers["Connection"] = "close"
 
 
 async def _serve(app: web.Application, sock: socket.socket, settings: Settings) -> None:
@@ -171,10 +183,10 @@ async def _shut_down(
     await asyncio.sleep(settings.drain_delay_s)
 
     lifecycle.phase = Phase.CLOSING
-    await site.stop()  # no new connections
-    if runner.server is not None:
-        # Idle keep-alive connections close now; busy ones after their reply.
-        runner.server.pre_shutdown()
+    # No new connections. Open ones stay: a request may be on its way on each
+    # (closing it now would lose that request); every reply closes its
+    # connection, and what is idle at the end closes with the runner.
+    await site.stop()
     log.info(
         "shutdown: no longer accepting; %d request(s) in flight get %.1f s to finish "
         "(shutdown_grace_s)",
