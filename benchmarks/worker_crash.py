@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""What a worker crash costs a model (``isolation = "process"``): the time from
+the worker's death (SIGKILL) until a request sent right after it is answered,
+with the standby worker (a swap) and without it (a new worker loads the model).
+
+    python benchmarks/worker_crash.py [--rounds 5] [--out benchmarks/results/worker_crash.json]
+
+Also reports how long a new worker takes to load (the standby's refill), the
+CPU a crash costs the machine either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tensorserve import ServedModel
+
+MODEL = """
+import torch
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+"""
+CONFIG = """
+max_batch_size = 8
+isolation = "process"
+[faults]
+standby_worker = {standby}
+[warmup]
+enabled = false
+[[input]]
+name = "x"
+dtype = "float32"
+shape = [-1, 4]
+[[output]]
+name = "y"
+dtype = "float32"
+shape = [-1, 4]
+"""
+
+
+def _standby_ready(model: ServedModel) -> bool:
+    standby = model.executor.standby  # type: ignore[attr-defined]
+    return standby is None or standby._ready is not None
+
+
+def measure(standby: bool, rounds: int) -> dict[str, object]:
+    item = {"x": np.ones((3, 4), np.float32)}
+    unavailable, loads = [], []
+    with tempfile.TemporaryDirectory() as repo:
+        folder = Path(repo, "m")
+        (folder / "1").mkdir(parents=True)
+        (folder / "config.toml").write_text(CONFIG.format(standby=str(standby).lower()))
+        (folder / "1" / "model.py").write_text(MODEL)
+        with ServedModel.from_repository(repo, "m") as model:
+            for _ in range(rounds):
+                started = time.monotonic()
+                while not _standby_ready(model):
+                    time.sleep(0.01)
+                if standby:
+                    loads.append(time.monotonic() - started)
+                model.infer_sync(item)
+                pid = model.executor.workers[0].pid  # type: ignore[attr-defined]
+                died = time.perf_counter()
+                os.kill(pid, signal.SIGKILL)
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # it is dead now
+                answer = model.infer_sync(item, timeout=120)
+                unavailable.append(time.perf_counter() - died)
+                assert answer["y"][0, 0] == 2.0
+    return {
+        "standby": standby,
+        "unavailable_ms": [round(1000 * s, 1) for s in unavailable],
+        "median_unavailable_ms": round(1000 * statistics.median(unavailable), 1),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results/worker_crash.json")
+    args = parser.parse_args()
+    results = [measure(True, args.rounds), measure(False, args.rounds)]
+    print(f"{'standby':<8} {'median ms':>10}  each round (ms): worker killed -> next request answered")
+    for r in results:
+        print(f"{str(r['standby']):<8} {r['median_unavailable_ms']:>10}  {r['unavailable_ms']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {sys.version.split()[0]}",
+        "rounds": args.rounds, "results": results,
+    }, indent=2))
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
