@@ -338,7 +338,7 @@ async def soak(repository: Path) -> dict[str, Any]:
         return result
 
     server = await asyncio.to_thread(start_server, repository)
-    idle_rss = server.usage().rss_bytes
+    idle = server.usage()
     url = server.url
     try:
         await run("flood (c=256, queue 64)", lambda s: flood(url, s, 6000, 256, good_body))
@@ -385,7 +385,8 @@ async def soak(repository: Path) -> dict[str, Any]:
         "shutdown": ended,
         "shutdown_without_load_balancer": ended_bare,
         "leftover_processes": {**stopped.leftovers, **stopped_bare.leftovers},
-        "idle_rss_mb": round(idle_rss / 2**20, 1),
+        "processes": idle.processes,  # the server and its worker processes
+        "idle_rss_mb": round(idle.rss_bytes / 2**20, 1),
         "peak_rss_mb": round(peak_rss / 2**20, 1),
     }
 
@@ -430,7 +431,8 @@ def main() -> None:
     results["date"] = time.strftime("%Y-%m-%d")
     print(table(results))
     print(
-        f"\nserver + workers RSS: idle {results['idle_rss_mb']} MB, "
+        f"\nserver + workers ({results['processes']} processes) RSS: "
+        f"idle {results['idle_rss_mb']} MB, "
         f"peak {results['peak_rss_mb']} MB;"
         f" SIGTERM: exit status {results['shutdown']['returncode']} after "
         f"{results['shutdown']['exited_after_s']} s; leftover processes: "

@@ -127,9 +127,13 @@ def test_readiness_fails_at_once_while_requests_are_still_served(
         ready = httpx.get(f"{server.url}/v2/models/sleepy/ready")
         assert ready.status_code == 503
         assert ready.json()["reason"] == "the server is shutting down"
-        # Still accepting and serving while load balancers catch up.
-        late = infer(server.url, 10)
-        assert late[0] == 200, late
+        # Still accepting and serving while load balancers catch up; each
+        # reply closes its connection, so the client's next one goes elsewhere.
+        late = httpx.post(
+            f"{server.url}/v2/models/sleepy/infer", content=body([{"ms": [10]}]), headers=MSGPACK,
+            timeout=60,
+        )
+        assert (late.status_code, late.headers["connection"]) == (200, "close")
 
         assert exit_status(server, within=30) == 0
         assert [future.result()[0] for future in in_flight] == [200, 200, 200]

@@ -107,9 +107,9 @@ def test_a_trickled_body_gets_408_and_its_connection_is_closed(server: ServerPro
                 f"the request body did not arrive within {BODY_TIMEOUT_S:g} s (body_timeout_s); "
                 f"the connection is closed",
             )
-            assert BODY_TIMEOUT_S <= answered < BODY_TIMEOUT_S + 3, answered
+            assert BODY_TIMEOUT_S <= answered < BODY_TIMEOUT_S + 5, answered
             assert closed(sock)  # while the client still trickles
-            assert time.monotonic() - sent < BODY_TIMEOUT_S + LINGER_S + 3
+            assert time.monotonic() - sent < BODY_TIMEOUT_S + LINGER_S + 8
         finally:
             trickler.stopped.set()
 
@@ -136,6 +136,6 @@ def test_headers_that_never_finish_are_cut_off(server: ServerProcess) -> None:
         try:
             assert closed(sock)  # no response: there is no request to answer yet
             elapsed = time.monotonic() - opened
-            assert KEEPALIVE_TIMEOUT_S - 0.5 <= elapsed < KEEPALIVE_TIMEOUT_S + 3, elapsed
+            assert KEEPALIVE_TIMEOUT_S - 0.5 <= elapsed < KEEPALIVE_TIMEOUT_S + 5, elapsed
         finally:
             trickler.stopped.set()

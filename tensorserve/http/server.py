@@ -52,6 +52,10 @@ BACKLOG = 1024
 # After the grace period every tracked request has been answered; what aiohttp
 # still waits for is handlers of other routes (a model load, say).
 CLOSE_TIMEOUT_S = 5.0
+# How long connections still open after the last reply may take to send a
+# request (or close) before shutdown closes them; idle keep-alive
+# connections make a shutdown this much longer, at most.
+ARRIVAL_S = 1.0
 
 
 class StartupError(Exception):
@@ -150,7 +154,7 @@ async def _serve(app: web.Application, sock: socket.socket, settings: Settings) 
         host, port = sock.getsockname()[:2]
         log.info("serving %s on http://%s:%s", settings.model_repository, host, port)
         await stop.wait()
-        await _shut_down(app[LIFECYCLE], runner, site, settings)
+        await _shut_down(app[LIFECYCLE], runner, site, sock, settings)
     finally:
         await runner.cleanup()  # models close: queued items withdrawn, workers stopped
     log.info("shutdown: done")
@@ -172,8 +176,48 @@ def _handle_signals(stop: asyncio.Event) -> None:
         loop.add_signal_handler(signum, on_signal, signum)
 
 
+async def _stop_listening(site: web.BaseSite, sock: socket.socket, runner: web.AppRunner) -> None:
+    """Close the listening socket without resetting the connections the kernel
+    has already queued on it (clients that connected, and may have sent a
+    request, in the instant before): a duplicate descriptor keeps the socket
+    open while aiohttp stops accepting, those connections are accepted and
+    served, and only then is it closed."""
+    queued = sock.dup()
+    queued.setblocking(False)
+    try:
+        await site.stop()
+        loop = asyncio.get_running_loop()
+        while runner.server is not None:
+            try:
+                connection, _ = queued.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            await loop.connect_accepted_socket(runner.server, connection)
+    finally:
+        queued.close()
+
+
+async def _finish_in_flight(lifecycle: Lifecycle, runner: web.AppRunner, grace: float) -> bool:
+    """True once nothing is in flight, within ``grace`` seconds. A connection
+    still open when the handlers are done may have a request on its way (a
+    client that connected as the socket closed): such connections get up to
+    ``ARRIVAL_S`` to send it, or to close, before the runner closes them."""
+    loop = asyncio.get_running_loop()
+    grace_ends = loop.time() + grace
+    if not await lifecycle.wait_idle(grace):
+        return False
+    arrivals_end = min(loop.time() + ARRIVAL_S, grace_ends)
+    while runner.server is not None and runner.server.connections and loop.time() < arrivals_end:
+        await asyncio.sleep(0.02)  # polled: aiohttp has no event for "a connection closed"
+    return await lifecycle.wait_idle(max(0.0, grace_ends - loop.time()))
+
+
 async def _shut_down(
-    lifecycle: Lifecycle, runner: web.AppRunner, site: web.BaseSite, settings: Settings
+    lifecycle: Lifecycle,
+    runner: web.AppRunner,
+    site: web.BaseSite,
+    sock: socket.socket,
+    settings: Settings,
 ) -> None:
     lifecycle.phase = Phase.DRAINING
     log.info(
@@ -186,14 +230,14 @@ async def _shut_down(
     # No new connections. Open ones stay: a request may be on its way on each
     # (closing it now would lose that request); every reply closes its
     # connection, and what is idle at the end closes with the runner.
-    await site.stop()
+    await _stop_listening(site, sock, runner)
     log.info(
         "shutdown: no longer accepting; %d request(s) in flight get %.1f s to finish "
         "(shutdown_grace_s)",
         lifecycle.in_flight,
         settings.shutdown_grace_s,
     )
-    if not await lifecycle.wait_idle(settings.shutdown_grace_s):
+    if not await _finish_in_flight(lifecycle, runner, settings.shutdown_grace_s):
         left = lifecycle.abort()
         log.warning(
             "shutdown: grace period over; answering %d request(s) still waiting with 503", left
