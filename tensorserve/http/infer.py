@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from tensorserve.http.bodies import read_body
-from tensorserve.http.keys import METRICS, REGISTRY, SETTINGS
+from tensorserve.http.keys import REGISTRY, REQUEST_INFO, SETTINGS, RequestInfo
 from tensorserve.http.lifecycle import track
 from tensorserve.wire import native, oip
 from tensorserve.wire.request import Codec, effective_timeout
@@ -44,7 +44,8 @@ async def infer(request: web.Request) -> web.Response:
 async def _infer(request: web.Request) -> web.Response:
     registry, settings = request.app[REGISTRY], request.app[SETTINGS]
     served = registry.ready(request.match_info["model"], request.match_info.get("version"))
-    started = time.perf_counter()
+    info: RequestInfo = request[REQUEST_INFO]  # for the metrics and log lines (observe.py)
+    info.model, info.version = served.name, str(served.version)
     body = await read_body(request)
     codec = CODECS.get(request.content_type, DEFAULT_CODEC)
     config = served.config
@@ -56,11 +57,13 @@ async def _infer(request: web.Request) -> web.Response:
         config,
         settings.max_items_per_request,
     )
+    info.items, info.kserve_id = len(decoded.items), decoded.id
     timeout = effective_timeout(  # the request's, the model's or the server's; at most the max
         decoded.timeout, config.default_timeout_ms, settings.default_timeout_ms,
         settings.max_timeout_ms,
     )
     results = await served.infer_many(decoded.items, timeout=timeout)
+    encode_started = time.perf_counter()
     encoded = await _maybe_in_thread(
         codec.encode_is_costly(decoded, results),
         codec.encode_response,
@@ -70,7 +73,7 @@ async def _infer(request: web.Request) -> web.Response:
         str(served.version),
         config,
     )
-    request.app[METRICS].observe_request(served.name, time.perf_counter() - started)
+    info.encode_seconds = time.perf_counter() - encode_started
     return web.Response(
         body=encoded.body, content_type=encoded.content_type, headers=encoded.headers
     )
