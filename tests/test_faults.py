@@ -360,3 +360,29 @@ def test_a_frozen_worker_makes_the_model_not_ready_and_the_watchdog_replaces_it(
         assert model.executor.workers[0].pid != frozen  # type: ignore[attr-defined]
         # A lone item whose worker died (here: was killed) runs once more.
         assert model.stats.snapshot(0)["recoveries"] == {"rerun": 1}
+
+
+def test_workers_are_forked_from_the_template_and_close_stops_every_process(crashy: Path) -> None:
+    import psutil
+
+    model = ServedModel.from_repository(crashy, "crashy")
+    with model:
+        wait_until(lambda: _standby_ready(model), "the standby worker loaded", 60)
+        template = model.executor.template.process.pid  # type: ignore[attr-defined]
+        worker = model.executor.workers[0].pid  # type: ignore[attr-defined]
+        standby = model.executor.standby._ready.pid  # type: ignore[attr-defined]
+        assert psutil.Process(worker).ppid() == template
+        assert psutil.Process(standby).ppid() == template
+        assert model.infer_sync(_x(2.0))["y"][0, 0] == 4.0
+    gone, alive = psutil.wait_procs(
+        [psutil.Process(p) for p in (template, worker, standby) if psutil.pid_exists(p)], timeout=10
+    )
+    assert not alive
+
+
+def test_without_the_template_workers_are_spawned_and_crashes_still_recover(crashy: Path) -> None:
+    with ServedModel.from_repository(crashy, "crashy", faults={"worker_template": False}) as model:
+        assert model.executor.template is None  # type: ignore[attr-defined]
+        results = _worker_outcomes(model, [1.0, 7.0, 3.0])
+    assert results[0] == 2.0 and results[2] == 6.0
+    assert isinstance(results[1], ModelFailure) and "crashed the model's worker" in results[1].message

@@ -83,19 +83,22 @@ def test_unloading_one_model_leaves_the_server_ready(faulty_server: ServerProces
     assert httpx.post(f"{url}/v2/repository/models/spare/load", timeout=60).status_code == 200
 
 
+def _forked_workers(server: ServerProcess) -> list[psutil.Process]:
+    """The workers the model's worker template forked (the server's grandchildren)."""
+    return [worker for template in psutil.Process(server.process.pid).children()
+            for worker in template.children()]
+
+
 def _instance_worker(server: ServerProcess) -> psutil.Process:
     """The model's instance worker: the oldest (the standby starts once it is up)."""
-    workers = [c for c in psutil.Process(server.process.pid).children()
-               if "tensorserve.runtime.worker" in c.cmdline()]
-    return min(workers, key=lambda p: p.create_time())
+    return min(_forked_workers(server), key=lambda p: p.create_time())
 
 
 def test_a_frozen_worker_makes_the_server_not_ready_until_the_watchdog_replaces_it(
     faulty_server: ServerProcess,
 ) -> None:
     url = faulty_server.url
-    wait_until(lambda: len(psutil.Process(faulty_server.process.pid).children()) >= 2,
-               "the standby worker started", 60)
+    wait_until(lambda: len(_forked_workers(faulty_server)) >= 2, "the standby worker started", 60)
     assert _infer(url, "crashy", 1.0) == (200, 2.0)
     frozen = _instance_worker(faulty_server)
     frozen.suspend()  # SIGSTOP

@@ -469,9 +469,10 @@ def test_the_loops_reader_reassembles_a_dribbled_message_and_reads_no_further() 
 
 # ---------------------------------------------------------------------- a real server
 def _workers_of(pid: int) -> list[psutil.Process]:
-    """Worker processes whose parent is ``pid``."""
+    """Worker processes under ``pid``: the worker template (its child) and the
+    workers it forked (its grandchildren)."""
     return [
-        child for child in psutil.Process(pid).children()
+        child for child in psutil.Process(pid).children(recursive=True)
         if "tensorserve.runtime.worker" in child.cmdline()
     ]
 
@@ -480,8 +481,9 @@ def test_a_server_killed_outright_leaves_no_worker_behind(tmp_path: Path) -> Non
     write_toy_model(tmp_path, "poison", POISON_MODEL, **ECHO)
     server = ServerProcess(tmp_path, "--isolation", "process")
     try:
-        # The instance's worker, and the standby loading in the background.
-        wait_until(lambda: len(_workers_of(server.process.pid)) == 2, "worker and standby", 60)
+        # The template, the instance's worker, and the standby (loading in the background).
+        wait_until(lambda: len(_workers_of(server.process.pid)) == 3,
+                   "template, worker and standby", 60)
         workers = _workers_of(server.process.pid)
         reply = httpx.post(f"{server.url}/v2/models/poison/infer", content=body([_x(4.0)]),
                            headers=MSGPACK)

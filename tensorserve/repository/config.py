@@ -134,6 +134,12 @@ class Faults(_Strict):
         description="isolation = 'process': keep one loaded spare worker, so a crashed "
         "worker is replaced in milliseconds instead of a full model load.",
     )
+    worker_template: bool = Field(
+        True,
+        description="isolation = 'process': fork workers from a template process that has "
+        "imported torch and (on the CPU) loaded the model, so a new worker costs "
+        "milliseconds, not a model load (runtime/template.py).",
+    )
 
     @field_validator("watchdog_ms")
     @classmethod

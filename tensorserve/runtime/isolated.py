@@ -41,7 +41,9 @@ from tensorserve.errors import BatchOutOfMemory, ConfigError, ModelFailure, RowE
 from tensorserve.repository.config import ModelConfig
 from tensorserve.repository.loader import ModelSource
 from tensorserve.runtime import ipc
+from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed
+from tensorserve.runtime.template import Template
 from tensorserve.runtime.workers import Standby, WorkerProcess
 from tensorserve.tensors.dtypes import from_torch
 
@@ -83,17 +85,24 @@ class ProcessExecutor:
             "version": version,
             "config": config.model_dump(mode="json"),
             "intra_op_threads": intra_op_threads,
+            # The worker template loads the weights before forking only on the
+            # CPU; it must never touch CUDA (runtime/template.py).
+            "template_loads": resolve_device(config.device).type == "cpu",
             "log_level": logging.getLevelName(logging.getLogger("tensorserve").getEffectiveLevel()),
         }
+        faults = config.faults
+        self.template = Template(self.hello, self.label) if faults.worker_template else None
         self.workers = [
-            WorkerProcess(self.hello, f"{self.label} instance {i}")
+            WorkerProcess(self.hello, f"{self.label} instance {i}", self.template)
             for i in range(config.instance_count)
         ]
-        self.standby = Standby(self.hello, self.label) if config.faults.standby_worker else None
+        self.standby = Standby(self.hello, self.label, self.template) if faults.standby_worker else None
         self._replacing = [threading.Lock() for _ in self.workers]
 
     def start(self) -> None:
         try:
+            if self.template is not None:
+                self.template.start()
             for worker in self.workers:
                 worker.start()
         except BaseException:
@@ -107,6 +116,8 @@ class ProcessExecutor:
             self.standby.close()
         for worker in self.workers:
             worker.stop()
+        if self.template is not None:
+            self.template.stop()
 
     def start_instance(self, instance: int) -> None:
         """Thread set-up happens in the worker."""

@@ -35,7 +35,7 @@ from tensorserve.tensors.dtypes import as_torch
 log = logging.getLogger("tensorserve.worker")
 
 
-def _load(hello: dict[str, Any]) -> tuple[ModelConfig, ThreadExecutor]:
+def _load(hello: dict[str, Any], *, enter: bool = True) -> tuple[ModelConfig, ThreadExecutor]:
     name, version = hello["name"], hello["version"]
     config = parse_config(hello["config"], f"{name} (worker)")
     source = ModelSource(name, Path(hello["path"]), (version,))
@@ -47,7 +47,8 @@ def _load(hello: dict[str, Any]) -> tuple[ModelConfig, ThreadExecutor]:
         device,
         intra_op_threads=hello["intra_op_threads"],
     )
-    executor.start_instance(0)  # threads, inference mode, CUDA stream: on this thread
+    if enter:  # threads, inference mode, CUDA stream: on this thread
+        executor.start_instance(0)
     return config, executor
 
 
@@ -81,17 +82,30 @@ def _run_batch(
 
 def serve(sock: socket.socket) -> int:
     hello, _ = ipc.recv(sock)
-    logging.basicConfig(
-        level=hello.get("log_level", "INFO"),
-        format=f"%(asctime)s %(levelname)s %(name)s[{hello['name']}:{os.getpid()}]: %(message)s",
-    )
+    _log_as(hello)
     try:
         config, executor = _load(hello)
     except Exception as exc:
-        reason = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-        ipc.send(sock, {"error": reason})
+        ipc.send(sock, {"error": _reason(exc)})
         return 1
     ipc.send(sock, {"ready": True, "pid": os.getpid()})
+    return _run(sock, hello, config, executor)
+
+
+def _log_as(hello: dict[str, Any]) -> None:
+    logging.basicConfig(
+        level=hello.get("log_level", "INFO"),
+        format=f"%(asctime)s %(levelname)s %(name)s[{hello['name']}:{os.getpid()}]: %(message)s",
+        force=True,
+    )
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+
+
+def _run(sock: socket.socket, hello: dict[str, Any], config: ModelConfig,
+         executor: ThreadExecutor) -> int:
     while True:
         try:
             header, features = ipc.recv(sock)
@@ -103,11 +117,83 @@ def serve(sock: socket.socket) -> int:
         ipc.send(sock, reply, tensors)
 
 
+def template(control: socket.socket) -> int:
+    """The worker template (runtime/template.py): load once, then fork a
+    worker per request. It never runs a batch, holds torch at one intra-op
+    thread, and never touches CUDA, so that every fork is safe."""
+    import msgpack
+    import torch
+
+    torch.set_num_threads(1)
+    hello = msgpack.unpackb(socket.recv_fds(control, 1 << 16, 0)[0])
+    _log_as(hello)
+    loaded: tuple[ModelConfig, ThreadExecutor] | None = None
+    try:
+        # On a GPU (or "auto") each worker loads the model after the fork:
+        # the template never touches CUDA. torch is imported either way.
+        if hello.get("template_loads"):
+            loaded = _load(hello, enter=False)
+    except Exception as exc:
+        socket.send_fds(control, [msgpack.packb({"error": _reason(exc)})], [])
+        return 1
+    exited: dict[int, int] = {}
+
+    def reap(*_: object) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            exited[pid] = os.waitstatus_to_exitcode(status)
+
+    signal.signal(signal.SIGCHLD, reap)
+    socket.send_fds(control, [msgpack.packb({"ready": True, "pid": os.getpid()})], [])
+    while True:
+        data, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
+        if not data:
+            return 0  # the server closed its end
+        request = msgpack.unpackb(data)
+        if "status" in request:
+            reap()
+            reply = {"returncode": exited.pop(request["status"], None)}
+        else:
+            reply = {"pid": _fork_worker(control, socket.socket(fileno=fds[0]), hello, loaded)}
+        socket.send_fds(control, [msgpack.packb(reply)], [])
+
+
+def _fork_worker(control: socket.socket, sock: socket.socket, hello: dict[str, Any],
+                 loaded: tuple[ModelConfig, ThreadExecutor] | None) -> int:
+    pid = os.fork()
+    if pid:
+        sock.close()
+        return pid
+    code = 1
+    try:  # the worker: never returns into the template's loop
+        control.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        ipc.recv(sock)  # the server's hello: the template had it already
+        try:
+            config, executor = loaded if loaded is not None else _load(hello, enter=False)
+            executor.start_instance(0)
+        except Exception as exc:
+            ipc.send(sock, {"error": _reason(exc)})
+        else:
+            ipc.send(sock, {"ready": True, "pid": os.getpid()})
+            code = _run(sock, hello, config, executor)
+    finally:
+        os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     # Ctrl-C reaches the whole process group; the server decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
+    if args[0] == "--template":
+        with socket.socket(fileno=int(args[1])) as control:
+            return template(control)
     with socket.socket(fileno=int(args[0])) as sock:
         return serve(sock)
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from tensorserve.errors import ConfigError, WorkerCrashed
 from tensorserve.runtime import ipc
+from tensorserve.runtime.template import ForkedProcess, Template
 
 log = logging.getLogger("tensorserve.runtime.isolated")
 
@@ -43,10 +44,11 @@ def _died(returncode: int | None) -> str:
 class WorkerProcess:
     """One worker process and the server's end of its socket."""
 
-    def __init__(self, hello: dict[str, Any], label: str) -> None:
+    def __init__(self, hello: dict[str, Any], label: str, template: Template | None = None) -> None:
         self.hello = hello
         self.label = label
-        self.process: subprocess.Popen[bytes] | None = None
+        self.template = template  # fork from it (milliseconds) instead of spawning
+        self.process: subprocess.Popen[bytes] | ForkedProcess | None = None
         self.sock: socket.socket | None = None
         self.generation = 0  # counts starts: a batch sent to a dead worker is lost
         # A send failed on the event loop, which never waits for or restarts a
@@ -66,7 +68,7 @@ class WorkerProcess:
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         with theirs:
-            process = subprocess.Popen(
+            process = self._fork(theirs) or subprocess.Popen(
                 [sys.executable, "-m", "tensorserve.runtime.worker", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
             )
@@ -87,6 +89,17 @@ class WorkerProcess:
             self.stop()
             raise ConfigError(reply["error"])
         log.info("%s: worker process %d ready", self.label, process.pid)
+
+    def _fork(self, theirs: socket.socket) -> ForkedProcess | None:
+        """A worker forked from the template; None (spawn one) without a live template."""
+        if self.template is None or not self.template.alive:
+            return None
+        try:
+            return self.template.fork(theirs)
+        except (EOFError, OSError) as exc:
+            log.warning("%s: the worker template failed (%s); starting the worker afresh",
+                        self.label, exc)
+            return None
 
     def submit(self, features: dict[str, np.ndarray]) -> int:
         """Send one padded batch to this (live) worker; returns a ticket for
@@ -249,8 +262,9 @@ class Standby:
     """One spare worker, loaded in the background, for whichever instance's
     worker dies next: a crash then costs a swap, not a model load."""
 
-    def __init__(self, hello: dict[str, Any], label: str) -> None:
+    def __init__(self, hello: dict[str, Any], label: str, template: Template | None = None) -> None:
         self.hello = hello
+        self.template = template
         self.label = f"{label} standby"
         self._lock = threading.Lock()
         self._ready: WorkerProcess | None = None
@@ -262,7 +276,7 @@ class Standby:
         with self._lock:
             if self._closed or self._ready is not None or self._loading is not None:
                 return
-            self._loading = WorkerProcess(self.hello, self.label)
+            self._loading = WorkerProcess(self.hello, self.label, self.template)
             self._thread = threading.Thread(target=self._load, name=self.label, daemon=True)
             self._thread.start()
 

@@ -1,0 +1,166 @@
+"""The worker template: one process per model that has imported torch and the
+model (and, on the CPU, loaded its weights) but never runs a batch, and that
+``fork()``s a model's worker processes on request (``isolation = "process"``).
+
+Why: a worker started from scratch pays for Python, torch and the model
+before it can run a batch (3-4 s of a core on a small VM,
+``benchmarks/worker_crash.py``); a worker forked from the template is ready
+in milliseconds and shares the template's weights copy-on-write. That makes
+a crash cheap for the machine, not only for the callers (the standby worker
+already makes it cheap for the callers).
+
+Safe to fork because the template never runs a batch: it holds torch's
+intra-op pool at one thread (no OpenMP threads exist to be lost in the
+child), and never touches CUDA: a model on a GPU (or "auto") is imported but
+loaded by each worker after the fork, the way a spawned worker loads it.
+
+The control socket is a ``SOCK_SEQPACKET`` pair (one message per request,
+no framing needed): ``{"fork": 1}`` with a socket's file descriptor attached
+(SCM_RIGHTS) answers ``{"pid": ...}``; ``{"status": pid}`` answers the exit
+status of a worker that has exited (the template is its parent and reaps it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import msgpack
+
+from tensorserve.errors import ConfigError
+
+log = logging.getLogger("tensorserve.runtime.isolated")
+
+START_TIMEOUT_S = 600.0
+
+
+class Template:
+    """The server's handle on one model's worker template."""
+
+    def __init__(self, hello: dict[str, Any], label: str) -> None:
+        self.hello = hello
+        self.label = f"{label} worker template"
+        self.process: subprocess.Popen[bytes] | None = None
+        self._control: socket.socket | None = None
+        self._lock = threading.Lock()  # one request on the control socket at a time
+
+    def start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with theirs:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tensorserve.runtime.worker", "--template",
+                 str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+            )
+        self._control = ours
+        try:
+            reply = self._ask(self.hello, timeout=START_TIMEOUT_S)
+        except (EOFError, OSError):
+            self.stop()
+            raise ConfigError(f"{self.label}: did not start") from None
+        if "error" in reply:
+            self.stop()
+            raise ConfigError(reply["error"])
+        log.info("%s: process %d ready", self.label, self.process.pid)
+
+    def fork(self, worker_end: socket.socket) -> ForkedProcess:
+        """A new worker process whose end of its socket is ``worker_end``."""
+        reply = self._ask({"fork": 1}, fds=[worker_end.fileno()])
+        return ForkedProcess(int(reply["pid"]), self)
+
+    def returncode(self, pid: int) -> int | None:
+        """A finished worker's exit status (negative: the signal); None if the
+        template has not reaped it yet."""
+        try:
+            return self._ask({"status": pid}, timeout=5.0).get("returncode")
+        except (EOFError, OSError):
+            return None
+
+    def _ask(self, message: dict[str, Any], fds: list[int] | None = None,
+             timeout: float = 30.0) -> dict[str, Any]:
+        with self._lock:
+            control = self._control
+            if control is None:
+                raise EOFError("the worker template is stopped")
+            control.settimeout(timeout)
+            socket.send_fds(control, [msgpack.packb(message)], fds or [])
+            data, _, _, _ = socket.recv_fds(control, 1 << 16, 0)
+            if not data:
+                raise EOFError("the worker template exited")
+            return msgpack.unpackb(data)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        """Closing the control socket ends the template; its workers live on
+        until their own sockets close."""
+        with self._lock:
+            control, self._control = self._control, None
+        if control is not None:
+            control.close()
+        process, self.process = self.process, None
+        if process is not None:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+class ForkedProcess:
+    """A worker forked by the template, with the part of ``subprocess.Popen``
+    that ``WorkerProcess`` uses. It is the template's child, not ours: its
+    exit is seen through a pidfd, and its status asked of the template."""
+
+    def __init__(self, pid: int, template: Template) -> None:
+        self.pid = pid
+        self.template = template
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._exited(0):
+            self._collect()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not self._exited(timeout):
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+            self._collect()
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is not None:
+            return
+        try:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _exited(self, timeout: float | None) -> bool:
+        readable, _, _ = select.select([self._pidfd], [], [], timeout)
+        return bool(readable)
+
+    def _collect(self) -> None:
+        """Its exit status, from the template (which reaps it on SIGCHLD)."""
+        for _ in range(100):
+            code = self.template.returncode(self.pid)
+            if code is not None:
+                self.returncode = code
+                break
+            time.sleep(0.01)
+        else:  # the template is gone: dead, but how is unknown
+            self.returncode = -int(signal.SIGKILL)
+        os.close(self._pidfd)  # the status is known: nothing asks the pidfd again
