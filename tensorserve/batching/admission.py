@@ -14,6 +14,7 @@ made-up times (tests/test_admission.py).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -41,6 +42,8 @@ class BatcherOptions:
     # halves; the longest one batch may run (None: off; "auto": see watchdog.py).
     split_failed_batches: bool = True
     watchdog_s: float | str | None = "auto"
+    # Triton's priority levels: 0 = none; else Pending.priority is 1 (highest)..N.
+    priority_levels: int = 0
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("eager", "timer"):
@@ -87,6 +90,7 @@ class Pending:
     deadline: float | None
     reruns: int = 0  # times sent again whole because its worker died before running it
     crashes: int = 0  # batches it was in whose worker died running them (or hung)
+    priority: int = 0  # its priority level: 1 is the highest (0: no levels)
 
     def caller_left(self) -> bool:
         """True if the caller cancelled; for a thread's future this also marks
@@ -188,17 +192,42 @@ class AdmissionQueue:
         if not self._waiting:
             return []
         opts = self.options
-        window = self._waiting[: WINDOW_BATCHES * opts.max_batch_size]
+        positions = self._window(now)  # indices into the queue, in the order to prefer
+        window = [self._waiting[i] for i in positions]
         overdue_at = now - opts.max_queue_delay_ms / 1000
         views = [Waiting(p.volume, p.enqueued <= overdue_at) for p in window]
         chosen = sorted(opts.policy.select(views, opts.max_batch_size))
         chosen = self._within_element_cap(window, chosen)
-        if leave_growing and len(chosen) == len(window):
+        if leave_growing and len(chosen) == len(self._waiting):
             return []
-        taken = set(chosen)
+        taken = {positions[i] for i in chosen}
         self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
         self.drain_rate.taken(len(chosen), now)
         return [window[i] for i in chosen]
+
+    def _window(self, now: float) -> list[int]:
+        """The queue positions the policy may choose from. Without priority
+        levels: the oldest ``WINDOW_BATCHES`` batches' worth. With them: the
+        highest levels first (oldest first within a level), cut at the level
+        that fills one batch, so the policy groups lengths only within what
+        priority allows. An item half-way to its deadline ranks above every
+        level: a lower level cannot starve past its deadline."""
+        opts = self.options
+        size = WINDOW_BATCHES * opts.max_batch_size
+        if not opts.priority_levels:
+            return list(range(min(size, len(self._waiting))))
+
+        def rank(i: int) -> tuple[int, int]:
+            p = self._waiting[i]
+            urgent = p.deadline is not None and 2 * now >= p.enqueued + p.deadline
+            return (0 if urgent else p.priority, i)
+
+        # A heap, not a sort: the window is a small part of a long queue.
+        ranked = heapq.nsmallest(size, range(len(self._waiting)), key=rank)
+        if len(ranked) > opts.max_batch_size:
+            boundary = rank(ranked[opts.max_batch_size - 1])[0]
+            ranked = [i for i in ranked if rank(i)[0] <= boundary]
+        return ranked
 
     def _within_element_cap(self, window: list[Pending], chosen: list[int]) -> list[int]:
         """Leave the newest items waiting until the padded batch fits the cap

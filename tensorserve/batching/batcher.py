@@ -109,14 +109,20 @@ class Batcher:
         *,
         timeout: float | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        priority: int = 0,
     ) -> list[Any]:
         """Queue a request's items; one future per item, in order:
         ``asyncio.Future``s of ``loop`` (call from that loop), else
-        ``concurrent.futures.Future``s."""
-        return [entry.future for entry in self._enqueue(items, timeout, loop)]
+        ``concurrent.futures.Future``s. ``priority``: the items' level
+        (1 is the highest; 0 without priority levels)."""
+        return [entry.future for entry in self._enqueue(items, timeout, loop, priority)]
 
     def _enqueue(
-        self, items: Sequence[Any], timeout: float | None, loop: asyncio.AbstractEventLoop | None
+        self,
+        items: Sequence[Any],
+        timeout: float | None,
+        loop: asyncio.AbstractEventLoop | None,
+        priority: int = 0,
     ) -> list[Pending]:
         p = self.pipeline
         now = time.monotonic()
@@ -129,6 +135,7 @@ class Batcher:
                 loop,
                 now,
                 deadline,
+                priority=priority,
             )
             for item in items
         ]
@@ -158,10 +165,12 @@ class Batcher:
             future.cancel()
             raise DeadlineExceeded(f"model {self.name!r}: no result within {timeout} s") from None
 
-    async def infer_many(self, items: Sequence[Any], *, timeout: float | None = None) -> list[Any]:
+    async def infer_many(
+        self, items: Sequence[Any], *, timeout: float | None = None, priority: int = 0
+    ) -> list[Any]:
         """All items' results in order; if one fails, the call fails (and the
         others still queued are cancelled)."""
-        entries = self._enqueue(items, timeout, asyncio.get_running_loop())
+        entries = self._enqueue(items, timeout, asyncio.get_running_loop(), priority)
         futures = [entry.future for entry in entries]
         # One item (the common case) needs no gather: one loop iteration less.
         waiting = futures[0] if len(futures) == 1 else asyncio.gather(*futures)

@@ -62,7 +62,9 @@ async def _infer(request: web.Request) -> web.Response:
         decoded.timeout, config.default_timeout_ms, settings.default_timeout_ms,
         settings.max_timeout_ms,
     )
-    results = await served.infer_many(decoded.items, timeout=timeout)
+    results = await served.infer_many(
+        decoded.items, timeout=timeout, priority=decoded.parameters.get("priority")
+    )
     encode_started = time.perf_counter()
     encoded = await _maybe_in_thread(
         codec.encode_is_costly(decoded, results),

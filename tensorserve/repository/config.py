@@ -98,6 +98,24 @@ class DynamicBatching(_Strict):
         "items of very different shapes (a tall image and a wide one) are not batched "
         "into one huge padded tensor.",
     )
+    priority_levels: int = Field(
+        0, ge=0, le=16,
+        description="Triton's priority levels: 0 = none; N: a request's parameters.priority "
+        "is 1 (highest) .. N, and higher levels are taken first when a batch forms.",
+    )
+    default_priority_level: int = Field(
+        0, ge=0, le=16,
+        description="The level of a request that gives none (or 0); 0 = the lowest level.",
+    )
+
+    @model_validator(mode="after")
+    def _priorities(self) -> DynamicBatching:
+        if self.default_priority_level > self.priority_levels:
+            raise ValueError(
+                f"default_priority_level {self.default_priority_level} is not one of the "
+                f"{self.priority_levels} priority_levels"
+            )
+        return self
 
 
 class Warmup(_Strict):

@@ -39,7 +39,7 @@ from tensorserve.batching.batcher import Batcher
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
-from tensorserve.errors import ConfigError
+from tensorserve.errors import ConfigError, InvalidInput
 from tensorserve.wire.validate import validate_item
 from tensorserve.repository.config import VARIABLE, DynamicBatching, ModelConfig, parse_config
 from tensorserve.repository.loader import (
@@ -117,6 +117,7 @@ class ServedModel:
             policy=make_policy(batching.policy, batching.max_batch_tokens),
             max_queue_size=batching.max_queue_size,
             max_batch_elements=batching.max_batch_elements,
+            priority_levels=batching.priority_levels,
             split_failed_batches=config.faults.split_failed_batches,
             watchdog_s=_watchdog_seconds(config.faults.watchdog_ms),
         )
@@ -229,11 +230,40 @@ class ServedModel:
     def validate(self, items: Sequence[Item]) -> list[dict[str, np.ndarray]]:
         return [validate_item(item, self.config.input, i) for i, item in enumerate(items)]
 
-    def submit_many(self, items: Sequence[Item], *, timeout: float | None = None) -> list[Future]:
-        return self.batcher.submit_many(self.validate(items), timeout=timeout)
+    def priority_level(self, priority: Any) -> int:
+        """A request's ``priority`` as the batcher's level: 1 (highest) .. N
+        with ``priority_levels = N``, 0 or None meaning the model's default
+        level; 0 for a model without levels (any priority is accepted)."""
+        batching = self.config.dynamic_batching
+        levels = batching.priority_levels
+        valid = isinstance(priority, int) and not isinstance(priority, bool) and priority >= 0
+        if priority is not None and not valid:
+            raise InvalidInput(
+                f"parameters.priority must be a non-negative integer, got {priority!r:.40}"
+            )
+        if not levels:
+            return 0
+        if priority is None or priority == 0:
+            return batching.default_priority_level or levels
+        if priority > levels:
+            raise InvalidInput(
+                f"parameters.priority must be 1 (highest) to {levels} for model {self.name!r} "
+                f"(0: its default level), got {priority}"
+            )
+        return priority
 
-    async def infer_many(self, items: Sequence[Item], *, timeout: float | None = None) -> list[Result]:
-        return await self.batcher.infer_many(self.validate(items), timeout=timeout)
+    def submit_many(
+        self, items: Sequence[Item], *, timeout: float | None = None, priority: int | None = None
+    ) -> list[Future]:
+        return self.batcher.submit_many(
+            self.validate(items), timeout=timeout, priority=self.priority_level(priority)
+        )
+
+    async def infer_many(
+        self, items: Sequence[Item], *, timeout: float | None = None, priority: int | None = None
+    ) -> list[Result]:
+        level = self.priority_level(priority)
+        return await self.batcher.infer_many(self.validate(items), timeout=timeout, priority=level)
 
     async def infer(self, item: Item, *, timeout: float | None = None) -> Result:
         return (await self.infer_many([item], timeout=timeout))[0]

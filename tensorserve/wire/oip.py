@@ -109,8 +109,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _request_parameters(parameters: dict[str, Any]) -> tuple[float | None, bool]:
-    """(timeout in seconds, binary_data_output). ``priority`` is checked but
-    not acted on: the batcher has no priority levels."""
+    """(timeout in seconds, binary_data_output). ``priority`` is checked here
+    (a non-negative integer) and against the model's priority levels by
+    ``ServedModel.priority_level``."""
     if parameters.get("sequence_id") not in (None, 0, ""):
         raise InvalidInput("sequence batching (parameters.sequence_id) is not supported")
     timeout = timeout_seconds(  # Triton: a timeout of 0 means "no timeout"
