@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "observability.md"
 DASHBOARD = ROOT / "docs" / "grafana-dashboard.json"
-_BLOCK = re.compile(r"```promql\n(.*?)```", re.S)
+_BLOCK = re.compile(r"```promql\n(.*?)```", re.DOTALL)
 _HEAD = re.compile(r"#\s*(?P<title>.*?)\s*range:\s*(?P<low>[-0-9.e+]+)\.\.(?P<high>[-0-9.e+]+)\s*$")
 
 
@@ -74,7 +74,7 @@ def dashboard(queries: list[Query]) -> dict[str, Any]:
     panels = []
     for index, query in enumerate(queries):
         labels = re.search(r"by \(([^)]*)\)", query.expr)
-        legend = " ".join("{{%s}}" % name.strip() for name in labels[1].split(",")) if labels else ""
+        legend = " ".join(f"{{{{{name.strip()}}}}}" for name in labels[1].split(",")) if labels else ""
         unit = "s" if "(s)" in query.title else "bytes" if "(bytes)" in query.title else (
             "percentunit" if query.high == 1 and "ready" not in query.title.lower() else "short")
         panels.append({
@@ -137,7 +137,7 @@ def bad_traffic(url: str, stop: threading.Event) -> dict[int, int]:
     """Invalid input, an unknown model and an out-of-vocabulary token, until ``stop``."""
     statuses: dict[int, int] = {}
     good_mask = {"name": "attention_mask", "datatype": "INT64", "shape": [1, 4], "data": [1] * 4}
-    requests = [
+    requests: list[tuple[str, dict[str, Any]]] = [
         ("tagger", {"inputs": [{"name": "input_ids", "datatype": "FP32", "shape": [1, 4],
                                 "data": [1.5] * 4}, good_mask]}),
         ("no_such_model", {"inputs": []}),
@@ -209,6 +209,7 @@ def live_check(queries: list[Query], load_seconds: float) -> int:
     bad: dict[int, int] = {}
     bad_thread = threading.Thread(target=lambda: bad.update(bad_traffic(server.url, stop)))
     bench = None
+    bench_log = open(work / "bench.log", "wb")  # noqa: SIM115 - the bench child writes to it
     failures = 0
     try:
         wait_until(lambda: _get(f"{prometheus_url}/-/ready") is not None, "Prometheus ready", 60)
@@ -217,7 +218,7 @@ def live_check(queries: list[Query], load_seconds: float) -> int:
             [sys.executable, "-m", "tensorserve", "bench", "tagger", "--url", server.url,
              "--concurrency", "8", "--duration", str(load_seconds + 60), "--warmup", "0",
              "--no-plots", "--no-progress", "--output", str(work / "bench.json")],
-            stdout=subprocess.DEVNULL, stderr=open(work / "bench.log", "wb"), cwd=ROOT,
+            stdout=subprocess.DEVNULL, stderr=bench_log, cwd=ROOT,
         )
         bad_thread.start()
         wait_until(lambda: query(prometheus_url, 'up{job="tensorserve"} == 1'),
@@ -242,6 +243,7 @@ def live_check(queries: list[Query], load_seconds: float) -> int:
         if bench is not None:
             bench.terminate()
             bench.wait(15)
+        bench_log.close()
         prometheus.terminate()
         prometheus.wait(15)
         server.stop()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -212,7 +213,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         try:
             return run(args.url, interval=args.interval, once=args.once)
         except OSError as exc:
-            parser.exit(1, f"tensorserve top: cannot read {args.url}: {exc}\n")
+            print(f"tensorserve top: cannot read {args.url}: {exc}", file=sys.stderr)
+            return 1
 
     parser.set_defaults(run=start)
     return parser

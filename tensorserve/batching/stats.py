@@ -39,7 +39,7 @@ class Buckets:
     unbounded bucket is ``+Inf``), a sum and a count. Not thread-safe on its
     own: ``BatchStats`` holds its lock around ``observe``."""
 
-    __slots__ = ("bounds", "counts", "total", "count")
+    __slots__ = ("bounds", "count", "counts", "total")
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = tuple(bounds)

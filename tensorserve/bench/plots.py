@@ -124,9 +124,8 @@ def padding_figure(points: Sequence[PointResult], title: str = "", context: str 
     fig = _figure()
     ax = fig.add_subplot()
     for name, group in _by_variant(points).items():
-        shown = [p for p in group if p.padding_efficiency is not None]
-        ax.plot([p.x for p in shown], [p.padding_efficiency for p in shown], marker="o",
-                label=name)
+        shown = [(p.x, p.padding_efficiency) for p in group if p.padding_efficiency is not None]
+        ax.plot([x for x, _ in shown], [e for _, e in shown], marker="o", label=name)
     _load_axis(ax, points)
     ax.set_ylabel("padding efficiency (real / padded elements)")
     ax.set_ylim(0, 1.05)

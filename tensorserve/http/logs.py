@@ -27,7 +27,7 @@ from typing import Any
 REQUEST_ID: ContextVar[str] = ContextVar("tensorserve_request_id", default="-")
 HEADER = "X-Request-ID"
 MAX_ID_LENGTH = 128
-_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,%d}" % MAX_ID_LENGTH)
+_SAFE_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_ID_LENGTH}}}")
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 # Record attributes that are not "extra" fields of the JSON line.
