@@ -10,8 +10,12 @@ runs, or is checked, here. The convention the pages follow:
   links the repository's top-level entries (what a block writes stays
   there), against the same server. A block that starts ``tensorserve serve``
   gets a free port (``TENSORSERVE_PORT``, and its ``:8000`` URLs rewritten)
-  instead; ``tensorserve bench`` runs are shortened (``--duration 0.5
-  --warmup 0.2``); background jobs are killed when the block ends.
+  instead; ``tensorserve bench`` runs are shortened (``--duration 0.3
+  --warmup 0.1``, a concurrency sweep's first two levels); background jobs
+  are killed when the block ends. A page's blocks run in order, in one
+  scratch folder, so a block may use what an earlier one wrote.
+- ``promql`` blocks are evaluated by a real Prometheus against a real server
+  (scripts/check_prometheus.py, which .ci/run runs).
 - ``toml``, ``json`` and ``yaml`` blocks are parsed; a TOML block with
   ``[[input]]`` is validated as a model's config.toml, one with
   ``[[instance_group]]`` as instance groups.
@@ -20,8 +24,8 @@ runs, or is checked, here. The convention the pages follow:
   ``install`` (every extra it installs exists), ``docker`` (its build
   arguments are the Dockerfile's, its stop timeout covers the drain),
   ``kubernetes`` (every path it applies exists; tests/test_deploy_manifests.py
-  validates them), ``benchmark`` (minutes long: each command's ``--help``
-  accepts every flag it uses), ``sketch`` (Python that needs what the page
+  validates them), ``benchmark`` (minutes long) and ``interactive`` (runs
+  until stopped): each command's ``--help`` accepts every flag it uses; ``sketch`` (Python that needs what the page
   describes, not this machine: it compiles and its tensorserve imports resolve).
 - ``<!-- output -->`` before a ``text`` block: it is what the ``bash`` block
   just before it prints; the first lines must match.
@@ -60,7 +64,9 @@ PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.
          "clients/python/README.md"]
 RUN = {"python", "bash"}
 PARSED = {"toml", "json", "yaml"}
-KINDS = {"install", "docker", "kubernetes", "benchmark", "sketch"}
+# promql blocks are evaluated by a real Prometheus: scripts/check_prometheus.py, run by .ci/run.
+ELSEWHERE = {"promql": ROOT / "scripts" / "check_prometheus.py"}
+KINDS = {"install", "docker", "kubernetes", "benchmark", "interactive", "sketch"}
 FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 MARK = re.compile(r"^\s*<!--\s*(not run:\s*(\w+)|output)\s*-->\s*$")
 
@@ -116,7 +122,9 @@ def by_kind(test: str) -> list[Block]:
 # ------------------------------------------------------------------ the convention
 def test_every_block_names_its_language_and_markers_are_known() -> None:
     for block in ALL:
-        assert block.lang in RUN | PARSED | {"text"}, f"{block}: give the block a language"
+        assert block.lang in RUN | PARSED | set(ELSEWHERE) | {"text"}, f"{block}: give the block a language"
+        if block.lang in ELSEWHERE:
+            assert ELSEWHERE[block.lang].exists(), ELSEWHERE[block.lang]
         if block.not_run is not None:
             assert block.not_run in KINDS, f"{block}: unknown marker kind {block.not_run!r}"
             assert block.lang in RUN, f"{block}: only python and bash blocks are 'not run'"
@@ -166,10 +174,12 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def shortened(code: str) -> str:
+    """A bench run measured for a moment: short windows, a sweep's first two loads."""
     if "tensorserve bench" not in code:
         return code
-    code = re.sub(r"--duration \S+", "--duration 0.5", code)
-    return re.sub(r"--warmup \S+", "--warmup 0.2", code)
+    code = re.sub(r"--duration \S+", "--duration 0.3", code)
+    code = re.sub(r"--warmup \S+", "--warmup 0.1", code)
+    return re.sub(r"--concurrency (\d+,\d+)(?:,\d+)+", r"--concurrency \1", code)
 
 
 def run_bash(code: str, server_url: str, cwd: Path, timeout: float = 170) -> str:
@@ -310,8 +320,8 @@ def check_benchmark(block: Block) -> None:
     for words in commands(block.code):
         if words[0] in ("python", "python3") and words[1].endswith(".py"):
             command, flags = (sys.executable, words[1]), words[2:]
-        elif words[:2] == ["tensorserve", "bench"]:
-            command, flags = (sys.executable, "-m", "tensorserve", "bench"), words[2:]
+        elif words[0] == "tensorserve" and len(words) > 1:
+            command, flags = (sys.executable, "-m", "tensorserve", words[1]), words[2:]
         elif words[0] == "bash" and words[1].endswith(".sh"):
             assert (ROOT / words[1]).exists(), words[1]
             seen += 1
@@ -344,5 +354,6 @@ def test_block_not_run_here_is_checked(block: Block) -> None:
         "docker": check_docker,
         "kubernetes": check_kubernetes,
         "benchmark": check_benchmark,
+        "interactive": check_benchmark,
         "sketch": check_sketch,
     }[block.not_run or ""](block)
