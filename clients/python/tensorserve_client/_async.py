@@ -13,6 +13,7 @@ from tensorserve_client import _bulk, _protocol
 from tensorserve_client._protocol import Call, Features, Outcome, Result
 from tensorserve_client._retry import RetryPolicy
 from tensorserve_client._transport import Transport
+from tensorserve_client.errors import TensorServeError
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -79,18 +80,21 @@ class AsyncClient:
         parameters: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         return_torch: bool = False,
-    ) -> list[Result]:
+        return_errors: bool = False,
+    ) -> list[Result | TensorServeError]:
         """Run many items in one request, results in order (see ``Client.infer_batch``)."""
-        return await self._call(
-            _protocol.infer(
-                model,
-                items,
-                version=version,
-                parameters=parameters,
-                timeout=timeout,
-                return_torch=return_torch,
-            )
-        )
+        options = {"version": version, "parameters": parameters, "timeout": timeout,
+                   "return_torch": return_torch}
+        items = list(items)
+        batch = _bulk.Batch(_protocol.infer(model, items, **options), 0, len(items), items,
+                            model, options)
+        outcome = await self._transport.exchange(batch.call)
+        try:
+            return batch.call.complete(outcome)
+        except TensorServeError as error:
+            if not return_errors:
+                raise
+            return await self._alone(batch, error)
 
     def map(
         self,
@@ -104,10 +108,12 @@ class AsyncClient:
         parameters: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         return_torch: bool = False,
-    ) -> AsyncIterator[Result]:
+        return_errors: bool = False,
+    ) -> _bulk.AsyncMapResults[Result | TensorServeError]:
         """``async for result in client.map(model, items)``: results in input order.
 
-        As ``Client.map``; ``iterable`` may also be an async iterable. If you may
+        As ``Client.map`` (``return_errors``, ``summary`` included); ``iterable``
+        may also be an async iterable. If you may
         stop early, wrap it in ``contextlib.aclosing`` so in-flight requests are
         cancelled at once rather than when the iterator is garbage-collected.
         """
@@ -119,7 +125,10 @@ class AsyncClient:
             "timeout": timeout,
             "return_torch": return_torch,
         }
-        return self._map(model, iterable, batch_size, concurrency, make_bar, options)
+        summary = _bulk.BulkSummary()
+        results = self._map(model, iterable, batch_size, concurrency, make_bar, options,
+                            summary, return_errors)
+        return _bulk.AsyncMapResults(results, summary)
 
     async def _map(
         self,
@@ -129,7 +138,9 @@ class AsyncClient:
         concurrency: int,
         make_bar: Callable[[], _bulk.Bar],
         options: dict[str, Any],
-    ) -> AsyncIterator[Result]:
+        summary: _bulk.BulkSummary,
+        return_errors: bool,
+    ) -> AsyncIterator[Result | TensorServeError]:
         pending: deque[tuple[_bulk.Batch, asyncio.Task[Outcome]]] = deque()
         bar = make_bar()
         try:
@@ -137,16 +148,49 @@ class AsyncClient:
                 pending.append((batch, asyncio.ensure_future(self._transport.exchange(batch.call))))
                 if len(pending) >= concurrency:
                     batch, task = pending.popleft()
-                    for result in batch.finish(await task, bar):
+                    for result in await self._finish(batch, await task, bar, summary, return_errors):
                         yield result
             while pending:
                 batch, task = pending.popleft()
-                for result in batch.finish(await task, bar):
+                for result in await self._finish(batch, await task, bar, summary, return_errors):
                     yield result
         finally:
             for _, task in pending:
                 task.cancel()
             bar.close()
+
+    async def _finish(
+        self,
+        batch: _bulk.Batch,
+        outcome: Outcome,
+        bar: _bulk.Bar,
+        summary: _bulk.BulkSummary,
+        return_errors: bool,
+    ) -> list[Result | TensorServeError]:
+        try:
+            return _bulk.record(batch.finish(outcome, bar), summary, bar)
+        except TensorServeError as error:
+            if not return_errors:
+                raise
+            results = await self._alone(batch, error)
+            bar.update(len(results))
+            return _bulk.record(results, summary, bar)
+
+    async def _alone(
+        self, batch: _bulk.Batch, error: TensorServeError
+    ) -> list[Result | TensorServeError]:
+        """As ``Client._alone``, the items' requests sent concurrently."""
+        if batch.size == 1 or not _bulk.about_items(error):
+            return [error] * batch.size
+
+        async def one(index: int, call: Call[list[Result]]) -> Result | TensorServeError:
+            try:
+                return (await self._call(call))[0]
+            except TensorServeError as alone:
+                return _bulk.locate(alone, index)
+
+        calls = enumerate(batch.alone(), batch.first)
+        return list(await asyncio.gather(*(one(index, call) for index, call in calls)))
 
     async def ready(self, model: str | None = None, *, version: str | int | None = None) -> bool:
         """Whether the server or one model can take requests now (see ``Client.ready``)."""

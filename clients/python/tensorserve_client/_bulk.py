@@ -8,10 +8,11 @@ on ``concurrent.futures`` in ``Client.map`` and on asyncio tasks in
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from tensorserve_client import _protocol
 from tensorserve_client._protocol import Call, Features, Outcome, Result
@@ -50,6 +51,7 @@ async def achunked(iterable: Iterable[T] | AsyncIterable[T], size: int) -> Async
 
 class Bar(Protocol):
     def update(self, n: int) -> Any: ...
+    def set_postfix_str(self, text: str) -> Any: ...
     def close(self) -> Any: ...
 
 
@@ -57,8 +59,77 @@ class _NoBar:
     def update(self, n: int) -> None:
         pass
 
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
     def close(self) -> None:
         pass
+
+
+# Errors about an item (the server refused or failed on what it was sent):
+# worth sending each item of a failed request alone. Others (overload after
+# the retries, a timeout, no connection) would fail each item the same way.
+ITEM_STATUSES = frozenset({400, 413, 422, 500})
+
+
+def about_items(error: TensorServeError) -> bool:
+    return error.status in ITEM_STATUSES
+
+
+@dataclass
+class BulkSummary:
+    """What a bulk call did, item by item: ``succeeded``, and ``failed`` by
+    error code (``"http_503"`` where the answer had no code)."""
+
+    succeeded: int = 0
+    failed: Counter[str] = field(default_factory=Counter)
+
+    def add(self, results: list[Any]) -> None:
+        for result in results:
+            if isinstance(result, TensorServeError):
+                self.failed[result.code or f"http_{result.status}"] += 1
+            else:
+                self.succeeded += 1
+
+    def __str__(self) -> str:
+        failed = sum(self.failed.values())
+        detail = ", ".join(f"{code}: {n}" for code, n in self.failed.most_common())
+        return f"{self.succeeded} succeeded, {failed} failed" + (f" ({detail})" if detail else "")
+
+
+class MapResults(Generic[T]):
+    """``Client.map``'s iterator: the results in input order, and ``summary``
+    (a ``BulkSummary``, complete once the iterator is exhausted)."""
+
+    def __init__(self, results: Iterator[T], summary: BulkSummary) -> None:
+        self._results = results
+        self.summary = summary
+
+    def __iter__(self) -> MapResults[T]:
+        return self
+
+    def __next__(self) -> T:
+        return next(self._results)
+
+    def close(self) -> None:
+        self._results.close()  # type: ignore[attr-defined]
+
+
+class AsyncMapResults(Generic[T]):
+    """``AsyncClient.map``'s iterator, with ``summary`` as ``MapResults``."""
+
+    def __init__(self, results: AsyncIterator[T], summary: BulkSummary) -> None:
+        self._results = results
+        self.summary = summary
+
+    def __aiter__(self) -> AsyncMapResults[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        return await self._results.__anext__()
+
+    async def aclose(self) -> None:
+        await self._results.aclose()  # type: ignore[attr-defined]
 
 
 def progress_bar(enabled: bool, iterable: object, desc: str) -> Callable[[], Bar]:
@@ -87,6 +158,16 @@ class Batch:
     call: Call[list[Result]]
     first: int  # the stream index of its first item
     size: int
+    items: list[Features]  # kept to send each alone if the request fails
+    model: str
+    options: dict[str, Any]
+
+    def alone(self) -> list[Call[list[Result]]]:
+        """One request per item, for a request that failed because of one."""
+        return [
+            _protocol.infer(self.model, [item], first_index=self.first + i, **self.options)
+            for i, item in enumerate(self.items)
+        ]
 
     def finish(self, outcome: Outcome, bar: Bar) -> list[Result]:
         """The batch's results; an error says which items of the stream it concerns
@@ -103,7 +184,22 @@ class Batch:
 
 def _batch(model: str, chunk: list[Features], first: int, options: dict[str, Any]) -> Batch:
     call = _protocol.infer(model, chunk, first_index=first, **options)
-    return Batch(call, first, len(chunk))
+    return Batch(call, first, len(chunk), chunk, model, options)
+
+
+def locate(error: TensorServeError, index: int) -> TensorServeError:
+    """An item sent alone: the server calls it item 0; say where it sits."""
+    error.message = f"{error.message} (item {index} of the call)"
+    error.args = (error.message,)
+    return error
+
+
+def record(results: list[Any], summary: BulkSummary, bar: Bar) -> list[Any]:
+    """Count a batch's results, and show the failures on the bar."""
+    summary.add(results)
+    if summary.failed:
+        bar.set_postfix_str(f"failed={sum(summary.failed.values())}")
+    return results
 
 
 def batches(

@@ -21,6 +21,7 @@ from tensorserve_client import _bulk, _protocol
 from tensorserve_client._protocol import Call, Features, Outcome, Result
 from tensorserve_client._retry import RetryPolicy
 from tensorserve_client._transport import Transport
+from tensorserve_client.errors import TensorServeError
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
@@ -156,18 +157,25 @@ class Client:
         parameters: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         return_torch: bool = False,
-    ) -> list[Result]:
-        """Run many items in one request; results come back in the items' order."""
-        return self._call(
-            _protocol.infer(
-                model,
-                items,
-                version=version,
-                parameters=parameters,
-                timeout=timeout,
-                return_torch=return_torch,
-            )
-        )
+        return_errors: bool = False,
+    ) -> list[Result | TensorServeError]:
+        """Run many items in one request; results come back in the items' order.
+
+        ``return_errors=True``: an item that fails does not fail the others;
+        its ``TensorServeError`` takes its place in the list (a request that
+        failed because of an item is sent again one item at a time)."""
+        options = {"version": version, "parameters": parameters, "timeout": timeout,
+                   "return_torch": return_torch}
+        items = list(items)
+        batch = _bulk.Batch(_protocol.infer(model, items, **options), 0, len(items), items,
+                            model, options)
+        outcome = self._loop.run(self._transport.exchange(batch.call))
+        try:
+            return batch.call.complete(outcome)
+        except TensorServeError as error:
+            if not return_errors:
+                raise
+            return self._alone(batch, error)
 
     def map(
         self,
@@ -181,14 +189,20 @@ class Client:
         parameters: Mapping[str, Any] | None = None,
         timeout: float | None = None,
         return_torch: bool = False,
-    ) -> Iterator[Result]:
+        return_errors: bool = False,
+    ) -> _bulk.MapResults[Result | TensorServeError]:
         """Stream any number of items through the server; yields results in input order.
 
         Items are read lazily, ``batch_size`` per request, with at most
         ``concurrency`` requests in flight, so memory stays bounded however long
         ``iterable`` is. The first error stops the map and is raised, naming the
         items of the stream it concerns; requests still in flight are cancelled.
-        ``progress=True`` draws a tqdm bar.
+        With ``return_errors=True`` the map goes on: each failed item's
+        ``TensorServeError`` is yielded in its place (a request that failed
+        because of an item is sent again one item at a time, so only that
+        item fails). Retryable errors are retried per request either way.
+        The iterator's ``summary`` counts what succeeded and what failed, by
+        error code; ``progress=True`` draws a tqdm bar that shows the failures.
         """
         _bulk.check_map_args(batch_size, concurrency)
         make_bar = _bulk.progress_bar(progress, iterable, model)
@@ -198,7 +212,10 @@ class Client:
             "timeout": timeout,
             "return_torch": return_torch,
         }
-        return self._map(model, iterable, batch_size, concurrency, make_bar, options)
+        summary = _bulk.BulkSummary()
+        results = self._map(model, iterable, batch_size, concurrency, make_bar, options,
+                            summary, return_errors)
+        return _bulk.MapResults(results, summary)
 
     def _map(
         self,
@@ -208,7 +225,9 @@ class Client:
         concurrency: int,
         make_bar: Callable[[], _bulk.Bar],
         options: dict[str, Any],
-    ) -> Iterator[Result]:
+        summary: _bulk.BulkSummary,
+        return_errors: bool,
+    ) -> Iterator[Result | TensorServeError]:
         pending: deque[tuple[_bulk.Batch, concurrent.futures.Future[Outcome]]] = deque()
         bar = make_bar()
         try:
@@ -216,14 +235,45 @@ class Client:
                 pending.append((batch, self._loop.submit(self._transport.exchange(batch.call))))
                 if len(pending) >= concurrency:
                     batch, future = pending.popleft()
-                    yield from batch.finish(future.result(), bar)
+                    yield from self._finish(batch, future.result(), bar, summary, return_errors)
             while pending:
                 batch, future = pending.popleft()
-                yield from batch.finish(future.result(), bar)
+                yield from self._finish(batch, future.result(), bar, summary, return_errors)
         finally:
             for _, future in pending:
                 future.cancel()
             bar.close()
+
+    def _finish(
+        self,
+        batch: _bulk.Batch,
+        outcome: Outcome,
+        bar: _bulk.Bar,
+        summary: _bulk.BulkSummary,
+        return_errors: bool,
+    ) -> list[Result | TensorServeError]:
+        """A batch's results; with ``return_errors``, an error in each failed item's place."""
+        try:
+            return _bulk.record(batch.finish(outcome, bar), summary, bar)
+        except TensorServeError as error:
+            if not return_errors:
+                raise
+            results = self._alone(batch, error)
+            bar.update(len(results))
+            return _bulk.record(results, summary, bar)
+
+    def _alone(self, batch: _bulk.Batch, error: TensorServeError) -> list[Result | TensorServeError]:
+        """Each item's result or error, for a request that failed: sent again
+        one item at a time where the failure was about an item."""
+        if batch.size == 1 or not _bulk.about_items(error):
+            return [error] * batch.size
+        results: list[Result | TensorServeError] = []
+        for index, call in enumerate(batch.alone(), batch.first):
+            try:
+                results.extend(self._call(call))
+            except TensorServeError as alone:
+                results.append(_bulk.locate(alone, index))
+        return results
 
     # ----------------------------------------------------------------- server and models
     def ready(self, model: str | None = None, *, version: str | int | None = None) -> bool:
