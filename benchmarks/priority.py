@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from results_file import save
 from tensorserve import ServedModel
 
 FLOOD_CALLERS = 64
@@ -90,13 +87,7 @@ def main() -> int:
     for r in results:
         print(f"{r['priority_levels']:<7} {r['high_p50_ms']:>9} {r['high_p99_ms']:>9} "
               f"{r['low_p50_ms']:>8} {r['low_p99_ms']:>8} {r['flood_items_per_s']:>8}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {sys.version.split()[0]}",
-        "flood_callers": FLOOD_CALLERS, "seconds": args.seconds, "results": results,
-    }, indent=2))
-    print(f"saved {args.out}")
+    save(args.out, {"flood_callers": FLOOD_CALLERS, "seconds": args.seconds, "results": results})
     return 0
 
 

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -37,6 +35,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from results_file import save
 from tensorserve.bench.rawhttp import RawHttpPool
 from tensorserve.bench.server import ServerProcess
 
@@ -275,14 +274,8 @@ def main() -> int:
     modes = ["thread", "process"] if args.isolation == "both" else [args.isolation]
     results = [run(mode, args.seconds, args.kinds) for mode in modes]
     _print(results)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()}, "
-        f"{__import__('os').cpu_count()} cores, Python {sys.version.split()[0]}",
-        "callers": CALLERS, "seconds": args.seconds, "kinds": args.kinds or "all",
-        "results": results,
-    }, indent=2))
-    print(f"saved {args.out}")
+    save(args.out, {"callers": CALLERS, "seconds": args.seconds, "kinds": args.kinds or "all",
+                    "results": results})
     bad = any(r["with_bad"]["lost"] or r["with_bad"]["hung"] or r["with_bad"]["good_failed"]
               for r in results)
     return 1 if bad else 0

@@ -11,9 +11,7 @@ template (a fork of a loaded process, or a new process that loads the model).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import signal
 import statistics
 import sys
@@ -24,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from results_file import save
 from tensorserve import ServedModel
 
 MODEL = """
@@ -104,13 +103,7 @@ def main() -> int:
     for r in results:
         print(f"{str(r['standby']):<8} {str(r['template']):<9} {r['median_unavailable_ms']:>10}  "
               f"{r['unavailable_ms']}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {sys.version.split()[0]}",
-        "rounds": args.rounds, "results": results,
-    }, indent=2))
-    print(f"saved {args.out}")
+    save(args.out, {"rounds": args.rounds, "results": results})
     return 0
 
 

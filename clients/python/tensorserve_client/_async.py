@@ -167,14 +167,10 @@ class AsyncClient:
         summary: _bulk.BulkSummary,
         return_errors: bool,
     ) -> list[Result | TensorServeError]:
-        try:
-            return _bulk.record(batch.finish(outcome, bar), summary, bar)
-        except TensorServeError as error:
-            if not return_errors:
-                raise
-            results = await self._alone(batch, error)
-            bar.update(len(results))
-            return _bulk.record(results, summary, bar)
+        results = _bulk.finish(batch, outcome, bar, summary, return_errors)
+        if isinstance(results, TensorServeError):
+            return _bulk.record_alone(await self._alone(batch, results), summary, bar)
+        return results
 
     async def _alone(
         self, batch: _bulk.Batch, error: TensorServeError

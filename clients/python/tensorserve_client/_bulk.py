@@ -194,6 +194,24 @@ def locate(error: TensorServeError, index: int) -> TensorServeError:
     return error
 
 
+def finish(
+    batch: Batch, outcome: Outcome, bar: Bar, summary: BulkSummary, return_errors: bool
+) -> list[Any] | TensorServeError:
+    """A map's batch: its results, counted; or, with ``return_errors``, the
+    error to resolve item by item (``Client._alone``), then ``record_alone``."""
+    try:
+        return record(batch.finish(outcome, bar), summary, bar)
+    except TensorServeError as error:
+        if not return_errors:
+            raise
+        return error
+
+
+def record_alone(results: list[Any], summary: BulkSummary, bar: Bar) -> list[Any]:
+    bar.update(len(results))
+    return record(results, summary, bar)
+
+
 def record(results: list[Any], summary: BulkSummary, bar: Bar) -> list[Any]:
     """Count a batch's results, and show the failures on the bar."""
     summary.add(results)

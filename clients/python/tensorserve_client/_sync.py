@@ -253,14 +253,10 @@ class Client:
         return_errors: bool,
     ) -> list[Result | TensorServeError]:
         """A batch's results; with ``return_errors``, an error in each failed item's place."""
-        try:
-            return _bulk.record(batch.finish(outcome, bar), summary, bar)
-        except TensorServeError as error:
-            if not return_errors:
-                raise
-            results = self._alone(batch, error)
-            bar.update(len(results))
-            return _bulk.record(results, summary, bar)
+        results = _bulk.finish(batch, outcome, bar, summary, return_errors)
+        if isinstance(results, TensorServeError):
+            return _bulk.record_alone(self._alone(batch, results), summary, bar)
+        return results
 
     def _alone(self, batch: _bulk.Batch, error: TensorServeError) -> list[Result | TensorServeError]:
         """Each item's result or error, for a request that failed: sent again
