@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 import torch
-
 from results_file import save
+
 from tensorserve import ServedModel
 
 FLOOD_CALLERS = 64

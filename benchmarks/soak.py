@@ -34,8 +34,8 @@ from typing import Any
 
 import msgpack
 import numpy as np
-
 from results_file import save
+
 from tensorserve.bench.rawhttp import RawHttpPool
 from tensorserve.bench.server import ServerProcess
 
@@ -181,7 +181,7 @@ async def _bad_caller(url: str, kinds: tuple[str, ...], until: float, tally: Tal
             request = pool.request(ROUTE, _body(x, **extra), MSGPACK)
             codes = tally.bad.setdefault(kind, collections.Counter())
             if kind == "disconnect":  # send it, then leave before the answer
-                reader, writer = await asyncio.open_connection(pool.host, pool.port)
+                _, writer = await asyncio.open_connection(pool.host, pool.port)
                 writer.write(request)
                 await writer.drain()
                 writer.close()

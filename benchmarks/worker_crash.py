@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-
 from results_file import save
+
 from tensorserve import ServedModel
 
 MODEL = """
@@ -101,7 +101,7 @@ def main() -> int:
     print(f"{'standby':<8} {'template':<9} {'median ms':>10}  each round (ms): worker killed -> "
           f"next request answered")
     for r in results:
-        print(f"{str(r['standby']):<8} {str(r['template']):<9} {r['median_unavailable_ms']:>10}  "
+        print(f"{r['standby']!s:<8} {r['template']!s:<9} {r['median_unavailable_ms']:>10}  "
               f"{r['unavailable_ms']}")
     save(args.out, {"rounds": args.rounds, "results": results})
     return 0

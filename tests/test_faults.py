@@ -374,7 +374,7 @@ def test_workers_are_forked_from_the_template_and_close_stops_every_process(cras
         assert psutil.Process(worker).ppid() == template
         assert psutil.Process(standby).ppid() == template
         assert model.infer_sync(_x(2.0))["y"][0, 0] == 4.0
-    gone, alive = psutil.wait_procs(
+    _, alive = psutil.wait_procs(
         [psutil.Process(p) for p in (template, worker, standby) if psutil.pid_exists(p)], timeout=10
     )
     assert not alive

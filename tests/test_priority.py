@@ -89,8 +89,8 @@ def test_the_default_level_applies_to_a_request_without_one() -> None:
 
 
 @pytest.mark.parametrize(("priority", "message"), [
-    (4, "parameters.priority must be 1 (highest) to 3 for model 'function' (0: its default "
-        "level), got 4"),
+    (4, ("parameters.priority must be 1 (highest) to 3 for model 'function' (0: its default "
+         "level), got 4")),
     (-1, "parameters.priority must be a non-negative integer, got -1"),
     (True, "parameters.priority must be a non-negative integer, got True"),
     ("1", "parameters.priority must be a non-negative integer, got '1'"),

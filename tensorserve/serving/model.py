@@ -40,7 +40,6 @@ from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
 from tensorserve.errors import ConfigError, InvalidInput
-from tensorserve.wire.validate import validate_item
 from tensorserve.repository.config import VARIABLE, DynamicBatching, ModelConfig, parse_config
 from tensorserve.repository.loader import (
     ModelSource,
@@ -53,6 +52,8 @@ from tensorserve.runtime.device import default_intra_op_threads, resolve_device
 from tensorserve.runtime.executor import ThreadExecutor, on_device
 from tensorserve.runtime.isolated import ProcessExecutor
 from tensorserve.runtime.placement import PlacedExecutor, placed_thread_executor, resolve_placement
+from tensorserve.wire.validate import validate_item
+
 
 def _watchdog_seconds(watchdog_ms: float | str) -> float | str | None:
     if watchdog_ms == "auto":
