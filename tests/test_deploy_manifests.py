@@ -153,7 +153,7 @@ def test_each_variant_renders_the_shared_objects_and_its_deployment(variant: str
             [kubectl, "kustomize", str(DEPLOY / "kubernetes" / variant)],
             capture_output=True, text=True, timeout=60, check=True,
         ).stdout
-        key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+        key = lambda d: (d["kind"], d["metadata"]["name"])
         assert sorted(map(key, yaml.safe_load_all(out))) == sorted(map(key, rendered))
 
 

@@ -174,11 +174,10 @@ def test_placed_executor_runs_one_model_copy_per_device() -> None:
     second.copy_id = "copy"
     assert torch.equal(second.scale, module.scale)
     assert executor.devices() == [torch.device("cpu"), torch.device("cpu")]
-    with ServedModel("meet", cfg, None, executor=executor) as model:
-        with ThreadPoolExecutor(2) as pool:
-            rows = list(
-                pool.map(lambda v: model.infer_sync({"x": np.full(2, v, np.float32)}, timeout=30), [1, 3])
-            )
+    with ServedModel("meet", cfg, None, executor=executor) as model, ThreadPoolExecutor(2) as pool:
+        rows = list(
+            pool.map(lambda v: model.infer_sync({"x": np.full(2, v, np.float32)}, timeout=30), [1, 3])
+        )
     assert [r["y"].tolist() for r in rows] == [[2, 2], [6, 6]]
     assert sorted(copy for copy, _ in SEEN) == ["copy", "original"]  # each copy ran one batch
     assert len({thread for _, thread in SEEN}) == 2
