@@ -209,3 +209,13 @@ def test_instances_on_two_gpus() -> None:  # pragma: no cover - GPU machines onl
         assert model.executor.devices() == [torch.device("cuda:0"), torch.device("cuda:1")]
         assert model.infer_sync({"x": np.ones(3, np.float32)})["y"].tolist() == [2, 2, 2]
     assert cfg.instance_group[0].gpus == [0, 1]
+
+
+def test_the_triton_config_reports_the_instance_groups() -> None:
+    from tensorserve.wire.triton import model_config
+
+    groups = [{"count": 2, "kind": "KIND_GPU", "gpus": [0, 1]}, {"count": 1, "kind": "KIND_CPU"}]
+    reported = model_config("m", config(instance_group=groups))["instance_group"]
+    assert reported == [{**groups[0]}, {**groups[1], "gpus": None}]
+    plain = model_config("m", config(device="cpu", instance_count=3))["instance_group"]
+    assert plain == [{"count": 3, "kind": "KIND_CPU"}]

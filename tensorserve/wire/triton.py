@@ -35,8 +35,9 @@ def model_config(name: str, config: ModelConfig) -> dict[str, Any]:
     data["dynamic_batching"]["max_queue_delay_microseconds"] = round(
         config.dynamic_batching.max_queue_delay_ms * 1000
     )
-    kind = {"cpu": "KIND_CPU", "auto": "KIND_AUTO"}.get(config.device, "KIND_GPU")
-    data["instance_group"] = [{"count": config.instance_count, "kind": kind}]
+    if not config.instance_group:  # else the groups, as configured, are already in data
+        kind = {"cpu": "KIND_CPU", "auto": "KIND_AUTO"}.get(config.device, "KIND_GPU")
+        data["instance_group"] = [{"count": config.instance_count, "kind": kind}]
     return data
 
 
