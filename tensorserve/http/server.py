@@ -108,9 +108,11 @@ def run(settings: Settings) -> None:
     """Serve until SIGTERM or SIGINT, then shut down in phases. Raises
     ``StartupError`` (before anything started) when the server cannot start."""
     logs.configure(settings.log_level, settings.log_format)  # text or JSON lines, request ids
-    logs.log_startup(settings)
     check_repository(settings)
     sock = bind(settings.host, settings.port)
+    # Only a server that can start logs its banner: one that cannot says why
+    # in one line (the CLI prints the StartupError), nothing else.
+    logs.log_startup(settings)
     _install_uvloop()
     sys.setswitchinterval(settings.switch_interval_ms / 1000)
     # nn.TransformerEncoder's default fast path announces itself on every start:
