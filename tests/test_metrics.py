@@ -6,12 +6,15 @@ endpoint agreeing with them, and counters that survive a reload."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -226,3 +229,30 @@ async def test_counters_do_not_go_backwards_across_a_reload(app_client: Any) -> 
         assert value(after, name, **gated) == value(before, name, **gated) + 1, name
     assert value(after, "tensorserve_requests_total", **gated, code="ok") == 4
     assert value(after, "tensorserve_request_duration_seconds_count", **gated, code="ok") == 4
+
+
+async def test_a_killed_worker_counts_as_a_restart(aiohttp_client: Any, tmp_path: Path) -> None:
+    write_toy_model(tmp_path, "isolated", GATED_MODEL, **{**ECHO, "isolation": "process"})
+    app = create_app(Settings(model_repository=tmp_path), wait_for_models=True)
+    client = await aiohttp_client(app)
+    assert await post(client, "isolated", [item(1.0)]) == 200
+    executor = app[REGISTRY].entries["isolated"].served.executor
+    worker = executor.workers[0].pid
+    os.kill(worker, signal.SIGKILL)
+    await wait_for(lambda: _dead(worker), "the worker dead")
+    # The next batch finds the worker dead and replaces it (the request may
+    # fail or succeed, depending on when the death is seen); then all is well.
+    await post(client, "isolated", [item(1.0)])
+    await wait_for(lambda: executor.workers[0].alive and executor.workers[0].pid != worker,
+                   "the worker replaced")
+    assert await post(client, "isolated", [item(1.0)]) == 200
+    samples = parse(await (await client.get("/metrics")).text())
+    assert value(samples, "tensorserve_worker_restarts_total", model="isolated", version="1") == 1
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie its parent has not reaped (we leave that to the runtime)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

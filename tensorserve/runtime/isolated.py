@@ -98,6 +98,7 @@ class ProcessExecutor:
         ]
         self.standby = Standby(self.hello, self.label, self.template) if faults.standby_worker else None
         self._replacing = [threading.Lock() for _ in self.workers]
+        self.restarts = 0  # dead workers replaced (tensorserve_worker_restarts_total)
 
     def start(self) -> None:
         try:
@@ -170,6 +171,7 @@ class ProcessExecutor:
         if spare is not None:
             spare.label = old.label
             self.workers[instance] = spare
+            self.restarts += 1
             log.warning("%s: the standby worker %d took over", old.label, spare.pid)
             return spare
         log.warning("%s: starting a new worker process", old.label)
@@ -177,6 +179,7 @@ class ProcessExecutor:
             old.start()
         except ConfigError as exc:
             raise ModelFailure(f"{old.label}: the worker process could not restart: {exc}") from None
+        self.restarts += 1
         return old
 
     # -- the event loop's direct path (batching.executor.DirectExecutor)
