@@ -109,13 +109,13 @@ def classify(status: int, body: bytes, expected: np.ndarray | None) -> str:
         y = msgpack.unpackb(body)["outputs"][0]["y"]
         got = np.frombuffer(y["data"], dtype=y["dtype"]).reshape(y["shape"])
         return "answered correctly" if np.array_equal(got, expected * 2) else "wrong: output"
-    try:
-        code = msgpack.unpackb(body)["code"]
-    except Exception:
+    code = "?"
+    for decode in (msgpack.unpackb, json.loads):  # the native protocol's errors, else JSON
         try:
-            code = json.loads(body)["code"]
-        except Exception:
-            code = "?"
+            code = decode(body)["code"]
+            break
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+            continue
     if status >= 500 and expected is None and status != 503:
         return f"wrong: {status} {code} for a malformed body"
     return f"refused {status} {code}"
@@ -182,7 +182,7 @@ async def leave(url: str, scenario: Scenario, total: int, concurrency: int) -> N
     async def one(seed: int) -> None:
         async with semaphore:
             body, _ = good_body(random.Random(seed))
-            reader, writer = await asyncio.open_connection(host, port)
+            _, writer = await asyncio.open_connection(host, port)
             writer.write(RawHttpPool(url).request(ROUTE, body, MSGPACK))
             await writer.drain()
             await asyncio.sleep(random.Random(seed).uniform(0, 0.005))
@@ -393,8 +393,10 @@ async def soak(repository: Path) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     rows = [
-        "| scenario | sent | answered correctly | refused (status code: count) "
-        "| left / not accepted | lost | hung | wrong |",
+        (
+            "| scenario | sent | answered correctly | refused (status code: count) "
+            "| left / not accepted | lost | hung | wrong |"
+        ),
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for s in results["scenarios"]:

@@ -59,7 +59,9 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 
 def infer(url: str, nap_ms: float) -> tuple[int, Any]:
     reply = httpx.post(
-        f"{url}/v2/models/sleepy/infer", content=body([{"ms": [nap_ms]}]), headers=MSGPACK,
+        f"{url}/v2/models/sleepy/infer",
+        content=body([{"ms": [nap_ms]}]),
+        headers=MSGPACK,
         timeout=60,
     )
     return reply.status_code, msgpack.unpackb(reply.content)
@@ -130,7 +132,9 @@ def test_readiness_fails_at_once_while_requests_are_still_served(
         # Still accepting and serving while load balancers catch up; each
         # reply closes its connection, so the client's next one goes elsewhere.
         late = httpx.post(
-            f"{server.url}/v2/models/sleepy/infer", content=body([{"ms": [10]}]), headers=MSGPACK,
+            f"{server.url}/v2/models/sleepy/infer",
+            content=body([{"ms": [10]}]),
+            headers=MSGPACK,
             timeout=60,
         )
         assert (late.status_code, late.headers["connection"]) == (200, "close")

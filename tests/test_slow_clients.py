@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgpack
 import pytest
@@ -100,13 +99,13 @@ def test_a_trickled_body_gets_408_and_its_connection_is_closed(server: ServerPro
         trickler = Trickler(sock, payload, every=0.2)  # needs far longer than the bound
         trickler.start()
         try:
-            status, headers, reply = read_response(sock)
+            status, _, reply = read_response(sock)
             answered = time.monotonic() - sent
-            assert (status, msgpack.unpackb(reply)["error"]) == (
-                408,
+            message = (
                 f"the request body did not arrive within {BODY_TIMEOUT_S:g} s (body_timeout_s); "
-                f"the connection is closed",
+                f"the connection is closed"
             )
+            assert (status, msgpack.unpackb(reply)["error"]) == (408, message)
             assert BODY_TIMEOUT_S <= answered < BODY_TIMEOUT_S + 5, answered
             assert closed(sock)  # while the client still trickles
             assert time.monotonic() - sent < BODY_TIMEOUT_S + LINGER_S + 8
