@@ -386,3 +386,13 @@ def test_without_the_template_workers_are_spawned_and_crashes_still_recover(cras
         results = _worker_outcomes(model, [1.0, 7.0, 3.0])
     assert results[0] == 2.0 and results[2] == 6.0
     assert isinstance(results[1], ModelFailure) and "crashed the model's worker" in results[1].message
+
+
+def test_the_auto_watchdog_is_off_for_a_compiled_model_and_a_number_still_applies() -> None:
+    def make(**config: object) -> ServedModel:
+        return ServedModel.from_function(lambda x: x, inputs=X_IN, outputs=Y_OUT, **config)
+
+    assert make().batcher.pipeline.watchdog.limit_s == 30.0  # auto, before any batch
+    assert make(compile="default").batcher.pipeline.watchdog.limit_s is None
+    assert make(compile="default", faults={"watchdog_ms": 2000}).batcher.pipeline.watchdog.limit_s == 2.0
+    assert make(faults={"watchdog_ms": 0}).batcher.pipeline.watchdog.limit_s is None

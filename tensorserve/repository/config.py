@@ -145,7 +145,8 @@ class Faults(_Strict):
         "auto",
         description="Longest one batch may run. Past it a worker process is killed and "
         "replaced (the batch is retried split); a model thread is marked not ready and its "
-        "callers answered. auto: 50x the slowest warm-up batch, at least 30 s; 0: off.",
+        "callers answered. auto: 50x the slowest batch so far, at least 30 s (off for a "
+        "compiled model: compiling a new shape is not a hang); 0: off.",
     )
     standby_worker: bool = Field(
         True,

@@ -55,9 +55,13 @@ from tensorserve.runtime.placement import PlacedExecutor, placed_thread_executor
 from tensorserve.wire.validate import validate_item
 
 
-def _watchdog_seconds(watchdog_ms: float | str) -> float | str | None:
+def _watchdog_seconds(config: ModelConfig) -> float | str | None:
+    """The watchdog's limit for the batcher. "auto" is off for a compiled
+    model: torch.compile compiles at a new shape's first batch, which may
+    take minutes and is not a hang (give a number to watch it anyway)."""
+    watchdog_ms = config.faults.watchdog_ms
     if watchdog_ms == "auto":
-        return "auto"
+        return None if config.compile != "off" else "auto"
     return float(watchdog_ms) / 1000 or None
 
 
@@ -120,7 +124,7 @@ class ServedModel:
             max_batch_elements=batching.max_batch_elements,
             priority_levels=batching.priority_levels,
             split_failed_batches=config.faults.split_failed_batches,
-            watchdog_s=_watchdog_seconds(config.faults.watchdog_ms),
+            watchdog_s=_watchdog_seconds(config),
         )
         self.batcher = Batcher(
             executor,
