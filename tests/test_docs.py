@@ -10,7 +10,9 @@ runs, or is checked, here. The convention the pages follow:
   links the repository's top-level entries (what a block writes stays
   there), against the same server. A block that starts ``tensorserve serve``
   gets a free port (``TENSORSERVE_PORT``, and its ``:8000`` URLs rewritten)
-  instead; ``tensorserve bench`` runs are shortened (``--duration 0.3
+  instead, unless it starts the bundled repository with default settings
+  (``tensorserve serve &``), which is what the session's server runs: that
+  block uses the session's server; ``tensorserve bench`` runs are shortened (``--duration 0.3
   --warmup 0.1``, a concurrency sweep's first two levels); background jobs
   are killed when the block ends. A page's blocks run in order, in one
   scratch folder, so a block may use what an earlier one wrote.
@@ -182,9 +184,15 @@ def shortened(code: str) -> str:
     return re.sub(r"--concurrency (\d+,\d+)(?:,\d+)+", r"--concurrency \1", code)
 
 
+# Starting the bundled repository with default settings: the session's server
+# already is that (started by the same command), so the block uses it.
+BUNDLED_SERVER = re.compile(r"^tensorserve serve( --model-repository model_repository)? *&.*$", re.M)
+
+
 def run_bash(code: str, server_url: str, cwd: Path, timeout: float = 170) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORSERVE_")}
     port = server_url.rsplit(":", 1)[1]
+    code = BUNDLED_SERVER.sub("# the session's server serves the bundled repository", code)
     if re.search(r"\btensorserve serve\b", code):
         port = str(free_port())
         env["TENSORSERVE_PORT"] = port
