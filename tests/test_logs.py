@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -90,6 +91,8 @@ async def test_the_log_lines_of_a_failing_request_carry_its_id(
     reply = await client.post("/v2/models/echo/infer", data=bad,
                               headers={**MSGPACK, "X-Request-ID": "bad-1"})
     assert reply.status == 400 and reply.headers["X-Request-ID"] == "bad-1"
+    native_error = msgpack.unpackb(await reply.read())  # a msgpack error body carries it too
+    assert native_error["request_id"] == "bad-1" and native_error["code"] == "invalid_input"
     (warning,) = [r for r in caplog.records if getattr(r, "request_id", None) == "bad-1"]
     assert warning.levelno == logging.WARNING and warning.exc_info is None
     assert "-> 400 invalid_input" in warning.getMessage()

@@ -1,8 +1,8 @@
 """The one place where tensorserve errors become HTTP statuses.
 
-Error bodies are ``{"error": message, "code": code}`` in the request's
-content type (msgpack for the native protocol, JSON otherwise); a JSON body
-also carries the ``request_id`` (every response carries it as X-Request-ID).
+Error bodies are ``{"error": message, "code": code, "request_id": id}`` in
+the request's content type (msgpack for the native protocol, JSON otherwise);
+every response also carries the id as X-Request-ID.
 
 Every error is logged here, with its request id: a 5xx that is the server's
 or the model's fault at ERROR with its traceback; a 4xx or a rejection
@@ -52,7 +52,7 @@ def error_response(
     if request.content_type == native.CONTENT_TYPE:
         return web.Response(
             status=status,
-            body=native.encode_error(message, code),
+            body=native.encode_error(message, code, info.request_id if info is not None else None),
             content_type=native.CONTENT_TYPE,
             headers=headers,
         )

@@ -123,5 +123,8 @@ def encode_is_costly(request: InferRequest, results: Results) -> bool:
     return False  # raw bytes out: no per-element work
 
 
-def encode_error(message: str, code: str) -> bytes:
-    return msgpack.packb({"error": message, "code": code})
+def encode_error(message: str, code: str, request_id: str | None = None) -> bytes:
+    body = {"error": message, "code": code}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return msgpack.packb(body)
