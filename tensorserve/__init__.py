@@ -1,7 +1,8 @@
 """tensorserve: a Triton-style tensor inference server that dynamically
 batches variable-length inputs by padding them, and un-pads every output.
 
-``import tensorserve`` is cheap: the error types load at once, and
+``import tensorserve`` is cheap: the error types (and the plain
+``WithParameters`` a model returns output parameters in) load at once, and
 ``ServedModel`` (which needs torch) only when it is first used, so the
 command line's ``--help`` and code that only handles errors never pay for
 importing torch.
@@ -20,6 +21,7 @@ from tensorserve.errors import (
     ServerBusy,
     TensorServeError,
 )
+from tensorserve.tensors.results import RowResult, WithParameters
 
 if TYPE_CHECKING:
     from tensorserve.serving.model import ServedModel
@@ -34,9 +36,11 @@ __all__ = [
     "ModelNotReady",
     "OutOfMemory",
     "RowErrors",
+    "RowResult",
     "ServedModel",
     "ServerBusy",
     "TensorServeError",
+    "WithParameters",
     "__version__",
 ]
 

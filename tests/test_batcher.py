@@ -316,7 +316,9 @@ class OverlappingDevice:
     def start_instance(self, instance: int) -> None:
         pass
 
-    def launch(self, features: dict[str, torch.Tensor], instance: int) -> torch.Tensor:
+    def launch(
+        self, features: dict[str, torch.Tensor], instance: int, parameters: object = None
+    ) -> torch.Tensor:
         self.launched.append(features["x"])
         return features["x"]
 

@@ -17,9 +17,10 @@ import asyncio
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
@@ -28,6 +29,8 @@ from tensorserve.errors import DeadlineExceeded, RequestTooLarge, ServerBusy, Te
 # How far into the queue a policy looks (a multiple of max_batch_size): enough
 # to find items of similar length, bounded so selection stays cheap.
 WINDOW_BATCHES = 16
+# The parameters of an item whose model declares none: one shared empty map.
+NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({})
 
 
 @dataclass
@@ -91,6 +94,10 @@ class Pending:
     reruns: int = 0  # times sent again whole because its worker died before running it
     crashes: int = 0  # batches it was in whose worker died running them (or hung)
     priority: int = 0  # its priority level: 1 is the highest (0: no levels)
+    # Its request's values of the model's declared parameters (shared by the
+    # request's items), passed to forward in its row: they travel with the
+    # entry, so a batch split in recovery keeps each row's values.
+    parameters: Mapping[str, Any] = field(default_factory=lambda: NO_PARAMETERS)
 
     def caller_left(self) -> bool:
         """True if the caller cancelled; for a thread's future this also marks

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
+from tensorserve.batching.admission import NO_PARAMETERS, AdmissionQueue, BatcherOptions, Pending
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.delivery import running_loop
 from tensorserve.batching.executor import BatchOutputs, DirectExecutor, Executor
@@ -110,12 +110,15 @@ class Batcher:
         timeout: float | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         priority: int = 0,
+        parameters: Mapping[str, Any] = NO_PARAMETERS,
     ) -> list[Any]:
         """Queue a request's items; one future per item, in order:
         ``asyncio.Future``s of ``loop`` (call from that loop), else
         ``concurrent.futures.Future``s. ``priority``: the items' level
-        (1 is the highest; 0 without priority levels)."""
-        return [entry.future for entry in self._enqueue(items, timeout, loop, priority)]
+        (1 is the highest; 0 without priority levels). ``parameters``: the
+        request's values of the model's declared parameters (validated)."""
+        entries = self._enqueue(items, timeout, loop, priority, parameters)
+        return [entry.future for entry in entries]
 
     def _enqueue(
         self,
@@ -123,6 +126,7 @@ class Batcher:
         timeout: float | None,
         loop: asyncio.AbstractEventLoop | None,
         priority: int = 0,
+        parameters: Mapping[str, Any] = NO_PARAMETERS,
     ) -> list[Pending]:
         p = self.pipeline
         now = time.monotonic()
@@ -136,6 +140,7 @@ class Batcher:
                 now,
                 deadline,
                 priority=priority,
+                parameters=parameters,
             )
             for item in items
         ]
@@ -166,11 +171,17 @@ class Batcher:
             raise DeadlineExceeded(f"model {self.name!r}: no result within {timeout} s") from None
 
     async def infer_many(
-        self, items: Sequence[Any], *, timeout: float | None = None, priority: int = 0
+        self,
+        items: Sequence[Any],
+        *,
+        timeout: float | None = None,
+        priority: int = 0,
+        parameters: Mapping[str, Any] = NO_PARAMETERS,
     ) -> list[Any]:
         """All items' results in order; if one fails, the call fails (and the
         others still queued are cancelled)."""
-        entries = self._enqueue(items, timeout, asyncio.get_running_loop(), priority)
+        loop = asyncio.get_running_loop()
+        entries = self._enqueue(items, timeout, loop, priority, parameters)
         futures = [entry.future for entry in entries]
         # One item (the common case) needs no gather: one loop iteration less.
         waiting = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
@@ -230,7 +241,8 @@ class Batcher:
         assert batch.padded is not None
         try:
             batch.started = time.perf_counter()
-            batch.launched = executor.try_launch_direct(batch.padded.features, instance)
+            padded = batch.padded
+            batch.launched = executor.try_launch_direct(padded.features, instance, padded.parameters)
         except BaseException as exc:  # the model's own failure, reported at once
             batch.error, batch.ran = exc, True
             self._release(batch, instance)

@@ -8,13 +8,17 @@ slice assignment); there is never a loop over elements.
 The rule for un-padding: an output's variable axes, in order, take the
 extents of its source input's variable axes, in order (``unpad_like``).
 Fixed-shape outputs are returned whole.
+
+A model's declared request parameters need no padding: ``Collator.pad``
+gives the batch one column per parameter, each row's value in its row.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +40,8 @@ class PaddedBatch:
     extents: dict[str, np.ndarray]  # feature -> int64 array [batch, n_variable_axes]
     real_elements: int
     padded_elements: int
+    # Declared request parameter -> one value per row ({}: the model declares none).
+    parameters: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -175,6 +181,7 @@ class Collator:
         self.primary = next((s for s in config.input if s.variable_axes), None)
         self.pad_to_multiple_of = config.dynamic_batching.pad_to_multiple_of
         self.pin_memory = pin_memory
+        self.parameter_names = [spec.name for spec in config.request_parameter]
 
     def volume(self, item: Item) -> int:
         """Padded-size proxy of one item, for length-aware policies."""
@@ -193,10 +200,20 @@ class Collator:
             total += len(items) * math.prod(shape)
         return total
 
-    def pad(self, items: Sequence[Item]) -> PaddedBatch:
-        return pad(
+    def pad(
+        self, items: Sequence[Item], parameters: Sequence[Mapping[str, Any]] = ()
+    ) -> PaddedBatch:
+        """The padded batch; ``parameters``: each item's request parameter
+        values (validated, defaults filled in), made into one column per
+        declared parameter."""
+        batch = pad(
             items, self.inputs, pad_to_multiple_of=self.pad_to_multiple_of, pin_memory=self.pin_memory
         )
+        if self.parameter_names:
+            batch.parameters = {
+                name: [values[name] for values in parameters] for name in self.parameter_names
+            }
+        return batch
 
     def unpad(self, outputs: Mapping[str, np.ndarray], batch: PaddedBatch) -> list[Result]:
         return unpad(outputs, batch, self.outputs, self.sources)

@@ -33,6 +33,12 @@ class BatchOutputs(Protocol):
         ...
 
     @property
+    def parameters(self) -> Mapping[str, Sequence[Any]] | None:
+        """The model's per-row output parameters (name -> one JSON scalar per
+        row; ``tensorserve.WithParameters``), or None."""
+        ...
+
+    @property
     def seconds(self) -> float | None:
         """The model's own time for the batch, when the executor knows it
         better than the batcher's launch-to-collect clock (a worker with a
@@ -55,8 +61,16 @@ class Executor(Protocol):
         """Called once on each model thread before its first batch."""
         ...
 
-    def launch(self, features: dict[str, torch.Tensor], instance: int) -> Any:
-        """Start a padded batch on the instance (on a CPU: run it)."""
+    def launch(
+        self,
+        features: dict[str, torch.Tensor],
+        instance: int,
+        parameters: Mapping[str, list[Any]] | None = None,
+    ) -> Any:
+        """Start a padded batch on the instance (on a CPU: run it).
+        ``parameters``: the model's declared request parameters, one value
+        per row (empty or None: the model declares none, and its forward
+        gets exactly the features)."""
         ...
 
     def collect(self, launched: Any) -> BatchOutputs:
@@ -74,7 +88,12 @@ class DirectExecutor(Executor, Protocol):
         """The instance is up and idle enough for the loop to use it."""
         ...
 
-    def try_launch_direct(self, features: dict[str, torch.Tensor], instance: int) -> Any | None:
+    def try_launch_direct(
+        self,
+        features: dict[str, torch.Tensor],
+        instance: int,
+        parameters: Mapping[str, list[Any]] | None = None,
+    ) -> Any | None:
         """Send the batch without blocking and without ever waiting for or
         restarting a worker; None if it could not be sent (the batcher then
         gives the batch to the model threads)."""

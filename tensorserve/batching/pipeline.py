@@ -193,7 +193,9 @@ class Pipeline:
             self.in_flight.add(batch)
         try:
             pad_started = time.perf_counter()
-            batch.padded = self.collator.pad([e.item for e in live])
+            batch.padded = self.collator.pad(
+                [e.item for e in live], [e.parameters for e in live]
+            )
             batch.pad_seconds = time.perf_counter() - pad_started
         except BaseException as exc:  # padding failed: this batch only
             batch.error, batch.ran = exc, True
@@ -206,7 +208,8 @@ class Pipeline:
         assert batch.padded is not None
         try:
             batch.started = time.perf_counter()
-            batch.launched = self.executor.launch(batch.padded.features, instance)
+            padded = batch.padded
+            batch.launched = self.executor.launch(padded.features, instance, padded.parameters)
         except BaseException as exc:  # the model failed: this batch only
             batch.error, batch.ran = exc, True
         return batch

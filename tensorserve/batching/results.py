@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +16,7 @@ from tensorserve.batching.executor import BatchOutputs
 from tensorserve.batching.policy import BatchPolicy
 from tensorserve.batching.stats import BatchStats
 from tensorserve.errors import ModelFailure, as_model_failure
+from tensorserve.tensors.results import RowResult
 
 
 @dataclass(eq=False)
@@ -86,9 +87,12 @@ class BatchResults:
                     f"batch function returned {len(outputs.per_item)} results for a batch of "
                     f"{size} items"
                 )
-            return outputs.per_item
-        assert outputs.batched is not None
-        return self.collator.unpad(outputs.batched, batch.padded)
+            rows: Sequence[Any] = outputs.per_item
+        else:
+            assert outputs.batched is not None
+            rows = self.collator.unpad(outputs.batched, batch.padded)
+        parameters = outputs.parameters
+        return rows if not parameters else _with_parameters(rows, parameters)
 
     def _record(
         self, batch: Batch, outcomes: list[Outcome], unpad_seconds: float | None = None
@@ -119,3 +123,19 @@ def _padded_length(padded: PaddedBatch | None) -> int | None:
         return None
     lengths = [int(e.prod(axis=1).max()) for e in padded.extents.values() if e.size and e.shape[1]]
     return max(lengths, default=None)
+
+
+def _with_parameters(rows: Sequence[Any], columns: Mapping[str, Sequence[Any]]) -> list[Any]:
+    """Each row's result with its own values of the model's output
+    parameters (a failed row stays its exception)."""
+    for name, values in columns.items():
+        if len(values) != len(rows):
+            raise ModelFailure(
+                f"output parameter {name!r} has {len(values)} values for a batch of "
+                f"{len(rows)} rows; give one per row"
+            )
+    return [
+        row if isinstance(row, BaseException)
+        else RowResult(row, {name: values[i] for name, values in columns.items()})
+        for i, row in enumerate(rows)
+    ]

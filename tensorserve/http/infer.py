@@ -63,7 +63,10 @@ async def _infer(request: web.Request) -> web.Response:
         settings.max_timeout_ms,
     )
     results = await served.infer_many(
-        decoded.items, timeout=timeout, priority=decoded.parameters.get("priority")
+        decoded.items,
+        timeout=timeout,
+        priority=decoded.parameters.get("priority"),
+        parameters=decoded.parameters,  # the model's declared ones reach its forward
     )
     encode_started = time.perf_counter()
     encoded = await _maybe_in_thread(

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tensorserve.errors import ConfigError
+from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.tensors.dtypes import DType, DTYPES
 
 if sys.version_info >= (3, 11):
@@ -222,6 +223,11 @@ class ModelConfig(_Strict):
     parameters: dict[str, Any] = Field(default_factory=dict, description="Model(**parameters).")
     input: list[InputSpec] = Field(min_length=1)
     output: list[OutputSpec] = Field(min_length=1)
+    request_parameter: list[RequestParameterSpec] = Field(
+        default_factory=list,
+        description="Values a request may give in its parameters, passed to forward one per "
+        "row (docs/model-repository.md); a request's other parameters are ignored.",
+    )
     warmup: Warmup = Field(default_factory=Warmup)
     faults: Faults = Field(default_factory=Faults)
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field(
@@ -246,12 +252,19 @@ class ModelConfig(_Strict):
             raise ValueError(
                 "instance_group places the instances itself: leave device and instance_count unset"
             )
-        for kind, specs in (("input", self.input), ("output", self.output)):
+        kinds = (("input", self.input), ("output", self.output),
+                 ("request_parameter", self.request_parameter))
+        for kind, specs in kinds:
             names = [s.name for s in specs]
             dupes = sorted({n for n in names if names.count(n) > 1})
             if dupes:
                 raise ValueError(f"duplicate {kind} names: {', '.join(dupes)}")
         inputs = {s.name: s for s in self.input}
+        for parameter in self.request_parameter:
+            if parameter.name in inputs:  # both are keyword arguments of forward
+                raise ValueError(
+                    f"request_parameter {parameter.name!r} has the name of an input"
+                )
         for out in self.output:
             if not out.variable_axes:
                 continue

@@ -12,13 +12,20 @@ only; padding and un-padding are ``batching.collate``'s:
 
 A batch function may return one tensor (single output), a dict of output
 name -> tensor, or a list with one entry per item, where an entry may be an
-Exception that fails that item alone.
+Exception that fails that item alone; or any of these wrapped in
+``tensorserve.WithParameters`` with per-row output parameters.
+
+A model that declares request parameters gets each as one more keyword
+argument: a 1-D int64 / float32 tensor on its device, or a list (bool,
+string), one value per row. A model that declares none gets the features
+only, exactly as before parameters existed.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +34,10 @@ import torch
 
 from tensorserve.errors import BatchOutOfMemory, ModelFailure
 from tensorserve.repository.config import ModelConfig, OutputSpec
+from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.runtime.device import DeviceContext
 from tensorserve.tensors.dtypes import from_torch
+from tensorserve.tensors.results import WithParameters
 
 
 def on_device(fn: Callable[..., Any], config: ModelConfig, device: torch.device) -> Callable[..., Any]:
@@ -48,6 +57,7 @@ class Executed:
     batched: dict[str, np.ndarray] | None  # one array per output, batch first
     per_item: list[Any] | None  # or: each item's host arrays, or its Exception
     seconds: float | None = None  # the model's own time, when known better
+    parameters: dict[str, list[Any]] | None = None  # per-row output parameters
 
 
 @dataclass
@@ -55,6 +65,7 @@ class Launched:
     host: dict[str, torch.Tensor] | None  # batched outputs (pinned, still filling on CUDA)
     done: torch.cuda.Event | None  # recorded after the last device->host copy
     per_item: list[Any] | None
+    parameters: Mapping[str, Any] | None = None  # as the model returned them
 
 
 class ThreadExecutor:
@@ -71,6 +82,7 @@ class ThreadExecutor:
         self.device = device
         self.instance_count = instance_count
         self.outputs = config.output
+        self.parameter_specs = {spec.name: spec for spec in config.request_parameter}
         self._contexts = [DeviceContext(device, intra_op_threads) for _ in range(instance_count)]
         # On CUDA, launch returns once the work is queued: the batcher pads and
         # launches the next full batch while this one runs.
@@ -80,12 +92,17 @@ class ThreadExecutor:
     def start_instance(self, instance: int) -> None:
         self._contexts[instance].enter_thread()
 
-    def launch(self, features: dict[str, torch.Tensor], instance: int) -> Launched:
+    def launch(
+        self,
+        features: dict[str, torch.Tensor],
+        instance: int,
+        parameters: Mapping[str, list[Any]] | None = None,
+    ) -> Launched:
         """Queue the batch on the device (on a CPU this runs it to the end).
         Out of memory: the caches are freed, then ``BatchOutOfMemory`` (the
         batcher splits the batch and lowers its ceiling)."""
         try:
-            return self._launch(features, instance)
+            return self._launch(features, instance, parameters)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -95,26 +112,58 @@ class ThreadExecutor:
         free_memory(self.device)
         raise BatchOutOfMemory(reason)
 
-    def _launch(self, features: dict[str, torch.Tensor], instance: int) -> Launched:
+    def _launch(
+        self,
+        features: dict[str, torch.Tensor],
+        instance: int,
+        parameters: Mapping[str, list[Any]] | None,
+    ) -> Launched:
         context = self._contexts[instance]
         with context.running():
-            result = self.fn(**context.to_device(features))
+            arguments = context.to_device(features)
+            if parameters:  # a model that declares none gets exactly its features
+                arguments.update(self._parameter_arguments(parameters, context))
+            result = self.fn(**arguments)
+            returned = None
+            if isinstance(result, WithParameters):
+                result, returned = result.outputs, result.parameters
             if isinstance(result, (list, tuple)):
-                return Launched(None, None, list(result))
+                return Launched(None, None, list(result), returned)
             named = named_outputs(result, self.outputs)
             host, done = context.to_host(
                 {spec.name: named[spec.name].to(spec.dt.torch) for spec in self.outputs}
             )
-        return Launched(host, done, None)
+        return Launched(host, done, None, returned)
+
+    def _parameter_arguments(
+        self, columns: Mapping[str, list[Any]], context: DeviceContext
+    ) -> dict[str, Any]:
+        """Each declared parameter as forward gets it: numbers as one 1-D
+        tensor on the device, booleans and strings as the list."""
+        arguments: dict[str, Any] = {}
+        for name, values in columns.items():
+            spec: RequestParameterSpec = self.parameter_specs[name]
+            if spec.numeric:
+                dtype = torch.int64 if spec.type == "int" else torch.float32
+                arguments[name] = torch.tensor(values, dtype=dtype)
+            else:
+                arguments[name] = list(values)
+        tensors = context.to_device({k: v for k, v in arguments.items() if torch.is_tensor(v)})
+        return {**arguments, **tensors}
 
     def collect(self, launched: Launched) -> Executed:
         """Wait for the device (one synchronisation per batch); host arrays."""
+        parameters = None
+        if launched.parameters is not None:  # reading a tensor's values waits for it
+            parameters = output_parameters(launched.parameters)
         if launched.per_item is not None:
-            return Executed(None, [self._item_result(entry) for entry in launched.per_item])
+            items = [self._item_result(entry) for entry in launched.per_item]
+            return Executed(None, items, parameters=parameters)
         if launched.done is not None:
             launched.done.synchronize()
         assert launched.host is not None
-        return Executed({name: from_torch(t) for name, t in launched.host.items()}, None)
+        host = {name: from_torch(t) for name, t in launched.host.items()}
+        return Executed(host, None, parameters=parameters)
 
     def _item_result(self, entry: Any) -> Any:
         """One entry of a per-item result list, as host arrays (or the item's Exception)."""
@@ -128,6 +177,42 @@ class ThreadExecutor:
 
     def close(self) -> None:
         """Nothing to release: the model threads belong to the batcher."""
+
+
+def output_parameters(returned: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """A forward's per-row output parameters as plain lists of JSON scalars
+    (they go into msgpack and JSON as they are), or a sentence saying why not.
+    The batcher checks there is one value per row."""
+    if not isinstance(returned, Mapping):
+        raise ModelFailure(
+            f"WithParameters.parameters must map a name to one value per row, got "
+            f"{type(returned).__name__}"
+        )
+    columns: dict[str, list[Any]] = {}
+    for name, values in returned.items():
+        if not isinstance(name, str):
+            raise ModelFailure(f"output parameter names must be strings, got {name!r:.40}")
+        if isinstance(values, (torch.Tensor, np.ndarray)):
+            values = values.tolist() if values.ndim == 1 else values
+        if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+            raise ModelFailure(
+                f"output parameter {name!r} must be one value per row (a list or a 1-D "
+                f"tensor), got {type(values).__name__}"
+            )
+        for row, value in enumerate(values):
+            if not _scalar(value):
+                raise ModelFailure(
+                    f"output parameter {name!r}, row {row}: {value!r:.40} is not a boolean, an "
+                    f"integer, a finite number or a string"
+                )
+        columns[name] = list(values)
+    return columns
+
+
+def _scalar(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)  # JSON has no NaN or infinity
+    return isinstance(value, (bool, int, str))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,14 +129,19 @@ class ProcessExecutor:
             return None
         return "its worker process is being replaced"
 
-    def launch(self, features: dict[str, torch.Tensor], instance: int) -> Sent:
+    def launch(
+        self,
+        features: dict[str, torch.Tensor],
+        instance: int,
+        parameters: Mapping[str, list[Any]] | None = None,
+    ) -> Sent:
         """Send the batch to the instance's worker (a dead one is replaced
         first); ``collect`` waits for it. Meanwhile the batcher may pad and
         send the next full batch, so the worker never waits for the server."""
         worker = self.workers[instance]
         if not worker.alive:
             worker = self._replace(instance)
-        return Sent(instance, worker, worker.submit(_host(features)))
+        return Sent(instance, worker, worker.submit(_host(features), parameters))
 
     def collect(self, sent: Sent) -> Executed:
         return self._executed(sent.worker.receive(sent.ticket))
@@ -187,9 +192,14 @@ class ProcessExecutor:
         """Only a worker that is up: a dead one restarts on a model thread."""
         return self.workers[instance].alive
 
-    def try_launch_direct(self, features: dict[str, torch.Tensor], instance: int) -> Sent | None:
+    def try_launch_direct(
+        self,
+        features: dict[str, torch.Tensor],
+        instance: int,
+        parameters: Mapping[str, list[Any]] | None = None,
+    ) -> Sent | None:
         worker = self.workers[instance]
-        ticket = worker.try_submit(_host(features))
+        ticket = worker.try_submit(_host(features), parameters)
         return None if ticket is None else Sent(instance, worker, ticket)
 
     def collect_soon(
@@ -225,15 +235,16 @@ class ProcessExecutor:
             if kind == "rows":
                 raise RowErrors(dict(header["rows"]))
             raise ModelFailure(header["error"])
+        parameters = header.get("parameters")  # per-row output parameters, if any
         if "items" not in header:
-            return Executed(tensors, None, header["seconds"])
+            return Executed(tensors, None, header["seconds"], parameters)
         failed = dict(header["failed"])
         per_item: list[Any] = [
             ModelFailure(failed[i]) if i in failed
             else {spec.name: tensors[f"{i}/{spec.name}"] for spec in self.outputs}
             for i in range(header["items"])
         ]
-        return Executed(None, per_item, header["seconds"])
+        return Executed(None, per_item, header["seconds"], parameters)
 
 
 def _host(features: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:

@@ -16,7 +16,7 @@ the batcher sees as one flat list, so one server keeps every GPU busy.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,9 +119,14 @@ class PlacedExecutor:
         part, local = self._route[instance]
         part.start_instance(local)
 
-    def launch(self, features: dict[str, torch.Tensor], instance: int) -> Routed:
+    def launch(
+        self,
+        features: dict[str, torch.Tensor],
+        instance: int,
+        parameters: Mapping[str, list[Any]] | None = None,
+    ) -> Routed:
         part, local = self._route[instance]
-        return Routed(part, part.launch(features, local))
+        return Routed(part, part.launch(features, local, parameters))
 
     def collect(self, routed: Routed) -> Executed:
         return routed.part.collect(routed.launched)

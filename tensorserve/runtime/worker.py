@@ -53,17 +53,23 @@ def _load(hello: dict[str, Any], *, enter: bool = True) -> tuple[ModelConfig, Th
 
 
 def _run_batch(
-    name: str, config: ModelConfig, executor: ThreadExecutor, features: dict[str, np.ndarray]
+    name: str,
+    config: ModelConfig,
+    executor: ThreadExecutor,
+    features: dict[str, np.ndarray],
+    parameters: dict[str, list[Any]] | None = None,
 ) -> ipc.Message:
-    """Reply to one batch: its outputs, one result per item, or the error."""
+    """Reply to one batch: its outputs, one result per item, or the error;
+    per-row output parameters (plain scalars) ride in the reply's header."""
     padded = {spec.name: as_torch(features[spec.name], spec.dt) for spec in config.input}
     try:
         started = time.perf_counter()
-        executed = executor.collect(executor.launch(padded, 0))
+        executed = executor.collect(executor.launch(padded, 0, parameters))
         seconds = time.perf_counter() - started
+        returned = {"parameters": executed.parameters} if executed.parameters is not None else {}
         if executed.per_item is None:
             assert executed.batched is not None
-            return {"seconds": seconds}, executed.batched
+            return {"seconds": seconds, **returned}, executed.batched
         failed: list[tuple[int, str]] = []  # msgpack maps take string keys only
         tensors: dict[str, np.ndarray] = {}
         for i, result in enumerate(executed.per_item):
@@ -71,7 +77,8 @@ def _run_batch(
                 failed.append((i, as_model_failure(result, name).message))
             else:
                 tensors.update({f"{i}/{key}": value for key, value in result.items()})
-        return {"items": len(executed.per_item), "failed": failed, "seconds": seconds}, tensors
+        header = {"items": len(executed.per_item), "failed": failed, "seconds": seconds}
+        return {**header, **returned}, tensors
     except BatchOutOfMemory as exc:  # the server splits the batch and lowers its ceiling
         return {"error": exc.message, "kind": "oom"}, {}
     except RowErrors as exc:  # some rows failed: the server runs the others again
@@ -113,7 +120,9 @@ def _run(sock: socket.socket, hello: dict[str, Any], config: ModelConfig,
             return 0  # the server closed its end: stopped or gone
         if header.get("stop"):
             return 0
-        reply, tensors = _run_batch(hello["name"], config, executor, features)
+        reply, tensors = _run_batch(
+            hello["name"], config, executor, features, header.get("parameters")
+        )
         ipc.send(sock, reply, tensors)
 
 

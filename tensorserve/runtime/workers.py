@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import numpy as np
@@ -31,6 +31,11 @@ LOAD_TIMEOUT_S = 600.0  # import torch, load weights, maybe compile
 STOP_TIMEOUT_S = 10.0
 # Fewer, larger socket reads and writes for batches of a few MB.
 SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def _batch_header(parameters: Mapping[str, list[Any]] | None) -> dict[str, Any]:
+    """A batch message's header: empty, or the request parameters' columns."""
+    return {"parameters": dict(parameters)} if parameters else {}
 
 
 def _died(returncode: int | None) -> str:
@@ -101,13 +106,17 @@ class WorkerProcess:
                         self.label, exc)
             return None
 
-    def submit(self, features: dict[str, np.ndarray]) -> int:
+    def submit(
+        self, features: dict[str, np.ndarray], parameters: Mapping[str, list[Any]] | None = None
+    ) -> int:
         """Send one padded batch to this (live) worker; returns a ticket for
-        ``receive``. Replies come back in the order of submits."""
+        ``receive``. Replies come back in the order of submits. ``parameters``
+        (the model's declared request parameters, one value per row: plain
+        scalars) travel in the message's msgpack header."""
         if self.sock is None:
             raise self._never_ran()
         try:
-            ipc.send(self.sock, {}, features)
+            ipc.send(self.sock, _batch_header(parameters), features)
         except OSError:
             self._lost("while receiving this batch", ran=False)
         return self.generation
@@ -146,7 +155,9 @@ class WorkerProcess:
             and self.process.poll() is None
         )
 
-    def try_submit(self, features: dict[str, np.ndarray]) -> int | None:
+    def try_submit(
+        self, features: dict[str, np.ndarray], parameters: Mapping[str, list[Any]] | None = None
+    ) -> int | None:
         """``submit`` for an event loop: never restarts a worker or waits for
         one. None if the worker is not up or the send fails (then it is
         marked broken, and the next ``submit`` replaces it)."""
@@ -154,7 +165,7 @@ class WorkerProcess:
             return None
         assert self.sock is not None
         try:
-            ipc.send(self.sock, {}, features)
+            ipc.send(self.sock, _batch_header(parameters), features)
         except OSError:
             self.broken = True
             return None

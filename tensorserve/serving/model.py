@@ -21,7 +21,9 @@ This is the public Python API; the HTTP server is just one of its callers.
         rows = await model.infer_many([{"x": a}, {"x": b}])   # un-padded, in order
 
 Items are validated (dtype, rank, fixed axes, length bounds) before they are
-queued, so a bad item raises ``InvalidInput`` for its caller alone.
+queued, so a bad item raises ``InvalidInput`` for its caller alone. So are a
+request's ``parameters``, against the model's ``[[request_parameter]]``
+declarations: every item of the request carries the values to ``forward``.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from tensorserve.runtime.device import default_intra_op_threads, resolve_device
 from tensorserve.runtime.executor import ThreadExecutor, on_device
 from tensorserve.runtime.isolated import ProcessExecutor
 from tensorserve.runtime.placement import PlacedExecutor, placed_thread_executor, resolve_placement
-from tensorserve.wire.validate import validate_item
+from tensorserve.wire.validate import validate_item, validate_parameters
 
 
 def _watchdog_seconds(config: ModelConfig) -> float | str | None:
@@ -257,32 +259,64 @@ class ServedModel:
             )
         return priority
 
+    def request_parameters(self, parameters: Mapping[str, Any] | None) -> dict[str, Any]:
+        """A request's values of the parameters the model declares, defaults
+        filled in ({} for a model that declares none: its forward gets no
+        new arguments). ``InvalidInput`` names a parameter that is missing
+        or of the wrong type; undeclared keys are ignored."""
+        specs = self.config.request_parameter
+        return validate_parameters(parameters, specs, self.name) if specs else {}
+
     def submit_many(
-        self, items: Sequence[Item], *, timeout: float | None = None, priority: int | None = None
+        self,
+        items: Sequence[Item],
+        *,
+        timeout: float | None = None,
+        priority: int | None = None,
+        parameters: Mapping[str, Any] | None = None,
     ) -> list[Future]:
+        level, values = self.priority_level(priority), self.request_parameters(parameters)
         return self.batcher.submit_many(
-            self.validate(items), timeout=timeout, priority=self.priority_level(priority)
+            self.validate(items), timeout=timeout, priority=level, parameters=values
         )
 
     async def infer_many(
-        self, items: Sequence[Item], *, timeout: float | None = None, priority: int | None = None
+        self,
+        items: Sequence[Item],
+        *,
+        timeout: float | None = None,
+        priority: int | None = None,
+        parameters: Mapping[str, Any] | None = None,
     ) -> list[Result]:
-        level = self.priority_level(priority)
-        return await self.batcher.infer_many(self.validate(items), timeout=timeout, priority=level)
+        """Each item's outputs, in order. A model that returns output
+        parameters gives ``RowResult``s: dicts with a ``parameters`` map."""
+        level, values = self.priority_level(priority), self.request_parameters(parameters)
+        return await self.batcher.infer_many(
+            self.validate(items), timeout=timeout, priority=level, parameters=values
+        )
 
-    async def infer(self, item: Item, *, timeout: float | None = None) -> Result:
-        return (await self.infer_many([item], timeout=timeout))[0]
+    async def infer(
+        self, item: Item, *, timeout: float | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> Result:
+        return (await self.infer_many([item], timeout=timeout, parameters=parameters))[0]
 
-    def infer_many_sync(self, items: Sequence[Item], *, timeout: float | None = None) -> list[Result]:
-        futures = self.submit_many(items, timeout=timeout)
+    def infer_many_sync(
+        self, items: Sequence[Item], *, timeout: float | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> list[Result]:
+        futures = self.submit_many(items, timeout=timeout, parameters=parameters)
         try:
             return [f.result(timeout) for f in futures]
         finally:
             for f in futures:
                 f.cancel()
 
-    def infer_sync(self, item: Item, *, timeout: float | None = None) -> Result:
-        return self.infer_many_sync([item], timeout=timeout)[0]
+    def infer_sync(
+        self, item: Item, *, timeout: float | None = None,
+        parameters: Mapping[str, Any] | None = None,
+    ) -> Result:
+        return self.infer_many_sync([item], timeout=timeout, parameters=parameters)[0]
 
     # ------------------------------------------------------------------ warm-up
     def warmup_items(self) -> list[list[dict[str, np.ndarray]]]:
@@ -304,7 +338,12 @@ class ServedModel:
         return batches
 
     def warmup(self) -> None:
+        # A required parameter has no default to warm up with: zero, False or "".
+        zero = {"bool": False, "int": 0, "float": 0.0, "string": ""}
+        parameters = {
+            spec.name: zero[spec.type] for spec in self.config.request_parameter if spec.required
+        }
         for batch in self.warmup_items():
-            self.infer_many_sync(batch, timeout=600)
+            self.infer_many_sync(batch, timeout=600, parameters=parameters)
         self.stats.reset()  # stats describe real traffic only
 

@@ -1,8 +1,11 @@
 """The native protocol: msgpack bodies (see docs/protocol.md). A codec in the
 sense of ``wire/request.py``.
 
-Request  ``{"items": [{feature: tensor}, ...], "id"?: str, "parameters"?: {"timeout_ms"?: number}}``
-Response ``{"model_name", "model_version", "id"?, "outputs": [{output: tensor}, ...]}``
+Request  ``{"items": [{feature: tensor}, ...], "id"?: str, "parameters"?: {"timeout_ms"?: number,
+           "priority"?: int, <the model's declared parameters>?: value}}``
+Response ``{"model_name", "model_version", "id"?, "outputs": [{output: tensor}, ...],
+           "parameters"?: [{name: value}, ...]}``  (one map per item, when the model
+           returns output parameters)
 Error    ``{"error": str, "code": str}``
 
 A tensor is ``{"dtype", "shape", "data"}`` (raw bytes, decoded zero-copy) or
@@ -20,6 +23,7 @@ import numpy as np
 
 from tensorserve.errors import InvalidInput
 from tensorserve.repository.config import ModelConfig
+from tensorserve.tensors.results import row_parameters
 from tensorserve.tensors.wire_tensor import WireTensor, from_bytes
 from tensorserve.wire.request import (
     EncodedResponse,
@@ -112,6 +116,9 @@ def encode_response(
     message["outputs"] = [
         {name: encode_tensor(result[name], dtype) for name, dtype in wanted} for result in results
     ]
+    parameters = [row_parameters(result) for result in results]
+    if any(parameters):  # the model returned output parameters: each item's own
+        message["parameters"] = parameters
     return EncodedResponse([msgpack.packb(message)], CONTENT_TYPE)
 
 

@@ -20,8 +20,8 @@ their shape, so its un-padded outputs stack back into dense ``[k, ...]``
 tensors. A model with ``max_batch_size`` 0 or 1 has no batch dimension: a
 request is exactly one item.
 
-Response: ``{"model_name", "model_version", "id"?, "outputs": [...]}``; outputs
-asked for as binary carry ``parameters.binary_data_size`` and their bytes
+Response: ``{"model_name", "model_version", "id"?, "outputs": [...], "parameters"?}``;
+outputs asked for as binary carry ``parameters.binary_data_size`` and their bytes
 follow the JSON in output order, and the response's
 ``Inference-Header-Content-Length`` says how long the JSON is.
 """
@@ -52,6 +52,7 @@ from tensorserve.wire.request import (
     InferRequest,
     RequestedOutput,
     Results,
+    response_parameters,
     timeout_seconds,
 )
 
@@ -371,6 +372,8 @@ def encode_response(
             tensor["data"] = _json_data(array, requested.dt)
         tensors.append(tensor)
     message["outputs"] = tensors
+    if parameters := response_parameters(results, config.batching):
+        message["parameters"] = parameters
     header = json.dumps(message, separators=(",", ":")).encode()
     if not chunks:
         return EncodedResponse([header], JSON_CONTENT_TYPE)

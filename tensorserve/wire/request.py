@@ -20,6 +20,7 @@ import numpy as np
 from tensorserve.errors import InvalidInput
 from tensorserve.repository.config import ModelConfig
 from tensorserve.tensors.dtypes import DType
+from tensorserve.tensors.results import row_parameters
 
 # No protocol may ask the server to keep an item queued longer than this: a
 # deadline of days is a client's bug (a unit mix-up), not a deadline.
@@ -133,3 +134,17 @@ def timeout_seconds(
     raise InvalidInput(
         f"{name} must be {rule}, at most {limit} (one hour); got {reprlib.repr(value)}"
     )
+
+
+def response_parameters(results: Results, batched: bool) -> dict[str, Any]:
+    """The OIP response's ``parameters`` from the rows' output parameters
+    (``tensorserve.WithParameters``): per name, the rows' values in order,
+    like the outputs' batch dimension; a model without a batch dimension
+    (one item per request) gives the value itself. {} when there are none."""
+    rows = [row_parameters(result) for result in results]
+    if not any(rows):
+        return {}
+    if not batched:
+        return rows[0]
+    names = dict.fromkeys(name for row in rows for name in row)
+    return {name: [row.get(name) for row in rows] for name in names}

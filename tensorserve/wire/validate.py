@@ -14,6 +14,7 @@ import torch
 
 from tensorserve.errors import InvalidInput
 from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, InputSpec
+from tensorserve.repository.parameters import RequestParameterSpec, check_value
 from tensorserve.tensors.dtypes import BY_TORCH, from_torch
 from tensorserve.tensors.wire_tensor import WireTensor
 from tensorserve.wire.lists import array_from_list
@@ -79,3 +80,28 @@ def validate_item(
             item[spec.name], spec, f"item {index}, feature {spec.name!r}"
         )
     return result
+
+
+def validate_parameters(
+    given: Mapping[str, Any] | None, specs: Sequence[RequestParameterSpec], model: str
+) -> dict[str, Any]:
+    """A request's values of the model's declared parameters, defaults filled
+    in, or InvalidInput naming the parameter. Other keys are not looked at:
+    the server's own (timeout, priority, ...) are read by the codecs, and
+    unknown ones are ignored, as before parameters could be declared."""
+    given = given or {}
+    values: dict[str, Any] = {}
+    for spec in specs:
+        if spec.name not in given or given[spec.name] is None:
+            if spec.required:
+                raise InvalidInput(
+                    f"parameters.{spec.name} is required by model {model!r}: {spec.describe()}"
+                )
+            values[spec.name] = spec.default
+            continue
+        value = given[spec.name]
+        problem = check_value(spec, value)
+        if problem is not None:
+            raise InvalidInput(f"parameters.{spec.name} {problem}")
+        values[spec.name] = value
+    return values

@@ -6,9 +6,11 @@
     with Client("http://localhost:8000") as client:
         out = client.infer("tagger", {"input_ids": ids, "attention_mask": mask})
         out["logits"]  # np.ndarray
+        out.parameters  # the model's output parameters for this item ({} if none)
 """
 
 from tensorserve_client._async import AsyncClient
+from tensorserve_client._protocol import InferResult
 from tensorserve_client._retry import RetryPolicy
 from tensorserve_client._sync import Client
 from tensorserve_client._version import __version__
@@ -36,6 +38,7 @@ __all__ = [
     "Client",
     "ConnectionError",
     "DeadlineExceeded",
+    "InferResult",
     "InternalError",
     "InvalidInput",
     "ModelFailure",

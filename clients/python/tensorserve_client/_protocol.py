@@ -37,7 +37,21 @@ JSON = "application/json"
 RETRY_STATUSES = frozenset({429, 503})
 
 Features = Mapping[str, Any]
-Result = dict[str, Any]  # output name -> np.ndarray (or torch.Tensor)
+
+
+class InferResult(dict):  # type: ignore[type-arg]  # output name -> np.ndarray (or torch.Tensor)
+    """One item's outputs (a dict of output name -> array), and in
+    ``parameters`` the output parameters the model returned for this item
+    (empty when it returns none)."""
+
+    __slots__ = ("parameters",)
+
+    def __init__(self, outputs: Mapping[str, Any], parameters: Mapping[str, Any] | None = None):
+        super().__init__(outputs)
+        self.parameters: dict[str, Any] = dict(parameters or {})
+
+
+Result = InferResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,16 +163,21 @@ def _outputs(outcome: Outcome, count: int, return_torch: bool) -> list[Result]:
     if not isinstance(outputs, list) or len(outputs) != count:
         got = len(outputs) if isinstance(outputs, list) else "no"
         raise ProtocolError(f"sent {count} items but the answer holds {got} outputs")
+    # The model's output parameters: one map per item, when it returns any.
+    parameters = message.get("parameters") or [{}] * count
+    if not isinstance(parameters, list) or len(parameters) != count:
+        raise ProtocolError(f"sent {count} items but the answer's parameters are not {count} maps")
     results = []
-    for index, output in enumerate(outputs):
+    for index, (output, params) in enumerate(zip(outputs, parameters)):
         if not isinstance(output, dict):
             raise ProtocolError(f"output {index}: expected a map of output name to tensor")
-        results.append(
-            {
-                name: decode_tensor(tensor, f"output {index}, {name!r}", return_torch)
-                for name, tensor in output.items()
-            }
-        )
+        if not isinstance(params, dict):
+            raise ProtocolError(f"output {index}: parameters must be a map")
+        tensors = {
+            name: decode_tensor(tensor, f"output {index}, {name!r}", return_torch)
+            for name, tensor in output.items()
+        }
+        results.append(InferResult(tensors, params))
     return results
 
 

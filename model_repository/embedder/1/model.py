@@ -7,13 +7,21 @@ Embedding(vocab_size, d_model) + learned positional embedding (max_len)
 forward(input_ids [B, T] int64, attention_mask [B, T] int64 (1 = real token,
 0 = padding)) -> embedding [B, d_model] float32, unit L2 norm per row.
 
+Served, it also takes the request parameter ``normalize`` (config.toml's
+``[[request_parameter]]``: one bool per row, default true; false gives the
+mean-pooled vector as it is) and returns each row's pooled L2 norm as the
+output parameter ``norm`` (``tensorserve.WithParameters``). Called without
+``normalize`` (a script, a test) it returns the unit-norm tensor alone.
+
 Padded positions are excluded both from attention (src_key_padding_mask) and
 from the pooling, so a right-padded row yields the same embedding as the item
-run alone.  Self-contained: imports only torch.
+run alone.  Imports torch, and tensorserve for ``WithParameters``.
 """
 
 import torch
 from torch import nn
+
+from tensorserve import WithParameters
 
 
 class Model(nn.Module):
@@ -44,8 +52,11 @@ class Model(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        normalize: list[bool] | None = None,
+    ) -> torch.Tensor | WithParameters:
         seq_len = input_ids.shape[1]
         if seq_len > self.max_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_len {self.max_len}")
@@ -62,4 +73,10 @@ class Model(nn.Module):
         h = self.encoder(x, src_key_padding_mask=pad_mask if bool(pad_mask.any()) else None)
         keep = (~pad_mask).to(h.dtype).unsqueeze(-1)  # [B, T, 1]
         pooled = (h * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
-        return nn.functional.normalize(pooled, p=2.0, dim=-1, eps=1e-12)
+        unit = nn.functional.normalize(pooled, p=2.0, dim=-1, eps=1e-12)
+        if normalize is None:
+            return unit
+        # One flag per row: rows of callers that asked for raw vectors keep them.
+        rows = torch.tensor(normalize, device=unit.device)[:, None]
+        embedding = torch.where(rows, unit, pooled)
+        return WithParameters({"embedding": embedding}, {"norm": pooled.norm(dim=-1)})
