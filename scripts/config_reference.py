@@ -33,6 +33,7 @@ from tensorserve.repository.config import (
     OutputSpec,
     Warmup,
 )
+from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.settings import Settings
 
 PAGE = ROOT / "docs" / "configuration.md"
@@ -120,6 +121,7 @@ def reference() -> str:
         "### `[[instance_group]]`\n\n" + model_table(InstanceGroup),
         "### `[[input]]`\n\n" + model_table(InputSpec),
         "### `[[output]]`\n\n" + model_table(OutputSpec),
+        "### `[[request_parameter]]`\n\n" + model_table(RequestParameterSpec),
         "### `[warmup]`\n\n" + model_table(Warmup),
     ]
     for name, field in ModelConfig.model_fields.items():
