@@ -266,6 +266,11 @@ async def test_native_timeouts_are_strict(client: Any, timeout: Any, shown: str)
 @pytest.mark.parametrize("timeout", [0.5, 250, LIMIT_MS, None])
 async def test_native_timeouts_in_bounds_are_accepted(client: Any, timeout: Any) -> None:
     status, reply = await native(client, body([GOOD], parameters={"timeout_ms": timeout}))
+    if timeout == 0.5 and status == 504:
+        # Accepted, then expired: half a millisecond can pass before a busy
+        # machine's model thread reaches the item. Never a 400.
+        assert reply["code"] == "deadline_exceeded", reply
+        return
     assert status == 200, reply
 
 
