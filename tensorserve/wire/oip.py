@@ -28,7 +28,6 @@ follow the JSON in output order, and the response's
 
 from __future__ import annotations
 
-import json
 import math
 import reprlib
 from collections.abc import Mapping, Sequence
@@ -44,8 +43,9 @@ from tensorserve.repository.config import (
     ModelConfig,
     OutputSpec,
 )
-from tensorserve.tensors.dtypes import BY_V2, DType, as_torch
+from tensorserve.tensors.dtypes import BY_V2, DType
 from tensorserve.tensors.wire_tensor import WireTensor, check_shape, from_bytes
+from tensorserve.wire import oip_json
 from tensorserve.wire.lists import array_from_list
 from tensorserve.wire.request import (
     EncodedResponse,
@@ -89,7 +89,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
 
 def _parse_json(header: bytes) -> dict[str, Any]:
     try:
-        message = json.loads(header)
+        message = oip_json.loads(header)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise InvalidInput(f"the inference request header is not valid JSON: {exc}") from None
     if not isinstance(message, dict):
@@ -336,12 +336,6 @@ def stack_rows(results: Results, name: str, batched: bool) -> np.ndarray:
     return np.stack(rows)
 
 
-def _json_data(array: np.ndarray, dt: DType) -> list[Any]:
-    if dt.name == "bfloat16":
-        return as_torch(np.ascontiguousarray(array), dt).float().numpy().ravel().tolist()
-    return array.ravel().tolist()
-
-
 def encode_response(
     request: InferRequest,
     results: Results,
@@ -369,12 +363,12 @@ def encode_response(
             tensor["parameters"] = {"binary_data_size": data.nbytes}
             chunks.append(data)
         else:
-            tensor["data"] = _json_data(array, requested.dt)
+            tensor["data"] = oip_json.tensor_data(array, requested.dt)
         tensors.append(tensor)
     message["outputs"] = tensors
     if parameters := response_parameters(results, config.batching):
         message["parameters"] = parameters
-    header = json.dumps(message, separators=(",", ":")).encode()
+    header = oip_json.dumps(message)
     if not chunks:
         return EncodedResponse([header], JSON_CONTENT_TYPE)
     return EncodedResponse(
