@@ -9,7 +9,10 @@ that ratios come from the same minutes of the same machine):
 
   overhead   HTTP server vs the in-process ceiling (no HTTP), tagger with its
              shipped 1024-token budget, c=32; each with the model in a
-             thread and in a worker process (isolation)
+             thread and in a worker process (isolation); beside them the
+             server at its defaults (the tagger's config without isolation
+             and budget) and the naive loop a user writes without a server
+             (FIFO batches of 32, torch's default threads and one thread)
   policy     fifo vs length_aware (+ padded-volume budgets), c=64, for the
              tagger, gru_tagger (a GRU: pays per sequential step) and
              attention_tagger (hand-written attention: pays for every padded
@@ -34,6 +37,7 @@ import argparse
 import asyncio
 import json
 import math
+import shutil
 import statistics
 import sys
 import time
@@ -46,11 +50,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from generate_example_weights import make_variant  # noqa: E402
+from generate_example_weights import make_variant
 
-from tensorserve import ServedModel  # noqa: E402
-from tensorserve.runtime.device import default_intra_op_threads  # noqa: E402
-from tensorserve.bench import (  # noqa: E402
+from tensorserve import ServedModel
+from tensorserve.bench import (
     InProcessTarget,
     ServedHttpTarget,
     Variant,
@@ -58,11 +61,15 @@ from tensorserve.bench import (  # noqa: E402
     run_bench,
     uniform,
 )
-from tensorserve.bench.loadgen import PointResult  # noqa: E402
-from tensorserve.bench.sweep import machine_info  # noqa: E402
-from tensorserve.settings import Settings  # noqa: E402
+from tensorserve.bench.loadgen import PointResult
+from tensorserve.bench.sweep import machine_info
+from tensorserve.runtime.device import default_intra_op_threads
+from tensorserve.settings import Settings
 
 CACHE = ROOT / "benchmarks" / ".cache" / "repository"
+DEFAULTS = ROOT / "benchmarks" / ".cache" / "defaults"
+# torch's own thread count, read before anything here changes it (the naive loop's default).
+TORCH_DEFAULT_THREADS = torch.get_num_threads()
 RESULTS = ROOT / "benchmarks" / "results" / "serving.json"
 IMAGES = ROOT / "docs" / "img"
 LENGTHS = uniform(8, 128)
@@ -83,6 +90,69 @@ def benchmark_repository() -> Path:
             lines = config.read_text().splitlines(keepends=True)
             config.write_text("".join(l for l in lines if not l.startswith("max_batch_tokens")))
     return CACHE
+
+
+def defaults_repository() -> Path:
+    """The benchmark tagger with nothing tuned: its config.toml without
+    ``isolation`` and ``max_batch_tokens``, so tensorserve's defaults decide."""
+    source, copy = benchmark_repository() / "tagger", DEFAULTS / "tagger"
+    if not (copy / "1" / "model.safetensors").exists() or (
+        (source / "1" / "model.safetensors").stat().st_mtime
+        > (copy / "1" / "model.safetensors").stat().st_mtime
+    ):
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(source, copy)
+    lines = (source / "config.toml").read_text().splitlines(keepends=True)
+    tuned = ("isolation", "max_batch_tokens")
+    (copy / "config.toml").write_text("".join(l for l in lines if not l.startswith(tuned)))
+    return DEFAULTS
+
+
+def naive_loop(repo: Path, threads: int, args: Any, batch: int = 32) -> dict[str, Any]:
+    """What a user writes without a server: items in arrival order, ``batch``
+    at a time, each batch padded with zeros to its longest item, one forward,
+    every row cut back to its item's length. No queue, no policy, no HTTP;
+    the same lengths (uniform 8..128) and token ids as the load generator's."""
+    served = ServedModel.from_repository(repo, "tagger", isolation="thread")
+    module = served.fn
+    assert module is not None
+    rng = np.random.default_rng(args.seed)
+    pool = [rng.integers(1, 30000, size=int(n)) for n in rng.integers(8, 129, size=1024)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    items, times, cursor = 0, [], 0
+    try:
+        with torch.inference_mode():
+            started = time.perf_counter()
+            measuring_from = started + args.warmup
+            while (now := time.perf_counter()) < measuring_from + args.duration:
+                if now >= measuring_from and not times:
+                    items, started = 0, now
+                chunk = [pool[(cursor + i) % len(pool)] for i in range(batch)]
+                cursor += batch
+                t0 = time.perf_counter()
+                longest = max(len(x) for x in chunk)
+                ids = torch.zeros(batch, longest, dtype=torch.int64)
+                mask = torch.zeros(batch, longest, dtype=torch.int64)
+                for row, x in enumerate(chunk):
+                    ids[row, : len(x)] = torch.from_numpy(x)
+                    mask[row, : len(x)] = 1
+                logits = module(input_ids=ids, attention_mask=mask)
+                rows = [logits[row, : len(x)].numpy() for row, x in enumerate(chunk)]
+                assert len(rows) == batch
+                if t0 >= measuring_from:
+                    times.append(time.perf_counter() - t0)
+                    items += batch
+            elapsed = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(before)
+        served.close()
+    return {
+        "name": f"naive loop, fifo {batch}, {threads} torch thread(s)",
+        "threads": threads,
+        "items_per_s": items / elapsed,
+        "batch_ms_p50": 1000 * statistics.median(times),
+    }
 
 
 async def measure(make_target: Any, variants: list[Variant], concurrency: list[int], args: Any) -> list[PointResult]:
@@ -114,28 +184,46 @@ OVERHEAD_CONTENDERS = [
     ("in-process, process", "in-process", "process"),
     ("http, thread", "http", "thread"),
     ("http, process", "http", "process"),  # the tagger as shipped
+    ("http, defaults", "http", None),  # nothing tuned: tensorserve's defaults decide
 ]
 
 
 async def overhead(repo: Path, args: Any) -> dict[str, Any]:
     """HTTP vs in-process, each with the model in a thread and in a worker
-    process. The ceiling of a repeat is its best in-process figure."""
+    process, and the server at its defaults; beside them the naive loop. The
+    ceiling of a repeat is its best in-process figure, the loop's its best
+    thread setting."""
     rows: list[PointResult] = []
+    loops: list[dict[str, Any]] = []
+    defaults = defaults_repository()
     for repeat in range(args.repeats):
+        for threads in dict.fromkeys([TORCH_DEFAULT_THREADS, 1]):
+            loops.append({**naive_loop(repo, threads, args), "repeat": repeat + 1})
+            print(f"{loops[-1]['name']} #{repeat + 1}: {loops[-1]['items_per_s']:.1f} items/s", flush=True)
         for name, kind, isolation in OVERHEAD_CONTENDERS:
             overrides = {**SHIPPED, "isolation": isolation}
             if kind == "in-process":
-                target = lambda v, o=overrides: InProcessTarget(str(repo), "tagger", overrides=o)  # noqa: E731
+                target = lambda v, o=overrides: InProcessTarget(str(repo), "tagger", overrides=o)
+            elif isolation is None:
+                target = lambda v: ServedHttpTarget(str(defaults), "tagger", [])
             else:
-                target = lambda v, o=overrides: ServedHttpTarget(str(repo), "tagger", flags(o))  # noqa: E731
+                target = lambda v, o=overrides: ServedHttpTarget(str(repo), "tagger", flags(o))
             rows += await measure(target, [Variant(f"{name} #{repeat + 1}")], [32], args)
     per_repeat = [rows[i : i + len(OVERHEAD_CONTENDERS)] for i in range(0, len(rows), len(OVERHEAD_CONTENDERS))]
     ceilings = [max(r[0].items_per_s, r[1].items_per_s) for r in per_repeat]
+    best_loops = [
+        max(loop["items_per_s"] for loop in loops if loop["repeat"] == repeat + 1)
+        for repeat in range(args.repeats)
+    ]
     return {
         "points": rows,
+        "naive_loop": loops,
         "http_process_over_ceiling": [r[3].items_per_s / c for r, c in zip(per_repeat, ceilings)],
         "http_thread_over_ceiling": [r[2].items_per_s / c for r, c in zip(per_repeat, ceilings)],
         "http_thread_over_inprocess_thread": [r[2].items_per_s / r[0].items_per_s for r in per_repeat],
+        "ceiling_over_naive_loop": [c / b for c, b in zip(ceilings, best_loops)],
+        "http_defaults_over_naive_loop": [r[4].items_per_s / b for r, b in zip(per_repeat, best_loops)],
+        "http_process_over_naive_loop": [r[3].items_per_s / b for r, b in zip(per_repeat, best_loops)],
     }
 
 
@@ -154,7 +242,7 @@ async def policy(repo: Path, args: Any) -> dict[str, Any]:
             named = [Variant(f"{model} {v.name} #{repeat + 1}", v.overrides) for v in variants]
             by_name = {n.name: v for n, v in zip(named, variants)}
             rows += await measure(
-                lambda v, m=model: InProcessTarget(str(repo), m, overrides=by_name[v.name].overrides),
+                lambda v, m=model, b=by_name: InProcessTarget(str(repo), m, overrides=b[v.name].overrides),
                 named,
                 [64],
                 args,
@@ -290,7 +378,11 @@ def main() -> int:
         print(f"\n== {name} ({time.monotonic() - started:.0f} s)")
         print(format_table(results[name]["points"]))
         for key, value in results[name].items():
-            if key != "points":
+            if key == "naive_loop":
+                for loop in value:
+                    print(f"{loop['name']} #{loop['repeat']}: {loop['items_per_s']:.1f} items/s, "
+                          f"p50 batch {loop['batch_ms_p50']:.1f} ms")
+            elif key != "points":
                 print(f"{key}: {[round(v, 3) for v in value]}")
     plot(results)
     args.output.parent.mkdir(parents=True, exist_ok=True)
