@@ -203,6 +203,32 @@ def test_a_split_batch_keeps_each_rows_values(served: ServedModel) -> None:
         bad[0].result(60)
 
 
+async def test_the_event_loops_direct_path_to_a_worker_carries_the_values(
+    tmp_path: Path,
+) -> None:
+    # Eager dispatch: a lone request finds the worker idle and the event loop
+    # sends it the batch itself (batcher.py, "the direct path").
+    eager = {**PARAMS, "dynamic_batching": {"dispatch": "eager"}}
+    write_toy_model(tmp_path, "params", PARAMS_MODEL, **eager)
+    model = ServedModel.from_repository(tmp_path, "params", isolation="process",
+                                        faults={"standby_worker": False})
+    sent: list[Any] = []
+    real = model.executor.try_launch_direct
+
+    def spy(*args: Any) -> Any:
+        sent.append(args[2])
+        return real(*args)
+
+    model.executor.try_launch_direct = spy  # type: ignore[method-assign]
+    async with model:
+        model.batcher.wait_idle(30)
+        row = (await model.infer_many([{"x": _x(2, 1)}],
+                                      parameters={"tag": "d", "scale": 3.0, "loud": True}))[0]
+    assert sent == [{"scale": [3.0], "shift": [0], "loud": [True], "tag": ["d"]}]
+    np.testing.assert_allclose(row["y"], _expected(_x(2, 1), 3.0, 0))
+    assert row.parameters == {"batch": 1, "scale": 3.0, "shift": 0, "tag": "D"}
+
+
 def test_wrong_output_parameters_fail_the_batch_saying_why() -> None:
     from tensorserve import WithParameters
 
