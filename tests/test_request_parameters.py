@@ -324,3 +324,14 @@ async def test_output_parameters_come_back_to_each_caller_on_both_protocols(
     assert answer["parameters"]["scale"] == [3.0, 3.0]
     y = np.array(answer["outputs"][0]["data"], np.float32).reshape(2, 2, 4)
     np.testing.assert_allclose(y[1], _expected(_x(2, 5), 3.0, 0))
+
+
+async def test_the_models_config_lists_its_declared_parameters(
+    aiohttp_client: Any, params_app: Any
+) -> None:
+    client = await aiohttp_client(params_app)
+    reply = await client.get("/v2/models/params/config")
+    assert reply.status == 200
+    declared = (await reply.json())["request_parameter"]
+    assert [(p["name"], p["type"], p["default"]) for p in declared] == [
+        ("scale", "float", 1.0), ("shift", "int", 0), ("loud", "bool", False), ("tag", "string", None)]
