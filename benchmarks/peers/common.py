@@ -19,21 +19,23 @@ import json
 import os
 import threading
 import time
-import tomllib
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tomllib
 import torch
 
 VERSION = "1"
 
 
 def configure_torch(threads: int) -> None:
-    """Same CPU threading for every peer: ``threads`` intra-op, 1 inter-op."""
-    torch.set_num_threads(max(1, int(threads)))
+    """Same CPU threading for every peer: ``threads`` intra-op (0: torch's
+    default, one per core), 1 inter-op."""
+    if int(threads) > 0:
+        torch.set_num_threads(int(threads))
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set / parallel work started

@@ -5,6 +5,16 @@
     python benchmarks/peers/run.py --duration 3          # smoke run
     python benchmarks/peers/run.py --peers tensorserve,litserve --concurrency 32
 
+Every peer runs at each of its settings, its defaults and its best documented
+ones: torch's intra-op threads (``--threads``, default ``1,default``: one
+thread, and the library's own default, one per core) and, for ``batched``,
+the forward pass on the event loop and in a worker thread. tensorserve runs
+at its defaults (the tagger's config without ``isolation`` and
+``max_batch_tokens``, no thread flag) and tuned as the bundled tagger ships
+(``isolation = "process"``, ``max_batch_tokens = 1024``), each over the
+native msgpack protocol and KServe v2 JSON. The report ends with the best
+setting of each peer beside tensorserve's defaults and best, per protocol.
+
 Same model module and weights for every server (``model_repository/tagger``
 rebuilt with ``vocab_size = 30000`` by ``scripts/generate_example_weights.py``
 into ``benchmarks/.cache/peers/repo``), same request stream (one item per
@@ -40,7 +50,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +59,19 @@ ROOT = HERE.parent.parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from protocols import VOCAB_SIZE  # noqa: E402
-from report import HEADER, LEGEND, ORDER, fmt_row, fmt_summary, plot, summarize  # noqa: E402
+from protocols import VOCAB_SIZE
+from report import (
+    DEFAULT_PEERS,
+    HEADER,
+    LEGEND,
+    ORDER,
+    best_of_families,
+    fmt_best,
+    fmt_row,
+    fmt_summary,
+    plot,
+    summarize,
+)
 
 VENVS = HERE / ".venvs"
 CACHE = ROOT / "benchmarks" / ".cache" / "peers"
@@ -66,7 +87,7 @@ LENGTHS = (8, 128)
 
 def setup_venvs(peers: list[str]) -> None:
     """The peers' virtualenvs (tensorserve runs in this interpreter)."""
-    wanted = [p for p in peers if p not in ("tensorserve", "ts-thread")]
+    wanted = [p for p in peers if PEERS[p].launch is not launch_tensorserve]
     if wanted:
         subprocess.run(["bash", str(HERE / "setup.sh"), *wanted], check=True)
 
@@ -91,6 +112,19 @@ def prepare_repository() -> Path:
     return dst
 
 
+def prepare_defaults_repository(tuned: Path) -> Path:
+    """``<cache>/repo-defaults/tagger``: the same tagger with nothing tuned
+    (its config.toml without ``isolation`` and ``max_batch_tokens``)."""
+    dst = CACHE / "repo-defaults" / "tagger"
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(tuned, dst)
+    lines = (tuned / "config.toml").read_text().splitlines(keepends=True)
+    tuned_keys = ("isolation", "max_batch_tokens")
+    (dst / "config.toml").write_text("".join(x for x in lines if not x.startswith(tuned_keys)))
+    return dst.parent
+
+
 # --------------------------------------------------------------------------- peers
 
 @dataclass
@@ -99,7 +133,7 @@ class Ctx:
     model_dir: Path
     max_batch: int
     max_delay_ms: float
-    threads: int
+    defaults_repo: Path  # the tagger without isolation and budget: tensorserve's defaults decide
 
 
 @dataclass
@@ -111,13 +145,41 @@ class Launch:
     stats_file: str | None = None  # a glob of the peer's counters files; None: tensorserve's stats
 
 
+@dataclass(frozen=True)
+class Setting:
+    """One way to run a server: torch's intra-op threads (None: the server's
+    own default) and the server script's extra arguments."""
+
+    label: str
+    threads: int | None = None
+    args: tuple[str, ...] = ()
+
+
 @dataclass
 class Peer:
     name: str
     protocol: str
     variants: list[tuple[str, int | None]]
-    launch: Callable[[Ctx, Path, Path], Launch]
+    launch: Callable[[Ctx, Path, Path, Setting], Launch]
     description: str = ""
+    # A server's own settings (tensorserve's), or None: one per --threads value.
+    settings: list[Setting] | None = None
+    # Where the peer's best setting is shown: its family's line in the report.
+    family: str = ""
+    extra_settings: list[tuple[str, tuple[str, ...]]] = field(default_factory=lambda: [("", ())])
+
+    def settings_for(self, threads: list[int | None]) -> list[Setting]:
+        if self.settings is not None:
+            return self.settings
+        return [
+            Setting(", ".join(x for x in (label, thread_label(t)) if x), t, args)
+            for label, args in self.extra_settings
+            for t in threads
+        ]
+
+
+def thread_label(threads: int | None) -> str:
+    return "torch default threads" if threads is None else f"{threads} thread(s)"
 
 
 # Every server: its own session (so all its processes can be found), the
@@ -125,10 +187,13 @@ class Peer:
 SERVER_OPTIONS: dict[str, Any] = {"new_session": True, "sample_interval": 0.5}
 
 
-def _env(ctx: Ctx) -> dict[str, str]:
+def _env(threads: int | None) -> dict[str, str]:
     env = dict(os.environ)
     for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[k] = str(ctx.threads)
+        if threads is None:  # the library's own default
+            env.pop(k, None)
+        else:
+            env[k] = str(threads)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("VIRTUAL_ENV", None)
     return env
@@ -141,100 +206,123 @@ def _peer_py(peer: str) -> str:
     return str(python)
 
 
-def _peer_server(name: str, argv: list[str], ctx: Ctx, ready_url: str, log: Path) -> Any:
+def _peer_server(name: str, argv: list[str], setting: Setting, ready_url: str,
+                 log: Path) -> Any:
     from tensorserve.bench.server import ChildServer
 
-    return ChildServer(argv, ready_url=ready_url, env=_env(ctx), cwd=HERE, log=log, name=name,
-                       ready_timeout=180.0, **SERVER_OPTIONS)
+    return ChildServer([*argv, *setting.args], ready_url=ready_url, env=_env(setting.threads),
+                       cwd=HERE, log=log, name=name, ready_timeout=180.0, **SERVER_OPTIONS)
 
 
-def _common_args(ctx: Ctx, stats: str) -> list[str]:
+def _common_args(ctx: Ctx, stats: str, setting: Setting) -> list[str]:
+    threads = 0 if setting.threads is None else setting.threads  # 0: torch's default
     return ["--model-dir", str(ctx.model_dir), "--max-batch", str(ctx.max_batch),
-            "--max-delay-ms", str(ctx.max_delay_ms), "--threads", str(ctx.threads),
+            "--max-delay-ms", str(ctx.max_delay_ms), "--threads", str(threads),
             "--stats-file", stats]
 
 
-def launch_tensorserve(ctx: Ctx, stats_dir: Path, log: Path, *extra: str) -> Launch:
+def launch_tensorserve(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> Launch:
     """``python -m tensorserve serve`` with this interpreter: the helper the
-    serving benchmark and the tests start it with."""
+    serving benchmark and the tests start it with. The setting's first
+    argument picks the repository: ``defaults`` or ``tuned`` (the bundled
+    tagger's config as it ships)."""
     from tensorserve.bench.server import ServerProcess
 
-    server = ServerProcess(str(ctx.repo), ["--intra-op-threads", str(ctx.threads), *extra],
-                           env=_env(ctx), log=log, ready_timeout=180.0, **SERVER_OPTIONS)
+    which, *extra = setting.args
+    repo = ctx.defaults_repo if which == "defaults" else ctx.repo
+    threads = [] if setting.threads is None else ["--intra-op-threads", str(setting.threads)]
+    server = ServerProcess(str(repo), [*threads, *extra], env=_env(setting.threads), log=log,
+                           ready_timeout=180.0, **SERVER_OPTIONS)
     return Launch(server, server.url)
 
 
-def launch_tensorserve_thread(ctx: Ctx, stats_dir: Path, log: Path) -> Launch:
-    """tensorserve with the model in a thread of the server instead of the
-    worker process the bundled config asks for."""
-    return launch_tensorserve(ctx, stats_dir, log, "--isolation", "thread")
-
-
-def launch_pytriton(ctx: Ctx, stats_dir: Path, log: Path) -> Launch:
+def launch_pytriton(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> Launch:
     from tensorserve.bench.server import free_port
 
     port, grpc, metrics = free_port(), free_port(), free_port()
     stats = str(stats_dir / "pytriton.json")
-    argv = [_peer_py("pytriton"), str(HERE / "serve_pytriton.py"), *_common_args(ctx, stats),
+    argv = [_peer_py("pytriton"), str(HERE / "serve_pytriton.py"),
+            *_common_args(ctx, stats, setting),
             "--port", str(port), "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     base = f"http://127.0.0.1:{port}"
-    server = _peer_server("pytriton", argv, ctx, base + "/v2/models/tagger/ready", log)
+    server = _peer_server("pytriton", argv, setting, base + "/v2/models/tagger/ready", log)
     return Launch(server, base, stats_file=stats)
 
 
-def launch_mlserver(ctx: Ctx, stats_dir: Path, log: Path) -> Launch:
+def launch_mlserver(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> Launch:
     from tensorserve.bench.server import free_port
 
     port, grpc, metrics = free_port(), free_port(), free_port()
     stats = str(stats_dir / "mlserver-{pid}.json")
-    argv = [_peer_py("mlserver"), str(HERE / "serve_mlserver.py"), *_common_args(ctx, stats),
+    argv = [_peer_py("mlserver"), str(HERE / "serve_mlserver.py"),
+            *_common_args(ctx, stats, setting),
             "--port", str(port), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
             "--workdir", str(stats_dir / "mlserver-settings")]
     base = f"http://127.0.0.1:{port}"
-    server = _peer_server("mlserver", argv, ctx, base + "/v2/models/tagger/ready", log)
+    server = _peer_server("mlserver", argv, setting, base + "/v2/models/tagger/ready", log)
     return Launch(server, base, stats_file=str(stats_dir / "mlserver-*.json"))
 
 
-def launch_litserve(ctx: Ctx, stats_dir: Path, log: Path) -> Launch:
+def launch_litserve(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> Launch:
     from tensorserve.bench.server import free_port
 
     port = free_port()
     stats = str(stats_dir / "litserve-{pid}.json")
-    argv = [_peer_py("litserve"), str(HERE / "serve_litserve.py"), *_common_args(ctx, stats),
+    argv = [_peer_py("litserve"), str(HERE / "serve_litserve.py"),
+            *_common_args(ctx, stats, setting),
             "--port", str(port)]
     base = f"http://127.0.0.1:{port}"
-    server = _peer_server("litserve", argv, ctx, base + "/health", log)
+    server = _peer_server("litserve", argv, setting, base + "/health", log)
     return Launch(server, base, stats_file=str(stats_dir / "litserve-*.json"))
 
 
-def launch_batched(ctx: Ctx, stats_dir: Path, log: Path) -> Launch:
+def launch_batched(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> Launch:
     from tensorserve.bench.server import free_port
 
     port = free_port()
     stats = str(stats_dir / "batched.json")
-    argv = [_peer_py("batched"), str(HERE / "serve_batched.py"), *_common_args(ctx, stats),
+    argv = [_peer_py("batched"), str(HERE / "serve_batched.py"),
+            *_common_args(ctx, stats, setting),
             "--port", str(port)]
     base = f"http://127.0.0.1:{port}"
-    server = _peer_server("batched", argv, ctx, base + "/v2/health/ready", log)
+    server = _peer_server("batched", argv, setting, base + "/v2/health/ready", log)
     return Launch(server, base, stats_file=stats)
 
 
 TRUE = ("true lengths", None)
 PAD = ("client pad 128", 128)
+TS_DEFAULTS = [Setting("defaults", None, ("defaults",))]
+TS_TUNED = [Setting("as the tagger ships: process, budget 1024", None, ("tuned",))]
 PEERS: dict[str, Peer] = {
     "tensorserve": Peer("tensorserve", "msgpack", [TRUE], launch_tensorserve,
-                        "server pads each batch to its longest item, un-pads per caller"),
-    "ts-thread": Peer("ts-thread", "msgpack", [TRUE], launch_tensorserve_thread,
-                      "tensorserve with the model in a thread (--isolation thread)"),
+                        "server pads each batch to its longest item, un-pads per caller",
+                        settings=TS_DEFAULTS, family="tensorserve defaults, msgpack"),
+    "ts-json": Peer("ts-json", "kserve-json", [TRUE], launch_tensorserve,
+                    "tensorserve at its defaults, KServe v2 JSON",
+                    settings=TS_DEFAULTS, family="tensorserve defaults, KServe v2 JSON"),
+    "ts-tuned": Peer("ts-tuned", "msgpack", [TRUE], launch_tensorserve,
+                     "tensorserve as the bundled tagger ships", settings=TS_TUNED,
+                     family="tensorserve tuned, msgpack"),
+    "ts-tuned-json": Peer("ts-tuned-json", "kserve-json", [TRUE], launch_tensorserve,
+                          "tensorserve as the bundled tagger ships, KServe v2 JSON",
+                          settings=TS_TUNED, family="tensorserve tuned, KServe v2 JSON"),
+    "ts-thread": Peer("ts-thread", "msgpack", [TRUE], launch_tensorserve,
+                      "tensorserve with the model in a thread (--isolation thread)",
+                      settings=[Setting("tuned, --isolation thread", None,
+                                        ("tuned", "--isolation", "thread"))],
+                      family="tensorserve tuned, msgpack"),
     # Triton/MLServer: pad first, so a failing true-length run can't disturb it
     "pytriton": Peer("pytriton", "kserve-binary", [PAD, TRUE], launch_pytriton,
-                     "Triton dynamic batcher (same-shape requests only)"),
+                     "Triton dynamic batcher (same-shape requests only)", family="Triton (PyTriton)"),
     "mlserver": Peer("mlserver", "kserve-json", [PAD, TRUE], launch_mlserver,
-                     "adaptive batching (concatenates requests along dim 0)"),
+                     "adaptive batching (concatenates requests along dim 0)", family="MLServer"),
     "litserve": Peer("litserve", "litserve-json", [TRUE], launch_litserve,
-                     "batch()/unbatch() pad and un-pad in the LitAPI"),
+                     "batch()/unbatch() pad and un-pad in the LitAPI", family="LitServe"),
     "batched": Peer("batched", "msgpack", [TRUE], launch_batched,
-                    "batched.aio.inference.dynamically(pad_tokens=...) + aiohttp"),
+                    "batched.aio.inference.dynamically(pad_tokens=...) + aiohttp",
+                    family="`batched` + aiohttp",
+                    extra_settings=[("forward on the loop", ("--forward", "loop")),
+                                    ("forward in a thread", ("--forward", "thread"))]),
 }
 
 
@@ -299,17 +387,19 @@ async def measure(launch: Launch, peer: Peer, variant: str, pad_to: int | None, 
         await target.aclose()
 
 
-def run_peer(peer: Peer, ctx: Ctx, conc: int, rep: int, args: argparse.Namespace,
-             ref: Reference, items: list[Any]) -> list[dict[str, Any]]:
-    tag = f"{peer.name}-c{conc}-r{rep}"
+def run_peer(peer: Peer, setting: Setting, ctx: Ctx, conc: int, rep: int,
+             args: argparse.Namespace, ref: Reference, items: list[Any]) -> list[dict[str, Any]]:
+    slug = "".join(c if c.isalnum() else "-" for c in setting.label)
+    tag = f"{peer.name}-{slug}-c{conc}-r{rep}"
     stats_dir = CACHE / "run" / tag
     if stats_dir.exists():
         shutil.rmtree(stats_dir)
     stats_dir.mkdir(parents=True)
-    base = {"peer": peer.name, "concurrency": conc, "repeat": rep, "protocol": peer.protocol,
+    base = {"peer": peer.name, "setting": setting.label, "family": peer.family,
+            "concurrency": conc, "repeat": rep, "protocol": peer.protocol,
             "loadavg_before": os.getloadavg()}
     try:
-        launch = peer.launch(ctx, stats_dir, CACHE / "logs" / f"{tag}.log")
+        launch = peer.launch(ctx, stats_dir, CACHE / "logs" / f"{tag}.log", setting)
     except FileNotFoundError as exc:
         print(f"  {peer.name}: SKIPPED - {exc}", flush=True)
         return [{**base, "variant": v, "skipped": str(exc)} for v, _ in peer.variants]
@@ -354,8 +444,8 @@ def versions() -> dict[str, str]:
     for venv, pkg in pkgs.items():
         py = VENVS / venv / "bin" / "python"
         if py.exists():
-            r = subprocess.run([str(py), "-c", f"import importlib.metadata as m; "
-                                f"print(m.version('{pkg}'), m.version('torch'))"],
+            code = f"import importlib.metadata as m; print(m.version('{pkg}'), m.version('torch'))"
+            r = subprocess.run([str(py), "-c", code],
                                capture_output=True, text=True, check=False)
             out[pkg] = r.stdout.strip() or r.stderr.strip()[-200:]
     return out
@@ -365,13 +455,15 @@ def versions() -> dict[str, str]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--peers", default=",".join(ALL_PEERS),
+    ap.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                     help=f"comma list from {','.join(ALL_PEERS)}")
     ap.add_argument("--concurrency", default="32,64", help="comma list, e.g. 32,64")
     ap.add_argument("--duration", type=float, default=15.0, help="measured seconds per run")
     ap.add_argument("--warmup", type=float, default=3.0, help="warm-up seconds per run")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads per server")
+    ap.add_argument("--threads", default="1,default",
+                    help="the peers' torch intra-op thread settings, each run: a comma list of "
+                         "counts and 'default' (the library's own: one per core)")
     ap.add_argument("--seed", type=int, default=1234, help="request-stream seed")
     ap.add_argument("--pool", type=int, default=2048, help="distinct pre-encoded requests")
     ap.add_argument("--timeout", type=float, default=30.0, help="per-request timeout in s")
@@ -392,7 +484,7 @@ def main() -> int:
         raise SystemExit(f"unknown peer(s): {unknown}; known: {ALL_PEERS}")
     if args.replot:
         saved = json.loads(Path(args.out).read_text())
-        plot(saved["summary"], saved["meta"], Path(args.plot))
+        plot(saved["best"], saved["meta"], Path(args.plot))
         print(f"wrote {args.plot}")
         return 0
     if not args.skip_setup:
@@ -406,7 +498,8 @@ def main() -> int:
     ctx = Ctx(repo=repo_model.parent, model_dir=repo_model,
               max_batch=int(cfg.get("max_batch_size", 32)),
               max_delay_ms=float(cfg.get("dynamic_batching", {}).get("max_queue_delay_ms", 5.0)),
-              threads=args.threads)
+              defaults_repo=prepare_defaults_repository(repo_model))
+    threads = [None if t.strip() == "default" else int(t) for t in args.threads.split(",")]
     ref = Reference(repo_model)
     items = check_items()
     meta = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
@@ -420,7 +513,7 @@ def main() -> int:
             "loadgen": "tensorserve.bench.loadgen.run_point (closed loop, RawHttpPool)",
             "tensorserve_command": [sys.executable, "-m", "tensorserve", "serve"]}
     print(f"model: {repo_model} (max batch {ctx.max_batch}, delay {ctx.max_delay_ms} ms, "
-          f"{ctx.threads} torch threads)", flush=True)
+          f"peers' torch threads {args.threads})", flush=True)
 
     load1 = os.getloadavg()[0]
     if load1 > 0.5 * (os.cpu_count() or 1):
@@ -432,8 +525,9 @@ def main() -> int:
     for rep in range(args.repeats):
         for conc in concs:
             for name in peers:
-                print(f"[rep {rep} c={conc}] {name}", flush=True)
-                rows.extend(run_peer(PEERS[name], ctx, conc, rep, args, ref, items))
+                for setting in PEERS[name].settings_for(threads):
+                    print(f"[rep {rep} c={conc}] {name} [{setting.label}]", flush=True)
+                    rows.extend(run_peer(PEERS[name], setting, ctx, conc, rep, args, ref, items))
     summary = summarize(rows)
     meta["elapsed_s"] = time.monotonic() - started
     meta["loadavg_end"] = os.getloadavg()
@@ -443,17 +537,19 @@ def main() -> int:
     for s in summary:
         print(fmt_summary(s))
     print(LEGEND.replace("the tolerance", f"the tolerance {CHECK_TOL}"))
+    best = best_of_families(summary)
+    print("\n" + "\n".join(fmt_best(best)))
     for s in summary:
         if s.get("error_sample"):
             print(f"  {s['peer']} {s['variant']} c={s['concurrency']}: e.g. {s['error_sample']}")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": rows}, indent=1,
-                              default=str))
+    out.write_text(json.dumps({"meta": meta, "summary": summary, "best": best, "runs": rows},
+                              indent=1, default=str))
     print(f"\nwrote {out}")
     if not args.no_plot:
-        plot(summary, meta, Path(args.plot))
+        plot(best, meta, Path(args.plot))
         print(f"wrote {args.plot}")
     return 0
 

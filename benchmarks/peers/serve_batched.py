@@ -13,14 +13,16 @@ client side is byte-for-byte the same as for tensorserve):
 Each item is awaited through ``batched.aio.inference.dynamically(batch_size=32,
 timeout_ms=<delay>, pad_tokens={"input_ids": 0, "attention_mask": 0})``, which
 right-pads the queued items to the batch maximum and calls the ``async``
-batch function below.  The batch function runs the forward pass in a single
-worker thread (so the event loop keeps reading requests meanwhile);
+batch function below. ``--forward`` chooses where the forward pass runs, the
+two ways a user writes it: ``loop`` (on the event loop, blocking it while
+the model runs: the simplest, and on 2 cores the faster) or ``thread`` (in a
+single worker thread, so the event loop keeps reading requests meanwhile).
 ``batched`` hands back each item's *padded* row, which the handler slices to
 the item's own length.
 
 Run inside ``.venvs/batched``::
 
-    python serve_batched.py --model-dir DIR --port 8000
+    python serve_batched.py --model-dir DIR --port 8000 [--forward thread] [--threads 0]
 """
 
 from __future__ import annotations
@@ -35,12 +37,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import msgpack  # noqa: E402
-import numpy as np  # noqa: E402
-from aiohttp import web  # noqa: E402
-from batched.aio.inference import dynamically  # noqa: E402
-
-from common import BatchStats, load_tagger, run_batch  # noqa: E402
+import msgpack
+import numpy as np
+from aiohttp import web
+from batched.aio.inference import dynamically
+from common import BatchStats, load_tagger, run_batch
 
 
 def _decode(t: dict) -> np.ndarray:
@@ -49,7 +50,7 @@ def _decode(t: dict) -> np.ndarray:
 
 
 def build_app(model_dir: str, threads: int, max_batch: int, max_delay_ms: float,
-              stats_file: str | None) -> web.Application:
+              stats_file: str | None, forward: str = "loop") -> web.Application:
     model = load_tagger(model_dir, threads=threads)
     stats = BatchStats(stats_file)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
@@ -59,6 +60,8 @@ def build_app(model_dir: str, threads: int, max_batch: int, max_delay_ms: float,
     async def infer(features: dict[str, np.ndarray]) -> np.ndarray:
         ids, mask = features["input_ids"], features["attention_mask"]
         stats.record(ids.shape[0])
+        if forward == "loop":
+            return run_batch(model, ids, mask)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(executor, run_batch, model, ids, mask)
 
@@ -99,11 +102,13 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--max-delay-ms", type=float, default=5.0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--stats-file", default=None)
+    ap.add_argument("--forward", choices=["loop", "thread"], default="loop",
+                    help="run the forward pass on the event loop or in a worker thread")
     args = ap.parse_args()
     app = build_app(args.model_dir, args.threads, args.max_batch, args.max_delay_ms,
-                    args.stats_file)
+                    args.stats_file, args.forward)
     web.run_app(app, host="127.0.0.1", port=args.port, access_log=None, print=None)
 
 
