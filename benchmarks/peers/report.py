@@ -211,7 +211,8 @@ def plot(best: list[dict[str, Any]], meta: dict[str, Any], path: Path) -> None:
             ax.bar([x + (j - (len(concs) - 1) / 2) * width for x in xs], vals, width,
                    label=f"concurrency {c}", color=colors[j % len(colors)])
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([f.replace(", ", "\n") for f in labels], fontsize=8)
+        names = [f.replace(", ", "\n").replace("tensorserve ", "tensorserve\n") for f in labels]
+        ax.set_xticklabels(names, fontsize=7)
         ax.set_title(title, fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
