@@ -111,7 +111,7 @@ def main() -> None:
                 for isolation in ("thread", "process"):
                     p50, p99 = measure(tree.resolve(), repository, isolation, args.requests)
                     p50s.setdefault((str(tree), isolation), []).append(p50)
-                    print(f"round {round_ + 1}  {str(tree):24} {isolation:8} p50 {p50:.3f} ms  p99 {p99:.3f} ms",
+                    print(f"round {round_ + 1}  {tree!s:24} {isolation:8} p50 {p50:.3f} ms  p99 {p99:.3f} ms",
                           flush=True)
     print("\n| tree | isolation | p50 ms per round | median |\n| --- | --- | --- | --- |")
     for (tree, isolation), values in p50s.items():

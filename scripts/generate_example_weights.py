@@ -28,6 +28,7 @@ import importlib.util
 import re
 import shutil
 import sys
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python < 3.11

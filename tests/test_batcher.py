@@ -22,9 +22,9 @@ from tensorserve import (
 from tensorserve.batching.admission import BatcherOptions
 from tensorserve.batching.batcher import Batcher
 from tensorserve.batching.collate import Collator
+from tensorserve.batching.policy import BatchPolicy, make_policy
 from tensorserve.repository.config import parse_config
 from tensorserve.runtime.executor import Executed
-from tensorserve.batching.policy import BatchPolicy, make_policy
 
 X_IN = [{"name": "x", "dtype": "float32", "shape": [-1], "pad_value": -1.0}]
 Y_OUT = [{"name": "y", "dtype": "float32", "shape": [-1], "unpad_like": "x"}]

@@ -186,7 +186,7 @@ def shortened(code: str) -> str:
 
 # Starting the bundled repository with default settings: the session's server
 # already is that (started by the same command), so the block uses it.
-BUNDLED_SERVER = re.compile(r"^tensorserve serve( --model-repository model_repository)? *&.*$", re.M)
+BUNDLED_SERVER = re.compile(r"^tensorserve serve( --model-repository model_repository)? *&.*$", re.MULTILINE)
 
 
 def run_bash(code: str, server_url: str, cwd: Path, timeout: float = 170) -> str:

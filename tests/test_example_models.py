@@ -8,8 +8,8 @@ equals running that item alone, unpadded.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python < 3.11

@@ -31,8 +31,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-import litserve as ls  # noqa: E402
-import numpy as np  # noqa: E402
+import litserve as ls
+import numpy as np
 
 
 class TaggerAPI(ls.LitAPI):

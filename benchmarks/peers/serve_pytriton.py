@@ -59,11 +59,10 @@ def main() -> None:
     _ensure_libpython_on_ld_path()
 
     import numpy as np
+    from common import BatchStats, load_tagger, run_batch
     from pytriton.decorators import batch
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig
-
-    from common import BatchStats, load_tagger, run_batch
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     model = load_tagger(args.model_dir, threads=args.threads)

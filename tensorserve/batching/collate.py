@@ -58,7 +58,7 @@ def _round_up(value: int, multiple: int | None) -> int:
     return -(-value // multiple) * multiple
 
 
-def _pad_bits(value: float | int | bool, dt: DType) -> np.generic:
+def _pad_bits(value: float | bool, dt: DType) -> np.generic:
     """The pad value as the host array's scalar (bfloat16 as its bit pattern)."""
     if dt.name == "bfloat16":
         bits = torch.tensor(value, dtype=torch.bfloat16).view(torch.uint16).item()

@@ -13,8 +13,8 @@ from tensorserve import __version__
 from tensorserve.errors import ModelNotReady
 from tensorserve.http.keys import REGISTRY
 from tensorserve.http.lifecycle import SHUTTING_DOWN, draining
-from tensorserve.serving.registry import ModelState
 from tensorserve.serving import ServedModel
+from tensorserve.serving.registry import ModelState
 from tensorserve.wire import triton
 from tensorserve.wire.metadata import model_metadata
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.parameters import RequestParameterSpec
-from tensorserve.tensors.dtypes import DType, DTYPES
+from tensorserve.tensors.dtypes import DTYPES, DType
 
 if sys.version_info >= (3, 11):
     import tomllib

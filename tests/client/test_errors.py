@@ -20,8 +20,8 @@ from tensorserve_client import (
     TensorServeError,
 )
 
-from tests.client.helpers import FAST, FaultyServer, tokens
 from tensorserve.bench.server import free_port
+from tests.client.helpers import FAST, FaultyServer, tokens
 
 
 def test_unknown_model_or_version_is_model_not_found(client: Client) -> None:
