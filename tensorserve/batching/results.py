@@ -102,11 +102,10 @@ class BatchResults:
         if batch.error is None and cost is not None:
             # Teach the policy what a batch of this padded volume costs.
             cost.observe(len(entries), max(e.volume for e in entries), batch.seconds)
-        queued = sum(batch.dispatched - e.enqueued for e in entries)
         padded = batch.padded
         real, elements = (padded.real_elements, padded.padded_elements) if padded else (0, 0)
         self.stats.record_batch(
-            len(entries), batch.seconds, queued, real, elements,
+            batch.seconds, real, elements,
             enqueued=[e.enqueued for e in entries], dispatched=batch.dispatched,
             pad_seconds=batch.pad_seconds, unpad_seconds=unpad_seconds,
             padded_length=_padded_length(padded),

@@ -125,27 +125,25 @@ class BatchStats:
 
     def record_batch(
         self,
-        size: int,
         seconds: float,
-        queue_seconds: float,
         real: int,
         padded: int,
         *,
-        enqueued: Sequence[float] = (),
-        dispatched: float | None = None,
+        enqueued: Sequence[float],
+        dispatched: float,
         pad_seconds: float | None = None,
         unpad_seconds: float | None = None,
         padded_length: int | None = None,
     ) -> None:
         """One finished batch. ``enqueued`` (each item's ``time.monotonic()``
-        at submit) and ``dispatched`` (when the batch left the queue) give the
-        per-item queue-wait histogram and the recent latency window."""
+        at submit) and ``dispatched`` (when the batch left the queue) give its
+        size, its items' queue waits and the recent latency window."""
         now = time.monotonic()
+        size = len(enqueued)
         with self._lock:
             self.total_batches += 1
             self.batch_items += size
             self.batch_seconds += seconds
-            self.queue_seconds += queue_seconds
             self.real_elements += real
             self.padded_elements += padded
             index = bisect.bisect_left(BATCH_SIZE_BUCKETS, size)
@@ -159,11 +157,12 @@ class BatchStats:
                 h["unpad_seconds"].observe(unpad_seconds)
             if padded_length is not None:
                 h["padded_length"].observe(padded_length)
-            if dispatched is not None:
-                wait, recent = h["queue_wait_seconds"], self.recent_items
-                for submitted in enqueued:
-                    wait.observe(dispatched - submitted)
-                    recent.append((now, now - submitted))
+            wait_histogram, recent = h["queue_wait_seconds"], self.recent_items
+            for submitted in enqueued:
+                wait = dispatched - submitted
+                self.queue_seconds += wait
+                wait_histogram.observe(wait)
+                recent.append((now, now - submitted))
             self.recent_batches.append((now, real, padded))
 
     def record_recovery(self, kind: str) -> None:
