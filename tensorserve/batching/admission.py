@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, cast
 
 from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
 from tensorserve.errors import DeadlineExceeded, RequestTooLarge, ServerBusy, TensorServeError
@@ -103,9 +103,10 @@ class Pending:
         """True if the caller cancelled; for a thread's future this also marks
         it running, so a later cancel() cannot race with the result."""
         if self.loop is None:
-            if self.future.running():  # claimed before: a batch retried (recovery)
+            future = cast(Future, self.future)  # a thread's caller: a concurrent future
+            if future.running():  # claimed before: a batch retried (recovery)
                 return False
-            return not self.future.set_running_or_notify_cancel()  # type: ignore[union-attr]
+            return not future.set_running_or_notify_cancel()
         # Read from another thread: a stale "not yet" only runs an item whose
         # caller is about to leave; its result is then dropped.
         return self.future.cancelled()

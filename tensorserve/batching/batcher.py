@@ -33,7 +33,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 from tensorserve.batching.admission import NO_PARAMETERS, AdmissionQueue, BatcherOptions, Pending
 from tensorserve.batching.collate import Collator
@@ -182,7 +182,7 @@ class Batcher:
         others still queued are cancelled)."""
         loop = asyncio.get_running_loop()
         entries = self._enqueue(items, timeout, loop, priority, parameters)
-        futures = [entry.future for entry in entries]
+        futures = [cast(asyncio.Future, entry.future) for entry in entries]  # on this loop
         # One item (the common case) needs no gather: one loop iteration less.
         waiting = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
         try:
