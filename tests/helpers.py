@@ -122,3 +122,20 @@ POISON_MODEL = """
                 raise RuntimeError("poison value 13 in batch")
             return x * 2
 """
+
+# Sleeps as many milliseconds as the batch's largest value of ``ms``: a model
+# whose cost the test chooses, per item. SLEEPY_IO: its inputs and outputs.
+SLEEPY_MODEL = """
+    import time
+    import torch
+
+    class Model(torch.nn.Module):
+        def forward(self, ms):
+            time.sleep(float(ms.max()) / 1000)
+            return ms * 2
+"""
+SLEEPY_IO: dict[str, Any] = {
+    "inputs": {"ms": {"dtype": "float32", "shape": [-1]}},
+    "outputs": {"y": {"dtype": "float32", "shape": [-1]}},
+    "warmup": {"enabled": False},
+}

@@ -20,23 +20,12 @@ from tensorserve.http.app import create_app
 from tensorserve.repository.config import parse_config
 from tensorserve.settings import Settings
 from tensorserve.wire.request import effective_timeout
-from tests.helpers import MSGPACK, body, write_toy_model
+from tests.helpers import MSGPACK, SLEEPY_IO, SLEEPY_MODEL, body, write_toy_model
 
-SLEEPY_MODEL = """
-    import time
-    import torch
-
-    class Model(torch.nn.Module):
-        def forward(self, ms):
-            time.sleep(float(ms.max()) / 1000)
-            return ms * 2
-"""
 SLEEPY: dict[str, Any] = {
     "max_batch_size": 4,
     "dynamic_batching": {"max_queue_delay_ms": 0.0},
-    "inputs": {"ms": {"dtype": "float32", "shape": [-1]}},
-    "outputs": {"y": {"dtype": "float32", "shape": [-1]}},
-    "warmup": {"enabled": False},
+    **SLEEPY_IO,
 }
 NAP_MS = 400.0  # how long the model runs in the tests that time out
 

@@ -22,22 +22,11 @@ import pytest
 
 from tensorserve.bench.server import ServerProcess as BenchServerProcess
 from tests.conftest import ServerProcess
-from tests.helpers import MSGPACK, body, wait_until, write_toy_model
+from tests.helpers import MSGPACK, SLEEPY_IO, SLEEPY_MODEL, body, wait_until, write_toy_model
 
-SLEEPY_MODEL = """
-    import time
-    import torch
-
-    class Model(torch.nn.Module):
-        def forward(self, ms):
-            time.sleep(float(ms.max()) / 1000)
-            return ms * 2
-"""
 SLEEPY: dict[str, Any] = {
     "max_batch_size": 1,  # one request at a time: queued work is the sum of the naps
-    "inputs": {"ms": {"dtype": "float32", "shape": [-1]}},
-    "outputs": {"y": {"dtype": "float32", "shape": [-1]}},
-    "warmup": {"enabled": False},
+    **SLEEPY_IO,
 }
 GRACE_OVER = (
     "the server is shutting down and its grace period ended before this request finished; "
