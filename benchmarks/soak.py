@@ -29,12 +29,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 from results_file import save
+from toy_model import write_toy_model
 
 from tensorserve.bench.rawhttp import RawHttpPool
 from tensorserve.bench.server import ServerProcess
@@ -68,16 +68,6 @@ max_batch_size = 16
 isolation = "{isolation}"
 [dynamic_batching]
 max_queue_delay_ms = 2.0
-[warmup]
-enabled = false
-[[input]]
-name = "x"
-dtype = "float32"
-shape = [-1, 4]
-[[output]]
-name = "y"
-dtype = "float32"
-shape = [-1, 4]
 """
 ROUTE = "/v2/models/soak/infer"
 MSGPACK = "application/msgpack"
@@ -215,10 +205,7 @@ async def _load(url: str, seconds: float, kinds: tuple[str, ...] | None) -> dict
 
 def run(isolation: str, seconds: float, only: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as repo:
-        folder = Path(repo, "soak")
-        (folder / "1").mkdir(parents=True)
-        (folder / "config.toml").write_text(CONFIG.format(isolation=isolation))
-        (folder / "1" / "model.py").write_text(MODEL)
+        write_toy_model(repo, "soak", MODEL, CONFIG.format(isolation=isolation))
         server = ServerProcess(repo, ("--log-level", "ERROR"), sample_interval=0.1).start()
         try:
             kinds = BAD_KINDS_PROCESS if isolation == "process" else BAD_KINDS_THREAD

@@ -27,8 +27,6 @@ import argparse
 import asyncio
 import collections
 import json
-import os
-import platform
 import random
 import signal
 import sys
@@ -41,6 +39,8 @@ from typing import Any
 
 import msgpack
 import numpy as np
+from results_file import save
+from toy_model import write_toy_model
 
 from tensorserve.bench.rawhttp import RawHttpPool
 from tensorserve.bench.server import ServerProcess
@@ -61,16 +61,6 @@ isolation = "process"
 [dynamic_batching]
 max_queue_delay_ms = 1.0
 max_queue_size = 64
-[warmup]
-enabled = false
-[[input]]
-name = "x"
-dtype = "float32"
-shape = [-1, 4]
-[[output]]
-name = "y"
-dtype = "float32"
-shape = [-1, 4]
 """
 MAX_REQUEST_BYTES = 1 << 16
 BODY_TIMEOUT_S = 2.0
@@ -420,17 +410,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         repository = Path(folder)
-        (repository / "echo" / "1").mkdir(parents=True)
-        (repository / "echo" / "config.toml").write_text(CONFIG)
-        (repository / "echo" / "1" / "model.py").write_text(MODEL)
+        write_toy_model(repository, "echo", MODEL, CONFIG)
         started = time.monotonic()
         results = asyncio.run(soak(repository))
-    results["machine"] = (
-        f"{os.cpu_count()} CPUs ({platform.machine()}), {platform.platform(terse=True)}, "
-        f"Python {platform.python_version()}"
-    )
     results["wall_s"] = round(time.monotonic() - started, 1)
-    results["date"] = time.strftime("%Y-%m-%d")
     print(table(results))
     print(
         f"\nserver + workers ({results['processes']} processes) RSS: "
@@ -440,8 +423,7 @@ def main() -> None:
         f"{results['shutdown']['exited_after_s']} s; leftover processes: "
         f"{len(results['leftover_processes'])}; {results['wall_s']} s in all"
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    save(args.out, results)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,11 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import psutil
 from results_file import save
+from toy_model import write_toy_model
 
 from tensorserve import ServedModel
 
@@ -40,16 +40,6 @@ device = "cpu"
 [faults]
 standby_worker = {standby}
 worker_template = {template}
-[warmup]
-enabled = false
-[[input]]
-name = "x"
-dtype = "float32"
-shape = [-1, 4]
-[[output]]
-name = "y"
-dtype = "float32"
-shape = [-1, 4]
 """
 
 
@@ -62,12 +52,8 @@ def measure(standby: bool, template: bool, rounds: int) -> dict[str, object]:
     item = {"x": np.ones((3, 4), np.float32)}
     unavailable, loads = [], []
     with tempfile.TemporaryDirectory() as repo:
-        folder = Path(repo, "m")
-        (folder / "1").mkdir(parents=True)
-        (folder / "config.toml").write_text(
-            CONFIG.format(standby=str(standby).lower(), template=str(template).lower())
-        )
-        (folder / "1" / "model.py").write_text(MODEL)
+        settings = CONFIG.format(standby=str(standby).lower(), template=str(template).lower())
+        write_toy_model(repo, "m", MODEL, settings)
         with ServedModel.from_repository(repo, "m") as model:
             for _ in range(rounds):
                 started = time.monotonic()
