@@ -117,9 +117,9 @@ class Settings(BaseSettings):
     )
     instance_count: int | None = Field(None, ge=1, description="Model copies executing in parallel.")
     max_batch_tokens: int | None = Field(
-        None, ge=1, description="Padded-volume budget per batch (batch x padded item size)."
+        None, ge=0, description="Padded-volume budget per batch (batch x padded item size); 0: none."
     )
-    isolation: Literal["thread", "process"] | None = Field(
+    isolation: Literal["auto", "thread", "process"] | None = Field(
         None, description="Run each model instance in a thread of the server or its own process."
     )
 

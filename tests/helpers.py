@@ -74,7 +74,14 @@ def toy_config(
     (``dynamic_batching={"max_queue_delay_ms": 2.0}``, ``warmup=...``,
     ``parameters=...``). A field given as None is left out, so the schema's
     default applies. Nothing is validated: tests of bad configs write them
-    with this too."""
+    with this too.
+
+    A toy model runs in a model thread unless the test says otherwise: the
+    default ``isolation = "auto"`` would start a worker process for each one
+    on a machine of 2 CPUs, doubling the suite's time. Tests of process
+    isolation pass ``isolation="process"``; tests of the default pass
+    ``isolation=None``."""
+    fields = {"isolation": "thread", **fields}
     fields = {k: v for k, v in fields.items() if v is not None}
     lines = [f"{k} = {_toml(v)}" for k, v in fields.items() if not isinstance(v, Mapping)]
     for table, values in fields.items():

@@ -495,3 +495,54 @@ def test_a_server_killed_outright_leaves_no_worker_behind(tmp_path: Path) -> Non
         assert not alive, "the worker outlived its server"
     finally:
         server.stop()
+
+
+# --------------------------------------------------------------------------- isolation = "auto"
+def _auto_config(**fields: Any) -> Any:
+    from tensorserve.repository.config import ModelConfig
+
+    return ModelConfig.model_validate({
+        **fields,
+        "input": [{"name": "x", "dtype": "float32", "shape": [-1]}],
+        "output": [{"name": "y", "dtype": "float32", "shape": [-1]}],
+    })
+
+
+@pytest.mark.parametrize(
+    ("device", "cpus", "expected"),
+    [("cpu", 2, "process"), ("cpu", 16, "process"), ("cpu", 1, "thread")],
+)
+def test_auto_isolation_is_a_worker_process_on_a_cpu_with_two_cpus_or_more(
+    device: str, cpus: int, expected: str
+) -> None:
+    from tensorserve.runtime.placement import resolve_isolation, resolve_placement
+
+    config, placements = resolve_placement(_auto_config(device=device))
+    assert config.isolation == "auto"
+    assert resolve_isolation(config, placements, cpus=cpus).isolation == expected
+    explicit = _auto_config(device=device, isolation="thread")
+    assert resolve_isolation(explicit, placements, cpus=cpus).isolation == "thread"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_auto_isolation_is_a_thread_on_a_gpu() -> None:
+    from tensorserve.runtime.placement import Placement, resolve_isolation
+
+    config = _auto_config(device="cuda")
+    assert resolve_isolation(config, [Placement("cuda", 1)], cpus=16).isolation == "thread"
+
+
+def test_a_repository_model_at_defaults_runs_in_a_worker_process_here() -> None:
+    """This machine has 2 CPUs or more: the bundled embedder, which sets no
+    isolation, gets a worker process, and a function a thread."""
+    from tensorserve.runtime.cpus import available_cpus
+
+    if available_cpus() < 2:
+        pytest.skip("auto picks a thread on one CPU (checked above)")
+    with ServedModel.from_repository(REPOSITORY, "embedder", warmup={"enabled": False}) as model:
+        assert model.config.isolation == "process"
+        assert type(model.executor).__name__ == "ProcessExecutor"
+    function = ServedModel.from_function(lambda x: x, inputs=[{"name": "x", "dtype": "float32", "shape": [-1]}],
+                                         outputs=[{"name": "y", "dtype": "float32", "shape": [-1]}])
+    assert function.config.isolation == "thread"

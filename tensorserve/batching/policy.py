@@ -6,16 +6,19 @@ the indices of the next batch. Two rules bind every policy:
 * if the oldest item is overdue (it has waited ``max_queue_delay``), it is in
   the batch: no item starves beyond its deadline plus one batch;
 * the batch's padded volume (batch size x padded item size) stays within
-  ``max_batch_tokens`` when a budget is set (a lone item always fits).
+  the budget: ``max_batch_tokens`` when one is set, else the one the
+  ``LearntBudget`` measured (a lone item always fits).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
+
+from tensorserve.batching.budget import LearntBudget
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,16 @@ class BatchPolicy(Protocol):
         """The cost model the batcher teaches after every batch, if any."""
         ...
 
+    @property
+    def max_batch_tokens(self) -> int | None:
+        """The fixed budget, if one was set."""
+        ...
+
+    @property
+    def budget(self) -> LearntBudget | None:
+        """The budget the batcher teaches after every batch, if it is learnt."""
+        ...
+
     def select(self, waiting: Sequence[Waiting], max_batch_size: int) -> list[int]:
         """Indices (into ``waiting``) of the next batch; never empty if waiting isn't."""
         ...
@@ -45,15 +58,17 @@ class FifoPolicy:
     """Arrival order: the oldest ``max_batch_size`` items (within the budget)."""
 
     max_batch_tokens: int | None = None
+    budget: LearntBudget | None = field(default=None, compare=False)  # when no budget is set
     name: str = "fifo"
     cost: None = None  # arrival order needs no cost model
 
     def select(self, waiting: Sequence[Waiting], max_batch_size: int) -> list[int]:
         chosen: list[int] = []
         longest = 0
+        limit = budget_for_next_batch(self)
         for index, item in enumerate(waiting[:max_batch_size]):
             longest = max(longest, item.volume)
-            if chosen and self.max_batch_tokens and (len(chosen) + 1) * longest > self.max_batch_tokens:
+            if chosen and limit and (len(chosen) + 1) * longest > limit:
                 break
             chosen.append(index)
         return chosen
@@ -123,6 +138,7 @@ class LengthAwarePolicy:
     """
 
     max_batch_tokens: int | None = None
+    budget: LearntBudget | None = field(default=None, compare=False)  # when no budget is set
     cost: BatchCostModel = field(default_factory=BatchCostModel, compare=False)
     name: str = "length_aware"
 
@@ -136,6 +152,7 @@ class LengthAwarePolicy:
         prefix = np.concatenate(([0.0], np.cumsum(ranked)))
         forced = int(np.flatnonzero(order == 0)[0]) if waiting[0].overdue else None
         learnt = self.cost.fitted
+        limit = budget_for_next_batch(self)
         best: tuple[float, float, int, int] | None = None  # (score, -size, start, size)
         for size in range(1, min(max_batch_size, n) + 1):
             # Candidate runs ranked[start : start + size].
@@ -143,8 +160,8 @@ class LengthAwarePolicy:
             last = n - size if forced is None else min(forced, n - size)
             starts = np.arange(first, last + 1)
             padded = size * ranked[starts + size - 1]
-            if self.max_batch_tokens and size > 1:
-                fits = padded <= self.max_batch_tokens
+            if limit and size > 1:
+                fits = padded <= limit
                 if not fits.any():
                     break  # longer runs only get bigger
                 starts, padded = starts[fits], padded[fits]
@@ -163,9 +180,32 @@ class LengthAwarePolicy:
         return sorted(int(i) for i in order[start : start + size])
 
 
-def make_policy(name: str, max_batch_tokens: int | None) -> BatchPolicy:
+def budget_for_next_batch(policy: FifoPolicy | LengthAwarePolicy) -> int | None:
+    if policy.max_batch_tokens:
+        return policy.max_batch_tokens
+    return policy.budget.limit() if policy.budget is not None else None
+
+
+def make_policy(name: str, max_batch_tokens: int | Literal["auto"] | None) -> BatchPolicy:
+    """``max_batch_tokens``: a fixed budget, ``"auto"`` (learn one), or
+    ``None``/0 (no budget)."""
+    fixed = max_batch_tokens if isinstance(max_batch_tokens, int) and max_batch_tokens > 0 else None
+    budget = LearntBudget() if max_batch_tokens == "auto" else None
     if name == "fifo":
-        return FifoPolicy(max_batch_tokens)
+        return FifoPolicy(fixed, budget)
     if name == "length_aware":
-        return LengthAwarePolicy(max_batch_tokens)
+        return LengthAwarePolicy(fixed, budget)
     raise ValueError(f"unknown batching policy {name!r}")
+
+
+def budget_report(policy: BatchPolicy) -> dict[str, Any]:
+    """The stats' view of a policy's budget: fixed, none, or learnt (with
+    what each bucket of padded volume cost per real element)."""
+    if policy.budget is None:
+        fixed = policy.max_batch_tokens
+        return {"mode": "fixed" if fixed else "none", "max_batch_tokens": fixed}
+    return {
+        "mode": "learnt",
+        "max_batch_tokens": policy.budget.learnt,
+        "us_per_element": {str(top): round(1e6 * c, 3) for top, c in policy.budget.costs().items()},
+    }

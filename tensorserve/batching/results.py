@@ -94,14 +94,20 @@ class BatchResults:
         parameters = outputs.parameters
         return rows if not parameters else _with_parameters(rows, parameters)
 
+    def _teach(self, entries: Sequence[Pending], seconds: float) -> None:
+        """Tell the policy what a batch of this padded volume cost."""
+        longest = max(e.volume for e in entries)
+        if (cost := self.policy.cost) is not None:
+            cost.observe(len(entries), longest, seconds)
+        if (budget := self.policy.budget) is not None:
+            budget.observe(len(entries) * longest, sum(e.volume for e in entries), seconds)
+
     def _record(
         self, batch: Batch, outcomes: list[Outcome], unpad_seconds: float | None = None
     ) -> None:
         entries = batch.entries
-        cost = self.policy.cost
-        if batch.error is None and cost is not None:
-            # Teach the policy what a batch of this padded volume costs.
-            cost.observe(len(entries), max(e.volume for e in entries), batch.seconds)
+        if batch.error is None:
+            self._teach(entries, batch.seconds)
         padded = batch.padded
         real, elements = (padded.real_elements, padded.padded_elements) if padded else (0, 0)
         self.stats.record_batch(

@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from tensorserve import __version__
+from tensorserve.batching.policy import budget_report
 from tensorserve.errors import ModelNotReady
 from tensorserve.http.keys import REGISTRY
 from tensorserve.http.lifecycle import SHUTTING_DOWN, draining
@@ -81,6 +82,7 @@ async def model_config(request: web.Request) -> web.Response:
 
 def _stat(served: ServedModel) -> dict[str, Any]:
     snapshot = served.stats.snapshot(served.batcher.queue_depth)
+    snapshot["budget"] = budget_report(served.batcher.options.policy)
     return triton.model_stat(served.name, str(served.version), snapshot)
 
 

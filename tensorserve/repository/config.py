@@ -85,8 +85,11 @@ class DynamicBatching(_Strict):
     policy: Literal["fifo", "length_aware"] = Field(
         "length_aware", description="Which waiting items form the next batch."
     )
-    max_batch_tokens: int | None = Field(
-        None, ge=1, description="Budget on padded volume per batch (batch x padded item size)."
+    max_batch_tokens: int | Literal["auto"] = Field(
+        "auto",
+        description="Budget on padded volume per batch (batch x padded item size). auto: "
+        "learnt from what the model's batches cost per element (batching/budget.py); "
+        "0: no budget.",
     )
     pad_to_multiple_of: int | None = Field(
         None, ge=1, description="Round each padded variable axis up to a multiple of this."
@@ -108,6 +111,15 @@ class DynamicBatching(_Strict):
         0, ge=0, le=16,
         description="The level of a request that gives none (or 0); 0 = the lowest level.",
     )
+
+    @field_validator("max_batch_tokens", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> Any:
+        if value is None:  # the Python API's "no budget"
+            return 0
+        if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise ValueError(f"must be 'auto', 0 (no budget) or a whole number >= 1, got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _priorities(self) -> DynamicBatching:
@@ -207,12 +219,13 @@ class ModelConfig(_Strict):
     )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     instance_count: int = Field(1, ge=1, le=16, description="Model copies executing in parallel.")
-    isolation: Literal["thread", "process"] = Field(
-        "thread",
+    isolation: Literal["auto", "thread", "process"] = Field(
+        "auto",
         description="thread: each instance runs in a thread of the server process. process: "
         "each instance runs in a worker process of its own, so the event loop never holds "
         "the GIL the forward needs (costs one socket copy of the padded inputs and the "
-        "outputs per batch; repository models only). See docs/threading.md.",
+        "outputs per batch; repository models only). auto: process for a repository model "
+        "on the CPU when 2 or more CPUs are available, else thread. See docs/threading.md.",
     )
     instance_group: list[InstanceGroup] = Field(
         default_factory=list,

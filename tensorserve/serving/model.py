@@ -53,7 +53,12 @@ from tensorserve.repository.loader import (
 from tensorserve.runtime.device import default_intra_op_threads, resolve_device
 from tensorserve.runtime.executor import ThreadExecutor, on_device
 from tensorserve.runtime.isolated import ProcessExecutor
-from tensorserve.runtime.placement import PlacedExecutor, placed_thread_executor, resolve_placement
+from tensorserve.runtime.placement import (
+    PlacedExecutor,
+    placed_thread_executor,
+    resolve_isolation,
+    resolve_placement,
+)
 from tensorserve.wire.validate import validate_item, validate_parameters
 
 
@@ -89,6 +94,8 @@ class ServedModel:
         self.version = version
         # instance_group: one device -> that device and count; several -> placements.
         config, placements = resolve_placement(config)
+        if config.isolation == "auto":  # a function handed over here runs in a model thread
+            config = config.model_copy(update={"isolation": "thread"})
         self.config = config
         self.device = resolve_device(placements[0].device)
         self.stats = BatchStats()
@@ -179,6 +186,7 @@ class ServedModel:
         or in worker processes that load it themselves (``"process"``)."""
         threads = intra_op_threads or default_intra_op_threads()
         config, placements = resolve_placement(config)
+        config = resolve_isolation(config, placements)
         if config.isolation == "process" and len(placements) > 1:
             raise ConfigError(
                 f"{source.name}: instance_group over several devices needs isolation = "
