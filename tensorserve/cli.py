@@ -37,8 +37,10 @@ def env_name(field: str) -> str:
 def _flag_type(annotation: Any) -> tuple[Any, list[Any] | None]:
     """(argparse type, choices) of a settings field's annotation."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
-        return _flag_type(args[0])  # X | None: every flag is optional anyway
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        if len(args) == 1:
+            return _flag_type(args[0])  # X | None: every flag is optional anyway
+        return str, None  # a number or a word ("auto"): Settings parses and checks it
     if typing.get_origin(annotation) is typing.Literal:
         return type(args[0]), args
     if annotation is Path:

@@ -9,9 +9,9 @@ config.toml, as MLServer's settings do.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MODEL_OVERRIDES = (
@@ -116,12 +116,20 @@ class Settings(BaseSettings):
         None, description="Which waiting items form the next batch."
     )
     instance_count: int | None = Field(None, ge=1, description="Model copies executing in parallel.")
-    max_batch_tokens: int | None = Field(
-        None, ge=0, description="Padded-volume budget per batch (batch x padded item size); 0: none."
+    max_batch_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = Field(
+        None,
+        description="Padded-volume budget per batch (batch x padded item size); auto: learnt; 0: none.",
     )
     isolation: Literal["auto", "thread", "process"] | None = Field(
         None, description="Run each model instance in a thread of the server or its own process."
     )
+
+    @field_validator("max_batch_tokens", mode="before")
+    @classmethod
+    def _no_bool_budget(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # True would be a budget of 1: no batching at all
+            raise ValueError("must be 'auto', 0 (no budget) or a whole number >= 1")  # noqa: TRY004 (pydantic reports only ValueError)
+        return value
 
     def model_overrides(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in MODEL_OVERRIDES if getattr(self, key) is not None}

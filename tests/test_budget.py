@@ -4,6 +4,7 @@ and reported."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +13,16 @@ import numpy as np
 import pytest
 
 from tensorserve.batching.budget import LearntBudget
-from tensorserve.batching.policy import FifoPolicy, LengthAwarePolicy, Waiting, budget_report, make_policy
+from tensorserve.batching.policy import (
+    FifoPolicy,
+    LengthAwarePolicy,
+    Waiting,
+    budget_report,
+    make_policy,
+)
 from tensorserve.errors import ConfigError
 from tensorserve.repository.config import ModelConfig
+from tests.conftest import REPOSITORY
 
 # Seconds per batch of ``size`` items of ``longest`` tokens (all real).
 Cost = Callable[[int, int], float]
@@ -73,36 +81,108 @@ def test_a_recurrent_model_cheaper_per_item_in_big_batches_learns_no_budget() ->
     assert budget.learnt is None
 
 
-def test_every_few_batches_one_bucket_over_the_budget_is_explored() -> None:
+def serve(
+    policy: FifoPolicy | LengthAwarePolicy, cost: Cost, batches: int, lengths: tuple[int, int], seed: int = 0
+) -> list[tuple[int | None, int, int]]:
+    """A closed loop as the batcher runs it: 64 items wait, the policy picks a
+    batch, the batch "runs" at ``cost`` and teaches the budget what it cost.
+    Returns (the budget it was formed under, its size, its padded volume)
+    for every batch."""
+    assert policy.budget is not None
+    rng = np.random.default_rng(seed)
+    waiting = rng.integers(*lengths, size=64).tolist()
+    formed = []
+    for _ in range(batches):
+        limit = policy.budget.limit()
+        chosen = policy.select([Waiting(v, False) for v in waiting], 32)
+        size, longest = len(chosen), max(waiting[i] for i in chosen)
+        formed.append((limit, size, size * longest))
+        policy.budget.observe(size * longest, sum(waiting[i] for i in chosen), cost(size, longest))
+        for i in sorted(chosen, reverse=True):
+            del waiting[i]
+        waiting += rng.integers(*lengths, size=size).tolist()
+    return formed
+
+
+def test_after_every_few_batches_the_next_explores_around_the_budget() -> None:
     budget = LearntBudget()
     teach(budget, cache_bound)
-    limits = [budget.limit() for _ in range(4 * LearntBudget.EXPLORE_EVERY)]
-    assert limits.count(2048) == 4
-    assert set(limits) == {1024, 2048}
+    limits = []
+    for _ in range(4 * LearntBudget.EXPLORE_EVERY):  # each kind of exploring once
+        budget.observe(1000, 1000, cache_bound(10, 100))
+        limits.append(budget.limit())
+        assert budget.limit() == limits[-1], "reading the budget changes nothing"
+    assert budget.learnt == 1024
+    per_kind = {limit: limits.count(limit) for limit in set(limits)}
+    assert per_kind == {1024: len(limits) - 4, 2048: 2, 512: 1, None: 1}
+
+
+def test_a_server_whose_batches_are_all_full_still_learns_a_budget() -> None:
+    """64 callers always waiting, batches of 32 that cost more per element
+    than smaller ones: exploring under the one bucket it sees finds them."""
+    policy = LengthAwarePolicy(budget=LearntBudget())
+    formed = serve(policy, cache_bound, 3000, (8, 129))
+    assert {size for _, size, _ in formed[:16]} == {32}
+    assert policy.budget is not None and policy.budget.learnt == 1024
 
 
 def test_the_budget_climbs_back_when_bigger_batches_got_cheaper() -> None:
-    budget = LearntBudget()
-    teach(budget, cache_bound)
-    assert budget.learnt == 1024
+    """Through the policy, as served: only the batches it forms teach it."""
+    policy = LengthAwarePolicy(budget=LearntBudget())
+    serve(policy, cache_bound, 3000, (8, 129))
+    assert policy.budget is not None and policy.budget.learnt == 1024
     # The machine got quieter: big batches now cost only their elements.
-    teach(budget, lambda size, longest: 2e-3 + 6e-6 * size * longest, batches=600, seed=1)
-    assert budget.learnt is None or budget.learnt > 1024
+    serve(policy, lambda size, longest: 2e-3 + 6e-6 * size * longest, 1500, (8, 129), seed=1)
+    assert policy.budget.learnt is None or policy.budget.learnt > 1024
+
+
+@pytest.mark.parametrize("policy_cls", [FifoPolicy, LengthAwarePolicy])
+def test_long_items_after_short_ones_are_batched_again(policy_cls: Any) -> None:
+    """Short items teach a budget of 1024; then items of 1100-2000 steps come
+    to a recurrent model, which a lone long item costs the most per element.
+    Even two of them are over twice the old budget, so only the batches with
+    no budget measure them together; the old buckets are forgotten, and the
+    batches grow again."""
+    policy = policy_cls(budget=LearntBudget())
+    serve(policy, cache_bound, 3000, (8, 129))
+    assert policy.budget.learnt == 1024
+    formed = serve(policy, per_step, 2000, (1100, 2001), seed=1)
+    late = formed[-200:]
+    assert policy.budget.learnt is None
+    assert sum(size for _, size, _ in late) / len(late) > 16
 
 
 @pytest.mark.parametrize("policy_cls", [FifoPolicy, LengthAwarePolicy])
 def test_policies_keep_to_the_learnt_budget_but_when_exploring(policy_cls: Any) -> None:
+    policy = policy_cls(budget=LearntBudget())
+    serve(policy, cache_bound, 3000, (8, 129))
+    formed = serve(policy, cache_bound, 16 * LearntBudget.EXPLORE_EVERY, (8, 129), seed=3)
+    for limit, size, padded in formed:
+        assert limit is None or size == 1 or padded <= limit
+    explored = [padded for limit, _, padded in formed if limit != 1024]
+    assert sum(padded > 1024 for _, _, padded in formed) == sum(p > 1024 for p in explored) > 0
+    assert {limit for limit, _, _ in formed} == {1024, 2048, 512, None}
+
+
+def test_observing_from_several_threads_at_once_loses_nothing() -> None:
+    """Batches finish on the finisher, model threads and the event loop."""
     budget = LearntBudget()
-    teach(budget, cache_bound)
-    policy = policy_cls(budget=budget)
-    rng = np.random.default_rng(5)
-    sizes = []
-    for _ in range(2 * LearntBudget.EXPLORE_EVERY):
-        volumes = rng.integers(8, 129, size=64).tolist()
-        chosen = policy.select([Waiting(v, False) for v in volumes], 32)
-        sizes.append(len(chosen) * max(volumes[i] for i in chosen))
-    assert max(sizes) <= 2048
-    assert sum(s > 1024 for s in sizes) <= 2, "only the exploring batches go over 1024"
+    volumes = [2**b for b in range(4, 13)]
+
+    def finish_batches(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(2000):
+            volume = int(rng.choice(volumes))
+            budget.observe(volume, volume, cache_bound(1, volume))
+            budget.limit(), budget.costs()
+
+    threads = [threading.Thread(target=finish_batches, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert budget.learnt == 1024
+    assert sorted(budget.costs()) == volumes
 
 
 def test_a_fixed_budget_wins_over_learning_and_zero_means_none() -> None:
@@ -126,7 +206,8 @@ def config(**batching: Any) -> ModelConfig:
 def test_the_default_budget_is_learnt_and_a_bad_one_is_refused_by_name() -> None:
     assert config().dynamic_batching.max_batch_tokens == "auto"
     assert config(max_batch_tokens=0).dynamic_batching.max_batch_tokens == 0
-    for bad in (-1, "big", 1.5):
+    assert config(max_batch_tokens=None).dynamic_batching.max_batch_tokens == 0  # from_function's "none"
+    for bad in (-1, "big", "AUTO", 1.5, True):
         with pytest.raises((ConfigError, ValueError), match="max_batch_tokens") as caught:
             config(max_batch_tokens=bad)
         assert "must be 'auto', 0 (no budget) or a whole number >= 1" in str(caught.value)
@@ -140,3 +221,29 @@ async def test_the_stats_endpoint_reports_the_learnt_budget(server_url: str) -> 
     assert stats["batching"]["budget"]["mode"] == "learnt"
     assert set(stats["batching"]["budget"]) == {"mode", "max_batch_tokens", "us_per_element"}
     assert tagger["batching"]["budget"] == {"mode": "fixed", "max_batch_tokens": 1024}
+
+
+def test_the_server_wide_setting_can_say_auto_or_a_number_but_not_yes() -> None:
+    import argparse
+
+    from tensorserve.cli import add_serve_parser, settings_from_args
+    from tensorserve.settings import Settings
+
+    parser = add_serve_parser(argparse.ArgumentParser().add_subparsers(dest="command"))
+    for flag, expected in (("auto", "auto"), ("0", 0), ("512", 512)):
+        args = parser.parse_args(["--max-batch-tokens", flag])
+        assert settings_from_args(args).model_overrides()["max_batch_tokens"] == expected
+    for bad in (True, "lots", -1):
+        with pytest.raises(ValueError, match="max_batch_tokens"):
+            Settings(max_batch_tokens=bad)
+
+
+def test_warm_up_teaches_the_budget_nothing() -> None:
+    """A model's first runs are slow: the budget learns from real traffic only."""
+    from tensorserve.serving.model import ServedModel
+
+    with ServedModel.from_repository(REPOSITORY, "embedder", isolation="thread") as model:
+        assert model.config.warmup.enabled
+        assert model.batcher.options.policy.budget.costs() == {}
+        model.infer_many_sync([model.warmup_items()[0][0]], timeout=60)
+        assert model.batcher.options.policy.budget.costs() != {}

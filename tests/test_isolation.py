@@ -533,6 +533,21 @@ def test_auto_isolation_is_a_thread_on_a_gpu() -> None:
     assert resolve_isolation(config, [Placement("cuda", 1)], cpus=16).isolation == "thread"
 
 
+def test_auto_isolation_is_a_thread_where_the_model_is_on_a_gpu_or_on_several_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rule, on any machine: a device that is not the CPU, or a model
+    placed over several devices, keeps a model thread."""
+    from tensorserve.runtime import placement
+    from tensorserve.runtime.placement import Placement, resolve_isolation
+
+    monkeypatch.setattr(placement, "resolve_device", torch.device)  # no CUDA needed to name it
+    config = _auto_config(device="cuda")
+    assert resolve_isolation(config, [Placement("cuda", 1)], cpus=16).isolation == "thread"
+    two_cpus = [Placement("cpu", 1), Placement("cpu", 1)]
+    assert resolve_isolation(_auto_config(device="cpu"), two_cpus, cpus=16).isolation == "thread"
+
+
 def test_a_repository_model_at_defaults_runs_in_a_worker_process_here() -> None:
     """This machine has 2 CPUs or more: the bundled embedder, which sets no
     isolation, gets a worker process, and a function a thread."""

@@ -181,6 +181,8 @@ class LengthAwarePolicy:
 
 
 def budget_for_next_batch(policy: FifoPolicy | LengthAwarePolicy) -> int | None:
+    """The padded volume the next batch may reach: the fixed budget, else the
+    learnt one (which reads what the last batches taught it, changing nothing)."""
     if policy.max_batch_tokens:
         return policy.max_batch_tokens
     return policy.budget.limit() if policy.budget is not None else None

@@ -115,9 +115,13 @@ class DynamicBatching(_Strict):
     @field_validator("max_batch_tokens", mode="before")
     @classmethod
     def _budget(cls, value: Any) -> Any:
-        if value is None:  # the Python API's "no budget"
+        # None in a config is "no budget", as before "auto" existed (from_function's
+        # keyword); an override of None (from_repository, the settings) never gets
+        # here: it keeps the config's own value.
+        if value is None:
             return 0
-        if value != "auto" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if value != "auto" and not (whole and value >= 0):
             raise ValueError(f"must be 'auto', 0 (no budget) or a whole number >= 1, got {value!r}")
         return value
 

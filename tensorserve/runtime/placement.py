@@ -182,4 +182,3 @@ def resolve_isolation(
     cpus = available_cpus() if cpus is None else cpus
     isolation = "process" if on_cpu and cpus >= 2 and len(placements) == 1 else "thread"
     return config.model_copy(update={"isolation": isolation})
-
