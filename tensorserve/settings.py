@@ -118,7 +118,8 @@ class Settings(BaseSettings):
     instance_count: int | None = Field(None, ge=1, description="Model copies executing in parallel.")
     max_batch_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = Field(
         None,
-        description="Padded-volume budget per batch (batch x padded item size); auto: learnt; 0: none.",
+        description="Padded-volume budget per batch (batch x padded item size), >= 0; auto: learnt; "
+        "0: none.",
     )
     isolation: Literal["auto", "thread", "process"] | None = Field(
         None, description="Run each model instance in a thread of the server or its own process."
