@@ -170,9 +170,10 @@ def resolve_isolation(
 
     A worker process when the model runs on the CPU and this process may use
     two CPUs or more: there the forward and the event loop (decoding,
-    encoding, un-padding) no longer take turns at one GIL. On 2 cores it
-    served every bundled model 1.1-1.4x the items/s of a model thread at 32
-    callers (docs/performance.md, "Defaults"). A thread on one CPU, where
+    encoding, un-padding) no longer take turns at one GIL. On 2 cores, with
+    the learnt budget, it served four of the five bundled models 1.1-1.9x
+    the items/s of a model thread at 32 callers and the GRU tagger about the
+    same (docs/performance.md, "Defaults"). A thread on one CPU, where
     the two could not run at once anyway, and on a GPU, where the forward
     waits on the device without the GIL and a worker would only add a copy
     of the inputs and outputs through a socket."""
