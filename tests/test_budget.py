@@ -152,6 +152,22 @@ def test_long_items_after_short_ones_are_batched_again(policy_cls: Any) -> None:
     assert sum(size for _, size, _ in late) / len(late) > 16
 
 
+def test_a_burst_after_a_quiet_spell_of_lone_items_is_batched_at_once() -> None:
+    """Lone items teach a recurrent model's budget that a short one is
+    nearly as cheap per element as a long one; the first batches of a burst,
+    cheaper still per element, undo that within a few batches."""
+    budget = LearntBudget()
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        length = int(rng.integers(8, 129))
+        budget.observe(length, length, per_step(1, length))
+    assert budget.learnt is not None and budget.learnt <= 128
+    policy = LengthAwarePolicy(budget=budget)
+    formed = serve(policy, per_step, 50, (8, 129))
+    assert sum(size for _, size, _ in formed) / len(formed) > 16
+    assert policy.budget.learnt is None
+
+
 @pytest.mark.parametrize("policy_cls", [FifoPolicy, LengthAwarePolicy])
 def test_policies_keep_to_the_learnt_budget_but_when_exploring(policy_cls: Any) -> None:
     policy = policy_cls(budget=LearntBudget())
