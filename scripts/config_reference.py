@@ -44,8 +44,6 @@ END = "<!-- end of generated reference -->"
 def type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
-    if origin is typing.Annotated:  # a constrained member of a union: its bounds are in "what"
-        return type_name(args[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in args)
     if origin in (typing.Union, types.UnionType):

@@ -9,7 +9,7 @@ config.toml, as MLServer's settings do.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -24,6 +24,16 @@ MODEL_OVERRIDES = (
     "max_batch_tokens",
     "isolation",
 )
+
+
+def check_batch_tokens(value: Any) -> int | str:
+    """The one check of ``max_batch_tokens``, for the settings and for
+    config.toml: "auto", 0 (no budget) or a whole number (not a boolean:
+    True would be a budget of 1, no batching at all)."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if value != "auto" and not (whole and value >= 0):
+        raise ValueError(f"must be 'auto', 0 (no budget) or a whole number >= 1, got {value!r}")
+    return value
 
 
 class Settings(BaseSettings):
@@ -116,7 +126,7 @@ class Settings(BaseSettings):
         None, description="Which waiting items form the next batch."
     )
     instance_count: int | None = Field(None, ge=1, description="Model copies executing in parallel.")
-    max_batch_tokens: Annotated[int, Field(ge=0)] | Literal["auto"] | None = Field(
+    max_batch_tokens: int | Literal["auto"] | None = Field(
         None,
         description="Padded-volume budget per batch (batch x padded item size), >= 0; auto: learnt; "
         "0: none.",
@@ -127,10 +137,10 @@ class Settings(BaseSettings):
 
     @field_validator("max_batch_tokens", mode="before")
     @classmethod
-    def _no_bool_budget(cls, value: Any) -> Any:
-        if isinstance(value, bool):  # True would be a budget of 1: no batching at all
-            raise ValueError("must be 'auto', 0 (no budget) or a whole number >= 1")  # noqa: TRY004 (pydantic reports only ValueError)
-        return value
+    def _budget(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.isdigit():  # a flag's or a variable's digits
+            value = int(value)
+        return None if value is None else check_batch_tokens(value)
 
     def model_overrides(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in MODEL_OVERRIDES if getattr(self, key) is not None}

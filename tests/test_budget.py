@@ -249,9 +249,10 @@ def test_the_server_wide_setting_can_say_auto_or_a_number_but_not_yes() -> None:
     for flag, expected in (("auto", "auto"), ("0", 0), ("512", 512)):
         args = parser.parse_args(["--max-batch-tokens", flag])
         assert settings_from_args(args).model_overrides()["max_batch_tokens"] == expected
-    for bad in (True, "lots", -1):
-        with pytest.raises(ValueError, match="max_batch_tokens"):
+    for bad in (True, "lots", -1, "-1"):
+        with pytest.raises(ValueError, match="max_batch_tokens") as caught:
             Settings(max_batch_tokens=bad)
+        assert f"must be 'auto', 0 (no budget) or a whole number >= 1, got {bad!r}" in str(caught.value)
 
 
 def test_warm_up_teaches_the_budget_nothing() -> None:

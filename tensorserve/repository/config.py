@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.parameters import RequestParameterSpec
+from tensorserve.settings import check_batch_tokens
 from tensorserve.tensors.dtypes import DTYPES, DType
 
 if sys.version_info >= (3, 11):
@@ -118,12 +119,7 @@ class DynamicBatching(_Strict):
         # None in a config is "no budget", as before "auto" existed (from_function's
         # keyword); an override of None (from_repository, the settings) never gets
         # here: it keeps the config's own value.
-        if value is None:
-            return 0
-        whole = isinstance(value, int) and not isinstance(value, bool)
-        if value != "auto" and not (whole and value >= 0):
-            raise ValueError(f"must be 'auto', 0 (no budget) or a whole number >= 1, got {value!r}")
-        return value
+        return 0 if value is None else check_batch_tokens(value)
 
     @model_validator(mode="after")
     def _priorities(self) -> DynamicBatching:
