@@ -265,7 +265,7 @@ async def _parked(model: ServedModel) -> None:
     assert await asyncio.to_thread(model.batcher.wait_idle, 10)
 
 
-def test_an_idle_worker_gets_its_batch_from_the_event_loop_then_from_the_model_thread() -> None:
+def test_a_loop_drives_a_worker_while_work_is_due_and_the_model_thread_takes_over() -> None:
     items = [token_item(int(n), rng) for n in rng.integers(8, 128, size=60)]
     with ServedModel.from_repository(REPOSITORY, "tagger") as here:
         expected = here.infer_many_sync(items)
@@ -278,13 +278,18 @@ def test_an_idle_worker_gets_its_batch_from_the_event_loop_then_from_the_model_t
             # A lone caller: the loop sends the batch and reads the reply.
             lone = await model.infer(items[0])
             assert launched_on == [loop_thread]
-            # A burst: the first batch goes direct, the rest queue behind it
-            # and the model thread takes them, with blocking reads on the
-            # same socket (uvloop had made it non-blocking).
-            burst = await asyncio.gather(*(model.infer(item) for item in items[1:]))
-            assert launched_on[1] == loop_thread
-            assert any(thread != loop_thread for thread in launched_on[2:])
-            for got, want in zip([lone, *burst], expected, strict=True):
+            # A burst: the first batch goes direct, the rest queue behind it,
+            # and the loop forms and sends each next batch as the last one's
+            # reply comes in: the model thread never takes the GIL.
+            burst = await asyncio.gather(*(model.infer(item) for item in items[1:30]))
+            assert len(launched_on) > 2
+            assert set(launched_on) == {loop_thread}
+            # Callers without a loop are the model thread's: it reads the same
+            # socket with blocking reads (uvloop had made it non-blocking).
+            launched_on.clear()
+            threaded = await asyncio.to_thread(model.infer_many_sync, items[30:])
+            assert launched_on and loop_thread not in launched_on
+            for got, want in zip([lone, *burst, *threaded], expected, strict=True):
                 np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
             # And alone again: direct once more, once the model thread that
             # ran the last batch has gone back to waiting.

@@ -148,11 +148,10 @@ class Batcher:
             if not p.accepting:
                 raise ModelNotReady(f"model {self.name!r} is not accepting requests (stopping)")
             p.refuse_if_hung()
-            idle = not len(p.queue)
             p.queue.admit(entries, now)
-            direct = self._claim_direct(now) if idle and loop is not None else None
-            if len(p.queue):
-                p.wake()
+            direct = self._claim_direct(now) if loop is not None else None
+            if len(p.queue) and InstanceState.PARKED in p.states:
+                p.wake()  # a parked instance the loop could not use: its thread takes it
         self.stats.record_request(len(entries))
         if direct is not None:
             assert loop is not None
@@ -265,17 +264,32 @@ class Batcher:
             done(None, exc)
 
     def _release(self, batch: Batch | None, instance: int) -> None:
-        """Finish a directly driven batch, then hand the instance back to its
-        model thread (before the callers resume: a caller that then closes
-        the model finds nothing in flight)."""
+        """Finish a directly driven batch, then run the next due batch on the
+        instance from this loop, or hand the instance back to its model thread
+        (before the callers resume: a caller that then closes the model finds
+        nothing in flight).
+
+        The loop keeps driving while work is due, so under load a worker-process
+        model's batches form, pad, run and finish on the loop alone: its model
+        and finisher threads stay parked and never take the GIL from the loop
+        (that contention cost ~20% of the server's CPU per request,
+        docs/performance.md). A batch that did not run (``batch`` None or
+        never sent) and a closing batcher go back to the threads."""
         p = self.pipeline
         if batch is not None:
             p.finish(batch)
+        loop = batch.loop if batch is not None else None
         with p.cond:
             p.states[instance] = InstanceState.PARKED
             p.parked.notify_all()
-            if len(p.queue) or p.closing:
+            direct = None
+            if loop is not None and not p.closing and len(p.queue):
+                direct = self._claim_direct(time.monotonic())
+            if direct is None and (len(p.queue) or p.closing):
                 p.cond.notify_all()
+        if direct is not None:
+            assert loop is not None
+            self._run_direct(*direct, loop)
 
     def _finish_batches_driven_here(self) -> None:
         """``close()`` on a loop that drives batches: their replies would only
