@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensorserve.batching.policy import BatchCostModel, FifoPolicy, LengthAwarePolicy, Waiting
 
@@ -99,3 +101,57 @@ def test_when_every_padded_element_costs_length_aware_splits_a_mixed_queue() -> 
 def test_when_batches_cost_per_launch_or_per_step_length_aware_fills_the_batch(cost: BatchCostModel) -> None:
     volumes = [8] * 8 + [128] * 8
     assert len(LengthAwarePolicy(cost=cost).select(queue(volumes), 32)) == 16
+
+
+def _select_run_by_run(policy: LengthAwarePolicy, waiting: list[Waiting], max_batch_size: int) -> list[int]:
+    """The length-aware choice as it was first written: one size at a time,
+    the best run of each, the best of those. The grid version must agree."""
+    n = len(waiting)
+    if n <= 1:
+        return list(range(n))
+    volumes = np.array([w.volume for w in waiting], dtype=np.int64)
+    order = np.argsort(volumes, kind="stable")
+    ranked = volumes[order].astype(np.float64)
+    prefix = np.concatenate(([0.0], np.cumsum(ranked)))
+    forced = int(np.flatnonzero(order == 0)[0]) if waiting[0].overdue else None
+    limit = policy.max_batch_tokens
+    best: tuple[float, float, int, int] | None = None
+    for size in range(1, min(max_batch_size, n) + 1):
+        first = 0 if forced is None else max(0, forced - size + 1)
+        last = n - size if forced is None else min(forced, n - size)
+        starts = np.arange(first, last + 1)
+        padded = size * ranked[starts + size - 1]
+        if limit and size > 1:
+            fits = padded <= limit
+            if not fits.any():
+                break
+            starts, padded = starts[fits], padded[fits]
+        real = prefix[starts + size] - prefix[starts]
+        if policy.cost.fitted:
+            scores = real / np.maximum(policy.cost.cost(size, ranked[starts + size - 1]), 1e-12)
+        else:
+            scores = size * 1e18 - (padded - real)
+        i = int(np.argmax(scores))
+        candidate = (float(scores[i]), -size, int(starts[i]), size)
+        if best is None or candidate[:2] > best[:2]:
+            best = candidate
+    assert best is not None
+    return sorted(int(i) for i in order[best[2] : best[2] + best[3]])
+
+
+@given(
+    volumes=st.lists(st.integers(1, 400), min_size=1, max_size=120),
+    max_batch_size=st.integers(1, 64),
+    overdue=st.booleans(),
+    budget=st.sampled_from([None, 64, 500, 4000]),
+    learnt=st.sampled_from([None, (1e-3, 1e-6, 0.0), (0.0, 1e-6, 1e-5), (2e-3, 0.0, 1e-4)]),
+)
+@settings(max_examples=300, deadline=None)
+def test_the_grid_choice_is_the_run_by_run_choice(
+    volumes: list[int], max_batch_size: int, overdue: bool, budget: int | None,
+    learnt: tuple[float, float, float] | None,
+) -> None:
+    policy = LengthAwarePolicy(budget)
+    policy.cost.coefficients = learnt
+    waiting = queue(volumes, overdue_first=overdue)
+    assert policy.select(waiting, max_batch_size) == _select_run_by_run(policy, waiting, max_batch_size)
