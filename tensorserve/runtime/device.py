@@ -43,12 +43,13 @@ class DeviceContext:
         self.stream: torch.cuda.Stream | None = None
 
     def enter_thread(self) -> None:
-        """Run once on the model thread before its first batch."""
+        """Run once on each thread that runs the instance's batches, before its first."""
         if self.intra_op_threads:
             torch.set_num_threads(self.intra_op_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            self.stream = torch.cuda.Stream(self.device)
+            if self.stream is None:  # the instance's model and forward threads share it
+                self.stream = torch.cuda.Stream(self.device)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:

@@ -23,9 +23,11 @@ only, exactly as before parameters existed.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ from tensorserve.errors import BatchOutOfMemory, ModelFailure
 from tensorserve.repository.config import ModelConfig, OutputSpec
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.runtime.device import DeviceContext
+from tensorserve.runtime.runner import InstanceRunner, reply_on_loop
 from tensorserve.tensors.dtypes import from_torch
 from tensorserve.tensors.results import WithParameters
 
@@ -88,6 +91,9 @@ class ThreadExecutor:
         # launches the next full batch while this one runs.
         self.overlaps = device.type == "cuda"
         self.pin_memory = device.type == "cuda"
+        # The forward threads of instances an event loop drives (the batcher's
+        # direct path), started on first use: a worker process never needs one.
+        self._runners: list[InstanceRunner | None] = [None] * instance_count
 
     def start_instance(self, instance: int) -> None:
         self._contexts[instance].enter_thread()
@@ -175,8 +181,39 @@ class ThreadExecutor:
             for spec in self.outputs
         }
 
+    # -- the event loop's direct path (batching.executor.DirectExecutor)
+    def can_run_direct(self, instance: int) -> bool:
+        return True  # a thread in this process is always there
+
+    def try_launch_direct(
+        self,
+        features: dict[str, torch.Tensor],
+        instance: int,
+        parameters: Mapping[str, list[Any]] | None = None,
+    ) -> Future[Executed]:
+        """Hand the padded batch to the instance's forward thread; never blocks."""
+        runner = self._runners[instance]
+        if runner is None:
+            runner = self._runners[instance] = InstanceRunner(
+                f"forward-{instance}",
+                self._contexts[instance].enter_thread,
+                lambda f, p: self.collect(self.launch(f, instance, p)),
+            )
+        return runner.submit(features, parameters)
+
+    def collect_soon(
+        self,
+        ticket: Future[Executed],
+        loop: asyncio.AbstractEventLoop,
+        done: Callable[[Executed | None, BaseException | None], None],
+    ) -> Callable[[], None]:
+        return reply_on_loop(ticket, loop, done)
+
     def close(self) -> None:
-        """Nothing to release: the model threads belong to the batcher."""
+        """Stop the forward threads (the model threads belong to the batcher)."""
+        for runner in self._runners:
+            if runner is not None:
+                runner.close()
 
 
 def output_parameters(returned: Mapping[str, Any]) -> dict[str, list[Any]]:
