@@ -327,6 +327,8 @@ def stack_rows(results: Results, name: str, batched: bool) -> np.ndarray:
     """One output of a request: its items' un-padded rows, stacked."""
     if not batched:
         return results[0][name]
+    if len(results) == 1:  # one row (the common case): a view, not np.stack's copy
+        return results[0][name][np.newaxis]
     rows = [result[name] for result in results]
     if any(row.shape != rows[0].shape for row in rows):
         shapes = sorted({tuple(row.shape) for row in rows})
