@@ -17,6 +17,9 @@ flat    a toy that sleeps a flat 5 ms per batch of up to 64 items (a GPU,
         items/s; "of model" is the share of that the server delivers.
                                                                c = 64, 256
 tagger  the bundled tagger of the tree's own model_repository/.  c = 32, 64
+        "of model" is its items/s over its offline ceiling (length-sorted
+        batches of 8 with no server, benchmarks/offline_ceiling.py), measured
+        from the same tree just before its server starts.
 
 Each case runs on a fresh server per source tree (``--tree``: a checkout such
 as a git worktree of an older commit, served with PYTHONPATH and cwd set to
@@ -30,8 +33,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -111,6 +117,21 @@ def serve(case: Case, tree: Path, work: Path, args: argparse.Namespace) -> Itera
         server.stop()
 
 
+def offline_ceiling(tree: Path, model: str, seconds: float) -> float:
+    """The model's items/s with no server (benchmarks/offline_ceiling.py:
+    length-sorted batches of 8, every CPU), from ``tree``'s own package."""
+    script = ROOT / "benchmarks" / "offline_ceiling.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--model", model, "--seconds", str(seconds),
+         "--repository", str(tree / "model_repository")],
+        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    ceiling = float(json.loads(done.stdout.splitlines()[-1])["sorted_8_items_s"])
+    print(f"  {model} offline (sorted batches of 8): {ceiling:.0f} items/s", flush=True)
+    return ceiling
+
+
 def write_scripts(
     url: str, model: str, protocols: list[str], folder: Path, seed: int
 ) -> dict[str, Path]:
@@ -147,6 +168,7 @@ def run_case(
     case: Case, tree: Path, args: argparse.Namespace, work: Path, repeat: int
 ) -> list[dict[str, Any]]:
     rows = []
+    offline = offline_ceiling(tree, case.model, args.duration) if case.name == "tagger" else None
     with serve(case, tree, work, args) as server:
         scripts = write_scripts(server.url, case.model, args.protocols, work / "bodies", args.seed)
         for protocol in args.protocols:
@@ -165,6 +187,8 @@ def run_case(
                     "req_s": result.requests_per_s, "items_s": items_s,
                     "allows_items_s": case.allows_items_s,
                     "of_model": items_s / case.allows_items_s if case.allows_items_s else None,
+                    "offline_items_s": offline,
+                    "of_offline": items_s / offline if offline else None,
                     "server_cpu_s": window.server_cpu_s,
                     "server_cpu_us_per_request": window.server_cpu_us_per_request,
                     "wrk_cpu_us_per_request": window.wrk_cpu_us_per_request,
@@ -185,7 +209,7 @@ def run_case(
 
 # ---------------------------------------------------------------------- report
 KEY = ("case", "tree", "protocol", "c")
-MEDIANS = ("req_s", "items_s", "of_model", "server_cpu_us_per_request",
+MEDIANS = ("req_s", "items_s", "of_model", "of_offline", "server_cpu_us_per_request",
            "wrk_cpu_us_per_request", "p50_ms", "p90_ms", "p99_ms")  # fmt: skip
 
 
@@ -220,6 +244,8 @@ def format_table(summary: list[dict[str, Any]]) -> str:
     ]
     for s in summary:
         share = "-" if s["of_model"] is None else f"{100 * s['of_model']:.0f}%"
+        if s.get("of_offline") is not None:
+            share = f"{s['of_offline']:.2f}x offline"
         lines.append(
             f"| {s['case']} | {s['tree']} | {s['protocol']} | {s['c']} | {num(s['req_s'])} "
             f"| {num(s['items_s'])} | {share} | {num(s['server_cpu_us_per_request'])} "
