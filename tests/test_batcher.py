@@ -387,3 +387,33 @@ def test_a_pipeline_failure_answers_the_launched_batch_and_the_queued_items() ->
             batcher.submit({"x": np.ones(2, np.float32)})
     assert [type(e) for e in fatal] == [RuntimeError]
     assert len(device.launched) == 1  # batch 1 was on the device, never collected
+
+
+@pytest.mark.parametrize("policy", ["fifo", "length_aware"])
+@pytest.mark.parametrize("cap", ["max_batch_tokens", "max_batch_elements"])
+def test_pad_to_multiple_of_is_counted_by_the_budget_and_the_element_cap(policy: str, cap: str) -> None:
+    """Items of length 5 padded to a multiple of 8 take 8 per row: a budget
+    (or an element cap) of 16 fits two of them, not the three that 15 real
+    elements would suggest."""
+    model, seen = cumsum_model(
+        max_batch_size=8, max_queue_delay_ms=200, dispatch="timer", policy=policy,
+        pad_to_multiple_of=8, **{"max_batch_tokens": 0, cap: 16},
+    )
+    with model:
+        results = model.infer_many_sync([{"x": np.ones(5, np.float32)}] * 3, timeout=5)
+    assert sorted(seen) == [1, 2]
+    assert [r["y"].tolist() for r in results] == [[1.0, 2.0, 3.0, 4.0, 5.0]] * 3
+
+
+def test_the_learnt_budget_is_taught_the_rounded_up_volume(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, seen = cumsum_model(
+        max_batch_size=8, max_queue_delay_ms=200, dispatch="timer", pad_to_multiple_of=8,
+        max_batch_tokens="auto",
+    )
+    budget = model.batcher.options.policy.budget
+    assert budget is not None
+    taught: list[int] = []
+    monkeypatch.setattr(budget, "observe", lambda padded, real, seconds: taught.append(padded))
+    with model:
+        model.infer_many_sync([{"x": np.ones(5, np.float32)}] * 3, timeout=5)
+    assert seen == [3] and taught == [3 * 8]
