@@ -206,7 +206,10 @@ class Collator:
         """Elements ``pad(items)`` allocates, all features (``padded_shape``)."""
         total = 0
         for spec in self.inputs:
-            longest = np.max([item[spec.name].shape for item in items], axis=0)
+            longest = [  # plain Python: this runs each time a batch forms, for a few items
+                max(item[spec.name].shape[axis] for item in items) if dim == VARIABLE else dim
+                for axis, dim in enumerate(spec.shape)
+            ]
             total += len(items) * math.prod(padded_shape(longest, spec, self.pad_to_multiple_of))
         return total
 
