@@ -49,7 +49,7 @@ class PaddedBatch:
 
 
 def padded_shape(
-    longest: Sequence[int], spec: InputSpec, pad_to_multiple_of: int | None = None
+    longest: Sequence[int] | np.ndarray, spec: InputSpec, pad_to_multiple_of: int | None = None
 ) -> list[int]:
     """The one rule for a padded size: the shape of one row of ``spec`` in a
     batch whose items reach ``longest`` on each axis. Variable axes are padded
