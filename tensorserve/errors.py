@@ -1,20 +1,30 @@
-"""One transport-free error tree for the whole server.
+"""One transport-free error tree for the whole server, and the one table of
+its error codes (``CODES``).
 
-Every error carries a stable ``code``; the HTTP layer maps codes to statuses
-(``tensorserve/http/errors.py``) and the client rebuilds the same classes from
-the response body. Nothing here knows about HTTP.
+Every error carries a stable ``code``, whether the same request may succeed
+if sent again later (``retry_later``), and the reason the metrics count it
+under when it is a rejection (``rejection``: refused or abandoned before a
+model answered, through no fault of the model). Nothing here knows about
+HTTP. The rest is generated from or tested against ``CODES``
+(tests/test_error_codes.py): the HTTP status of each code
+(``tensorserve/http/errors.py STATUS``), the metrics' rejection reasons
+(``tensorserve/metrics/requests.py``) and the classes the client rebuilds
+from a response's code (``clients/python/tensorserve_client/errors.py``).
 
-    TensorServeError                 code
+    TensorServeError                 internal          a bug in the server
     ├── InvalidInput                 invalid_input     bad item: wrong dtype, shape, size
     ├── ModelNotFound                model_not_found   unknown model or version
     ├── ModelNotReady                model_not_ready   loading, failed to load, or unloading
-    ├── ServerBusy                   server_busy       a bounded queue is full (retry later)
+    ├── ServerBusy                   server_busy       a bounded queue is full
     ├── RequestTooLarge              request_too_large more items than the queue can ever hold
     ├── DeadlineExceeded             deadline_exceeded the item waited longer than its timeout
     ├── ModelFailure                 model_failure     the model (or batch function) raised
     │   ├── WorkerCrashed            model_failure     its worker process died (or the watchdog killed it)
     │   └── BatchOutOfMemory         model_failure     the padded batch did not fit (split and retried)
     └── OutOfMemory                  out_of_memory     one item does not fit in memory even alone
+
+Retried later: ``ModelNotReady`` and ``ServerBusy``. Not rejections (errors
+of the model or the server): ``ModelFailure`` and ``internal``.
 
 ``RowErrors`` is not a caller's error: a model raises it to fail some rows of
 a batch only (docs/model-repository.md, "Failing single rows").
@@ -27,6 +37,11 @@ class TensorServeError(Exception):
     """Base class; ``code`` is stable and part of the wire protocol."""
 
     code = "internal"
+    # The same request, sent again later, may succeed (the client retries it).
+    retry_later = False
+    # The metrics' reason when this is a rejection; None: an error of the server
+    # or of the model.
+    rejection: str | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -35,14 +50,18 @@ class TensorServeError(Exception):
 
 class InvalidInput(TensorServeError):
     code = "invalid_input"
+    rejection = "invalid_input"
 
 
 class ModelNotFound(TensorServeError):
     code = "model_not_found"
+    rejection = "unknown_model"
 
 
 class ModelNotReady(TensorServeError):
     code = "model_not_ready"
+    retry_later = True
+    rejection = "not_ready"
 
 
 class ServerBusy(TensorServeError):
@@ -50,6 +69,8 @@ class ServerBusy(TensorServeError):
     estimate from the queue ahead and how fast it drains)."""
 
     code = "server_busy"
+    retry_later = True
+    rejection = "queue_full"
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
@@ -61,10 +82,12 @@ class RequestTooLarge(TensorServeError):
     items than the model's queue holds): split it; retrying cannot help."""
 
     code = "request_too_large"
+    rejection = "too_large"
 
 
 class DeadlineExceeded(TensorServeError):
     code = "deadline_exceeded"
+    rejection = "deadline"
 
 
 class ModelFailure(TensorServeError):
@@ -90,6 +113,24 @@ class OutOfMemory(TensorServeError):
     """One item that does not fit in memory even alone: a smaller item may."""
 
     code = "out_of_memory"
+    rejection = "too_large"
+
+
+# The one table of error codes: each code and the class that owns it.
+CODES: dict[str, type[TensorServeError]] = {
+    cls.code: cls
+    for cls in (
+        TensorServeError,
+        InvalidInput,
+        ModelNotFound,
+        ModelNotReady,
+        ServerBusy,
+        RequestTooLarge,
+        DeadlineExceeded,
+        ModelFailure,
+        OutOfMemory,
+    )
+}
 
 
 class RowErrors(Exception):

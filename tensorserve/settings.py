@@ -14,6 +14,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# No timeout may be longer than this: a deadline of days is a client's bug (a
+# unit mix-up), not a deadline. The one bound: the server's timeouts, a model's
+# default_timeout_ms (config.toml) and every protocol's timeout parameter
+# (wire/request.py timeout_seconds) are checked against it.
+MAX_TIMEOUT_S = 3600
+MAX_TIMEOUT_MS = MAX_TIMEOUT_S * 1000
+
 MODEL_OVERRIDES = (
     "max_batch_size",
     "max_queue_delay_ms",
@@ -59,38 +66,38 @@ class Settings(BaseSettings):
     default_timeout_ms: float | None = Field(
         None,
         gt=0,
-        le=3_600_000,
+        le=MAX_TIMEOUT_MS,
         description="Deadline of a request that asks for none, for models whose config.toml "
         "sets no default_timeout_ms (unset: none, up to max_timeout_ms).",
     )
     max_timeout_ms: float = Field(
-        3_600_000,
+        MAX_TIMEOUT_MS,
         gt=0,
-        le=3_600_000,
+        le=MAX_TIMEOUT_MS,
         description="Longest any request is kept: a longer timeout asked for (or a model's "
         "default) is lowered to this.",
     )
     body_timeout_s: float = Field(
-        60.0, gt=0, le=3600, description="Longest a request body may take to arrive (then 408)."
+        60.0, gt=0, le=MAX_TIMEOUT_S, description="Longest a request body may take to arrive (then 408)."
     )
     keepalive_timeout_s: float = Field(
         75.0,
         gt=0,
-        le=3600,
+        le=MAX_TIMEOUT_S,
         description="Close a connection idle this long; also the longest a request's line and "
         "headers may take to arrive.",
     )
     drain_delay_s: float = Field(
         5.0,
         ge=0,
-        le=3600,
+        le=MAX_TIMEOUT_S,
         description="On SIGTERM/SIGINT: readiness answers 503 while requests are still served "
         "this long, so load balancers stop sending.",
     )
     shutdown_grace_s: float = Field(
         20.0,
         ge=0,
-        le=3600,
+        le=MAX_TIMEOUT_S,
         description="Then: longest queued and running requests may take to finish; what is "
         "left is answered 503.",
     )

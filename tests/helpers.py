@@ -3,8 +3,10 @@ model repositories with toy models."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -39,13 +41,47 @@ def token_item(length: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0, poll: float = 0.01) -> None:
-    """Poll ``condition`` until it holds; fail the test, saying ``what`` never
-    happened, after ``timeout`` seconds. For a state another process owns (a
-    server's stats); where the test can hold an event, wait on that instead."""
+    """The one way a test waits: poll ``condition`` (a public signal: a
+    model's ``health()``, its stats, ``Batcher.queue_depth``, a server's
+    endpoint) until it holds; fail the test, saying ``what`` never happened,
+    after ``timeout`` seconds. Where the test can hold an event (``Gate``),
+    wait on that instead; on an event loop, use ``wait_until_async``."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"{what} within {timeout} s"
         time.sleep(poll)
+
+
+async def wait_until_async(
+    condition: Callable[[], bool], what: str, timeout: float = 10.0, poll: float = 0.005
+) -> None:
+    """``wait_until`` on an event loop: the loop runs between looks (the
+    condition may wait on a task of its own)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} within {timeout} s"
+        await asyncio.sleep(poll)
+
+
+class Gate:
+    """A batch function that blocks until released, so a queue builds up:
+    ``entered`` is set when a batch reaches the model (the instance is busy),
+    ``seen`` has the first value of every row it ran, in order."""
+
+    def __init__(self, timeout: float = 10.0) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.seen: list[float] = []
+        self.timeout = timeout
+
+    def __call__(self, x: Any) -> Any:
+        self.entered.set()
+        self.release.wait(self.timeout)
+        self.seen.extend(float(row[0]) for row in x)
+        return x
+
+    def wait_entered(self) -> None:
+        assert self.entered.wait(10), "a batch reached the model within 10 s"
 
 
 def _toml(value: Any) -> str:

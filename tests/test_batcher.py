@@ -25,6 +25,7 @@ from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import BatchPolicy, make_policy
 from tensorserve.repository.config import parse_config
 from tensorserve.runtime.executor import Executed
+from tests.helpers import Gate, wait_until_async
 
 X_IN = [{"name": "x", "dtype": "float32", "shape": [-1], "pad_value": -1.0}]
 Y_OUT = [{"name": "y", "dtype": "float32", "shape": [-1], "unpad_like": "x"}]
@@ -145,21 +146,6 @@ def test_a_result_of_the_wrong_batch_size_fails_the_batch_with_a_sentence() -> N
                 future.result(5)
 
 
-class Gate:
-    """A batch function that blocks until released, so a queue builds up."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.seen: list[list[float]] = []
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        self.entered.set()
-        self.release.wait(10)
-        self.seen.extend(row[0].item() for row in x)
-        return x
-
-
 def gated_model(gate: Gate, **config) -> ServedModel:
     return ServedModel.from_function(gate, inputs=X_IN, outputs=Y_OUT, max_batch_size=4, **config)
 
@@ -248,8 +234,7 @@ async def test_an_async_caller_that_leaves_while_queued_is_skipped() -> None:
         assert await asyncio.to_thread(gate.entered.wait, 5)
         leaving = asyncio.ensure_future(model.infer({"x": np.array([7.0], np.float32)}))
         staying = asyncio.ensure_future(model.infer({"x": np.array([8.0], np.float32)}))
-        while model.batcher.queue_depth < 2:  # both tasks run up to their await
-            await asyncio.sleep(0)
+        await wait_until_async(lambda: model.batcher.queue_depth == 2, "both callers queued")
         leaving.cancel()  # e.g. the HTTP client disconnected
         with pytest.raises(asyncio.CancelledError):
             await leaving  # its futures are cancelled on the way out
@@ -362,22 +347,29 @@ def test_a_full_batch_is_launched_ahead_of_a_busy_device_and_a_growing_one_waits
     assert sum(len(b) for b in device.launched) == 6
 
 
+class SecondSelectionFails:
+    """FIFO, but choosing the second batch raises: a bug in a model thread."""
+
+    name, cost, max_batch_tokens, budget = "fifo", None, None, None
+
+    def __init__(self) -> None:
+        self.fifo, self.calls = make_policy("fifo", None), 0
+
+    def select(self, waiting: list, max_batch_size: int) -> list[int]:
+        self.calls += 1
+        if self.calls == 2:  # batch 1 is on the device: forming batch 2 fails
+            raise RuntimeError("selection bug")
+        return self.fifo.select(waiting, max_batch_size)
+
+
 def test_a_pipeline_failure_answers_the_launched_batch_and_the_queued_items() -> None:
     """A bug in a model thread (here: forming the batch to launch ahead) must
     answer every caller: the batch already on the device, and those queued."""
     device = OverlappingDevice()
     collator = Collator(parse_config({"input": X_IN, "output": Y_OUT}, "fake"))
     fatal: list[BaseException] = []
-    batcher = Batcher(device, collator, BatcherOptions(max_batch_size=1), on_fatal=fatal.append)
-    take, calls = batcher.queue.take, []
-
-    def failing_take(*args: object, **kwargs: object) -> object:
-        calls.append(args)
-        if len(calls) == 2:  # batch 1 is on the device: forming batch 2 fails
-            raise RuntimeError("selection bug")
-        return take(*args, **kwargs)
-
-    batcher.queue.take = failing_take  # type: ignore[method-assign]
+    options = BatcherOptions(max_batch_size=1, policy=SecondSelectionFails())
+    batcher = Batcher(device, collator, options, on_fatal=fatal.append)
     with batcher:
         futures = batcher.submit_many([{"x": np.full(3, float(i), np.float32)} for i in range(3)])
         for future in futures:
@@ -387,3 +379,33 @@ def test_a_pipeline_failure_answers_the_launched_batch_and_the_queued_items() ->
             batcher.submit({"x": np.ones(2, np.float32)})
     assert [type(e) for e in fatal] == [RuntimeError]
     assert len(device.launched) == 1  # batch 1 was on the device, never collected
+
+
+@pytest.mark.parametrize("policy", ["fifo", "length_aware"])
+@pytest.mark.parametrize("cap", ["max_batch_tokens", "max_batch_elements"])
+def test_pad_to_multiple_of_is_counted_by_the_budget_and_the_element_cap(policy: str, cap: str) -> None:
+    """Items of length 5 padded to a multiple of 8 take 8 per row: a budget
+    (or an element cap) of 16 fits two of them, not the three that 15 real
+    elements would suggest."""
+    model, seen = cumsum_model(
+        max_batch_size=8, max_queue_delay_ms=200, dispatch="timer", policy=policy,
+        pad_to_multiple_of=8, **{"max_batch_tokens": 0, cap: 16},
+    )
+    with model:
+        results = model.infer_many_sync([{"x": np.ones(5, np.float32)}] * 3, timeout=5)
+    assert sorted(seen) == [1, 2]
+    assert [r["y"].tolist() for r in results] == [[1.0, 2.0, 3.0, 4.0, 5.0]] * 3
+
+
+def test_the_learnt_budget_is_taught_the_rounded_up_volume(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, seen = cumsum_model(
+        max_batch_size=8, max_queue_delay_ms=200, dispatch="timer", pad_to_multiple_of=8,
+        max_batch_tokens="auto",
+    )
+    budget = model.batcher.options.policy.budget
+    assert budget is not None
+    taught: list[int] = []
+    monkeypatch.setattr(budget, "observe", lambda padded, real, seconds: taught.append(padded))
+    with model:
+        model.infer_many_sync([{"x": np.ones(5, np.float32)}] * 3, timeout=5)
+    assert seen == [3] and taught == [3 * 8]

@@ -17,10 +17,9 @@ from tensorserve_client import _tensors as client_tensors
 
 from tensorserve.errors import InvalidInput
 from tensorserve.http.app import create_app
-from tensorserve.settings import Settings
+from tensorserve.settings import MAX_TIMEOUT_S, Settings
 from tensorserve.tensors.dtypes import DTYPES
 from tensorserve.wire.lists import array_from_list
-from tensorserve.wire.request import MAX_TIMEOUT_S
 from tests.helpers import MSGPACK, body, from_wire, write_toy_model
 
 JSON = {"Content-Type": "application/json"}

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tensorserve.batching.collate import pad, unpad
+from tensorserve.batching.collate import Collator, pad, unpad
 from tensorserve.errors import ModelFailure
-from tensorserve.repository.config import InputSpec, OutputSpec
+from tensorserve.repository.config import InputSpec, ModelConfig, OutputSpec
 
 rng = np.random.default_rng(0)
 
@@ -120,3 +124,54 @@ def test_a_batch_of_one_matches_the_general_path() -> None:
         assert alone.features[name].shape[0] == 1
     assert alone.extents["image"].tolist() == [[4, 6]]
     assert alone.real_elements == alone.padded_elements == 27
+
+
+def collator(inputs: list[dict], pad_to_multiple_of: int | None = None) -> Collator:
+    return Collator(ModelConfig.model_validate({
+        "input": inputs,
+        "output": [{"name": "y", "dtype": "float32", "shape": [2]}],
+        "dynamic_batching": {"pad_to_multiple_of": pad_to_multiple_of},
+    }))
+
+
+def test_the_counted_size_is_the_rounded_up_size() -> None:
+    """Items of length 5 padded to a multiple of 8 take 8 per row: the
+    element cap and the direct path (padded_elements) and the budget (volume)
+    count 8, as pad allocates 8."""
+    counting = collator([{"name": "x", "dtype": "float32", "shape": [-1, 3]}], pad_to_multiple_of=8)
+    items = [{"x": np.ones((5, 3), np.float32)}] * 2
+    assert counting.padded_elements(items) == 2 * 8 * 3 == counting.pad(items).padded_elements
+    assert counting.volume(items[0]) == 8
+    assert collator([{"name": "x", "dtype": "float32", "shape": [-1, 3]}]).volume(items[0]) == 5
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[list[dict], list[dict[str, np.ndarray]], int | None]:
+    """Inputs of random ranks with fixed and variable axes, items of random
+    extents, and a random multiple (or none)."""
+    specs = [
+        {"name": f"in{i}", "dtype": "float32",
+         "shape": draw(st.lists(st.sampled_from([-1, -1, 1, 3]), min_size=1, max_size=3))}
+        for i in range(draw(st.integers(1, 3)))
+    ]
+    items = [
+        {spec["name"]: np.zeros(
+            [draw(st.integers(0, 9)) if dim == -1 else dim for dim in spec["shape"]], np.float32)
+         for spec in specs}
+        for _ in range(draw(st.integers(1, 5)))
+    ]
+    return specs, items, draw(st.none() | st.integers(1, 16))
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_padded_elements_is_what_pad_allocates(batch: tuple[list[dict], list[dict], int | None]) -> None:
+    specs, items, multiple = batch
+    counting = collator(specs, multiple)
+    padded = counting.pad(items)
+    assert counting.padded_elements(items) == padded.padded_elements
+    assert padded.padded_elements == sum(t.numel() for t in padded.features.values())
+    primary = counting.primary
+    if primary is not None:  # an item's volume: its variable extents as padded alone
+        alone = counting.pad(items[:1]).features[primary.name].shape[1:]
+        assert counting.volume(items[0]) == math.prod(alone[a] for a in primary.variable_axes)

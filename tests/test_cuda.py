@@ -3,6 +3,8 @@ instance. These run where a GPU exists and skip cleanly where none does."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -44,11 +46,15 @@ def test_padded_cuda_batches_match_per_item_cpu_results(instances: int) -> None:
 
 def test_batches_are_assembled_in_pinned_memory_for_cuda() -> None:
     with ServedModel.from_repository(REPOSITORY, "image_filter", device="cuda") as model:
-        batch = model.batcher.collator.pad(
-            [{"image": rng.normal(size=(5, 7)).astype(np.float32)},
-             {"image": rng.normal(size=(3, 9)).astype(np.float32)}]
-        )
-        assert all(t.is_pinned() for t in batch.features.values())
-        image = rng.normal(size=(6, 4)).astype(np.float32)
-        out = model.infer_sync({"image": image})
-        assert out["filtered"].shape == (6, 4)
+        pinned: list[bool] = []
+        launch = model.executor.launch
+
+        def recording(features: dict[str, torch.Tensor], *args: Any) -> Any:
+            pinned.extend(t.is_pinned() for t in features.values())
+            return launch(features, *args)
+
+        model.executor.launch = recording  # type: ignore[method-assign]
+        images = [rng.normal(size=shape).astype(np.float32) for shape in ((5, 7), (3, 9), (6, 4))]
+        outs = model.infer_many_sync([{"image": image} for image in images])
+        assert [out["filtered"].shape for out in outs] == [(5, 7), (3, 9), (6, 4)]
+        assert pinned and all(pinned)

@@ -6,21 +6,27 @@ says, so a deadline shows as a 504 naming it."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from tensorserve.errors import ConfigError
+from tensorserve.cli import add_serve_parser, settings_from_args
+from tensorserve.errors import ConfigError, InvalidInput
 from tensorserve.http.app import create_app
 from tensorserve.repository.config import parse_config
-from tensorserve.settings import Settings
+from tensorserve.settings import MAX_TIMEOUT_MS, MAX_TIMEOUT_S, Settings
+from tensorserve.wire import native as native_codec
+from tensorserve.wire import oip as oip_codec
 from tensorserve.wire.request import effective_timeout
-from tests.helpers import MSGPACK, SLEEPY_IO, SLEEPY_MODEL, body, write_toy_model
+from tests.helpers import MSGPACK, SLEEPY_IO, SLEEPY_MODEL, body, tensor, write_toy_model
 
 SLEEPY: dict[str, Any] = {
     "max_batch_size": 4,
@@ -158,3 +164,51 @@ def test_the_servers_timeouts_are_strict(field: str, value: str) -> None:
     with pytest.raises(ValidationError) as error:
         Settings(**{field: value})
     assert [problem["loc"] for problem in error.value.errors()] == [(field,)]
+
+
+# ---------------------------------------------------------------------- one bound
+def from_flags(*argv: str) -> Settings:
+    parser = argparse.ArgumentParser(prog="tensorserve")
+    serve = add_serve_parser(parser.add_subparsers(dest="command"))
+    return settings_from_args(serve.parse_args(argv))
+
+
+def request_timeout(protocol: str, value: int, config: Any) -> float | None:
+    """The timeout the protocol decodes from a request asking for ``value``
+    (native: ms; OIP: µs)."""
+    if protocol == "native":
+        item = {"x": tensor(np.ones(3, np.float32))}
+        message = {"items": [item], "parameters": {"timeout_ms": value}}
+        return native_codec.decode_request(msgpack.packb(message), {}, config, 8).timeout
+    inputs = [{"name": "x", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]
+    message = {"parameters": {"timeout": value}, "inputs": inputs}
+    return oip_codec.decode_request(json.dumps(message).encode(), {}, config, 8).timeout
+
+
+def test_every_timeout_is_refused_above_the_one_bound_and_accepted_at_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """settings.MAX_TIMEOUT_MS bounds the flags, the environment variables,
+    config.toml's default_timeout_ms and both protocols' timeout parameter:
+    one hour each, in its own unit."""
+    limit, over = str(MAX_TIMEOUT_MS), str(MAX_TIMEOUT_MS + 1)
+    refused = f"less than or equal to {MAX_TIMEOUT_MS}"
+    for field in ("max_timeout_ms", "default_timeout_ms"):
+        flag, variable = "--" + field.replace("_", "-"), "TENSORSERVE_" + field.upper()
+        assert getattr(from_flags(flag, limit), field) == MAX_TIMEOUT_MS
+        with pytest.raises(ValidationError, match=refused):
+            from_flags(flag, over)
+        monkeypatch.setenv(variable, limit)
+        assert getattr(Settings(), field) == MAX_TIMEOUT_MS
+        monkeypatch.setenv(variable, over)
+        with pytest.raises(ValidationError, match=refused):
+            Settings()
+        monkeypatch.delenv(variable)
+    config = parse_config({**MINIMAL, "default_timeout_ms": MAX_TIMEOUT_MS}, "m/config.toml")
+    with pytest.raises(ConfigError, match=refused):
+        parse_config({**MINIMAL, "default_timeout_ms": MAX_TIMEOUT_MS + 1}, "m/config.toml")
+    for protocol, per_second in (("native", 1000), ("oip", 1_000_000)):
+        most = MAX_TIMEOUT_S * per_second
+        assert request_timeout(protocol, most, config) == MAX_TIMEOUT_S
+        with pytest.raises(InvalidInput, match=re.escape(f"at most {most} (one hour)")):
+            request_timeout(protocol, most + 1, config)

@@ -19,7 +19,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,7 @@ import pytest
 from tensorserve.bench.server import free_port
 from tensorserve.settings import Settings
 from tests.conftest import ROOT
+from tests.helpers import wait_until
 
 STOP_TIMEOUT_S = 30  # docker run --stop-timeout / terminationGracePeriodSeconds in docs and manifests
 
@@ -171,11 +171,13 @@ def test_the_image_entrypoint_serves_the_bundled_repository(tmp_path: Path) -> N
     log = (tmp_path / "server.log").open("w+")
     server = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + start_period
-        while subprocess.run(health, env=env, capture_output=True, timeout=10, check=False).returncode:
+        def healthy() -> bool:
             assert server.poll() is None, f"the server exited: {(tmp_path / 'server.log').read_text()}"
-            assert time.monotonic() < deadline, "not ready within the HEALTHCHECK's start period"
-            time.sleep(0.2)  # the HEALTHCHECK is itself a poll: there is no event to wait on
+            checked = subprocess.run(health, env=env, capture_output=True, timeout=10, check=False)
+            return checked.returncode == 0
+
+        # The HEALTHCHECK is itself a poll: there is no event to wait on.
+        wait_until(healthy, "ready within the HEALTHCHECK's start period", start_period, poll=0.2)
 
         with Client(f"http://127.0.0.1:{port}") as client:
             ids = np.array([101, 7, 8, 102], dtype=np.int64)

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from tensorserve import ModelFailure, ModelNotReady, OutOfMemory, RowErrors, ServedModel
 from tensorserve.batching.recovery import MemoryCeiling
+from tensorserve.batching.watchdog import Watchdog
 from tests.helpers import ECHO, wait_until, write_toy_model
 
 pytestmark = pytest.mark.timeout(120)
@@ -190,15 +192,14 @@ def test_an_out_of_memory_batch_is_split_and_later_batches_form_under_the_ceilin
         futures = model.submit_many([_item(v, 10) for v in values])
         second = [f.result(30)["y"].tolist() for f in futures]
         assert sizes[0] == 80 and all(s <= 40 for s in sizes[1:])
-        learned = model.batcher.queue.memory_limit
-        assert learned == 40
         sizes.clear()
         futures = model.submit_many([_item(v, 10) for v in values])
         third = [f.result(30)["y"].tolist() for f in futures]
         stats = model.stats.snapshot(0)
     assert first == [[2 * v] * 3 for v in values]
     assert second == third == [[2 * v] * 10 for v in values]
-    assert max(sizes) <= 40, "later batches formed above the learned ceiling"
+    # The ceiling learnt is half the failed batch: 4 items of 10, not 8.
+    assert sizes == [40, 40], "later batches formed above (or far below) the learned ceiling"
     assert stats["recoveries"] == {"oom": 1}
 
 
@@ -389,10 +390,21 @@ def test_without_the_template_workers_are_spawned_and_crashes_still_recover(cras
 
 
 def test_the_auto_watchdog_is_off_for_a_compiled_model_and_a_number_still_applies() -> None:
-    def make(**config: object) -> ServedModel:
-        return ServedModel.from_function(lambda x: x, inputs=X_IN, outputs=Y_OUT, **config)
+    def watchdog_s(**config: object) -> object:
+        model = ServedModel.from_function(lambda x: x, inputs=X_IN, outputs=Y_OUT, **config)
+        return model.batcher.options.watchdog_s
 
-    assert make().batcher.pipeline.watchdog.limit_s == 30.0  # auto, before any batch
-    assert make(compile="default").batcher.pipeline.watchdog.limit_s is None
-    assert make(compile="default", faults={"watchdog_ms": 2000}).batcher.pipeline.watchdog.limit_s == 2.0
-    assert make(faults={"watchdog_ms": 0}).batcher.pipeline.watchdog.limit_s is None
+    assert watchdog_s() == "auto"  # 30 s until batches were timed (batching/watchdog.py)
+    assert watchdog_s(compile="default") is None
+    assert watchdog_s(compile="default", faults={"watchdog_ms": 2000}) == 2.0
+    assert watchdog_s(faults={"watchdog_ms": 0}) is None
+
+
+def test_the_auto_watchdog_limit_is_50_times_the_slowest_batch_and_at_least_30_s() -> None:
+    def limit(setting: float | str | None, slowest_s: float = 0.0) -> float | None:
+        return Watchdog(SimpleNamespace(slowest_s=slowest_s), setting).limit_s  # type: ignore[arg-type]
+
+    assert limit("auto") == 30.0  # before any batch
+    assert limit("auto", slowest_s=0.1) == 30.0
+    assert limit("auto", slowest_s=2.0) == 100.0
+    assert (limit(2.0), limit(None), limit(0)) == (2.0, None, None)

@@ -33,6 +33,7 @@ from tests.helpers import (
     from_wire,
     token_item,
     wait_until,
+    wait_until_async,
     write_toy_model,
 )
 
@@ -309,10 +310,9 @@ def test_direct_batches_fail_alone_and_a_dead_worker_is_replaced_off_the_loop(to
                 await model.infer(_x(7))
             # The dead worker is replaced off the loop, right after its batch
             # (the standby takes over): the next request goes direct again.
-            worker = model.executor.workers[0]  # type: ignore[attr-defined]
-            while not (worker := model.executor.workers[0]).alive:  # type: ignore[attr-defined]
-                await asyncio.sleep(0.01)
-            assert worker.pid not in (None, first)
+            executor: Any = model.executor
+            await wait_until_async(lambda: executor.workers[0].alive, "a worker up again")
+            assert executor.workers[0].pid not in (None, first)
             await _parked(model)
             launched_on = _record_launch_threads(model)
             assert (await model.infer(_x(2)))["y"].tolist() == [[4.0] * 4] * 3

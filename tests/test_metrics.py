@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tensorserve.http.app import create_app
 from tensorserve.http.keys import METRICS, REGISTRY
 from tensorserve.settings import Settings
-from tests.helpers import ECHO, MSGPACK, body, write_toy_model
+from tests.helpers import ECHO, MSGPACK, body, wait_until_async, write_toy_model
 
 # Doubles x. A batch holding 7 waits for the test's release (the model is
 # then busy and the queue fills); a batch holding 13 raises.
@@ -64,14 +62,6 @@ def item(fill: float, rows: int = 2) -> dict[str, np.ndarray]:
     return {"x": np.full((rows, 4), fill, np.float32)}
 
 
-async def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll a state the server's threads own, yielding to the loop between looks."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} within {timeout} s"
-        await asyncio.sleep(0.005)
-
-
 @pytest.fixture
 async def app_client(aiohttp_client: Any, tmp_path: Path) -> Any:
     write_toy_model(tmp_path, "gated", GATED_MODEL, **GATED)
@@ -106,7 +96,7 @@ async def known_traffic(client: Any) -> None:
     running = asyncio.create_task(post(client, "gated", [item(7.0)]))
     assert await asyncio.to_thread(gate.entered.wait, 10)
     waiting = [asyncio.create_task(post(client, "gated", [item(1.0)])) for _ in range(2)]
-    await wait_for(lambda: served.batcher.queue_depth == 2, "two items queued")
+    await wait_until_async(lambda: served.batcher.queue_depth == 2, "two items queued")
     assert await post(client, "gated", [item(1.0)]) == 503
     gate.release.set()
     assert await asyncio.gather(running, *waiting) == [200] * 3
@@ -126,10 +116,10 @@ async def known_traffic(client: Any) -> None:
     running = asyncio.create_task(post(client, "gated", [item(7.0)]))
     assert await asyncio.to_thread(gate.entered.wait, 10)
     leaving = asyncio.create_task(post(client, "gated", [item(1.0)]))
-    await wait_for(lambda: served.batcher.queue_depth == 1, "the leaving caller's item queued")
+    await wait_until_async(lambda: served.batcher.queue_depth == 1, "the leaving caller's item queued")
     leaving.cancel()
     rejections = app[METRICS].requests.rejections
-    await wait_for(lambda: rejections.labels("gated", "disconnect")._value.get() == 1,
+    await wait_until_async(lambda: rejections.labels("gated", "disconnect")._value.get() == 1,
                    "the disconnect counted")
     gate.release.set()
     assert await running == 200
@@ -239,11 +229,11 @@ async def test_a_killed_worker_counts_as_a_restart(aiohttp_client: Any, tmp_path
     executor = app[REGISTRY].entries["isolated"].served.executor
     worker = executor.workers[0].pid
     os.kill(worker, signal.SIGKILL)
-    await wait_for(lambda: _dead(worker), "the worker dead")
+    await wait_until_async(lambda: _dead(worker), "the worker dead")
     # The next batch finds the worker dead and replaces it (the request may
     # fail or succeed, depending on when the death is seen); then all is well.
     await post(client, "isolated", [item(1.0)])
-    await wait_for(lambda: executor.workers[0].alive and executor.workers[0].pid != worker,
+    await wait_until_async(lambda: executor.workers[0].alive and executor.workers[0].pid != worker,
                    "the worker replaced")
     assert await post(client, "isolated", [item(1.0)]) == 200
     samples = parse(await (await client.get("/metrics")).text())

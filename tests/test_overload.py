@@ -5,20 +5,18 @@ why, and a 503's Retry-After is an estimate from how fast the queue drains."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from concurrent.futures import Future
 
 import msgpack
 import numpy as np
 import pytest
-import torch
 
 from tensorserve import DeadlineExceeded, ServedModel, ServerBusy
 from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, DrainRate, Pending
 from tensorserve.errors import RequestTooLarge
 from tensorserve.http.app import create_app
 from tensorserve.settings import Settings
-from tests.helpers import ECHO, MSGPACK, POISON_MODEL, body, write_toy_model
+from tests.helpers import ECHO, MSGPACK, POISON_MODEL, Gate, body, write_toy_model
 
 X_IN = [{"name": "x", "dtype": "float32", "shape": [-1], "pad_value": 0.0}]
 Y_OUT = [{"name": "y", "dtype": "float32", "shape": [-1], "unpad_like": "x"}]
@@ -67,26 +65,20 @@ def test_retry_after_is_the_queue_ahead_over_the_measured_drain_rate() -> None:
 
 
 async def test_an_item_that_timed_out_leaves_the_queue_at_once() -> None:
-    release = threading.Event()
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        release.wait(30)
-        return x
-
-    model = ServedModel.from_function(fn, inputs=X_IN, outputs=Y_OUT, max_batch_size=1,
+    gate = Gate(timeout=30)
+    model = ServedModel.from_function(gate, inputs=X_IN, outputs=Y_OUT, max_batch_size=1,
                                       max_queue_size=8)
     item = {"x": np.ones(3, np.float32)}
     async with model:
         running = asyncio.ensure_future(model.infer(item))  # holds the only instance
-        while not model.batcher.pipeline.in_flight:
-            await asyncio.sleep(0.001)
+        await asyncio.to_thread(gate.wait_entered)
         with pytest.raises(DeadlineExceeded):
             await model.infer_many([item] * 6, timeout=0.05)
         waiting = asyncio.ensure_future(model.infer_many([item] * 8, timeout=30))
         await asyncio.sleep(0)
         # The six that timed out left at once: all eight fresh ones got in.
         assert model.batcher.queue_depth == 8
-        release.set()
+        gate.release.set()
         assert len(await waiting) == 8
         await running
 

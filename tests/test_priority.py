@@ -6,13 +6,11 @@ allows, and a request's priority is validated on both protocols."""
 from __future__ import annotations
 
 import json
-import threading
 from concurrent.futures import Future
 
 import msgpack
 import numpy as np
 import pytest
-import torch
 
 from tensorserve import InvalidInput, ServedModel
 from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
@@ -21,7 +19,7 @@ from tensorserve.errors import ConfigError
 from tensorserve.http.app import create_app
 from tensorserve.repository.config import parse_config
 from tensorserve.settings import Settings
-from tests.helpers import ECHO, MSGPACK, POISON_MODEL, body, write_toy_model
+from tests.helpers import ECHO, MSGPACK, POISON_MODEL, Gate, body, write_toy_model
 
 
 def _entry(volume: int, priority: int, enqueued: float = 0.0,
@@ -107,15 +105,9 @@ def test_a_model_without_levels_accepts_and_ignores_any_priority() -> None:
 
 
 def test_queued_high_priority_items_run_before_earlier_low_priority_ones() -> None:
-    release, order = threading.Event(), []
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        release.wait(10)
-        order.extend(float(v) for v in x[:, 0])
-        return x
-
+    gate = Gate()
     model = ServedModel.from_function(
-        fn, inputs=[{"name": "x", "dtype": "float32", "shape": [-1]}],
+        gate, inputs=[{"name": "x", "dtype": "float32", "shape": [-1]}],
         outputs=[{"name": "y", "dtype": "float32", "shape": [-1]}],
         max_batch_size=2, dynamic_batching={"priority_levels": 2, "policy": "fifo"},
     )
@@ -125,14 +117,13 @@ def test_queued_high_priority_items_run_before_earlier_low_priority_ones() -> No
 
     with model:
         blocker = model.submit_many([item(0.0)])  # holds the only instance
-        while not model.batcher.pipeline.in_flight:
-            pass
+        gate.wait_entered()
         low = model.submit_many([item(1.0), item(2.0)], priority=2)
         high = model.submit_many([item(3.0), item(4.0)], priority=1)
-        release.set()
+        gate.release.set()
         for future in blocker + low + high:
             future.result(10)
-    assert order == [0.0, 3.0, 4.0, 1.0, 2.0]
+    assert gate.seen == [0.0, 3.0, 4.0, 1.0, 2.0]
 
 
 # ---------------------------------------------------------------------- both protocols

@@ -48,8 +48,19 @@ class PaddedBatch:
         return len(next(iter(self.extents.values())))
 
 
-def variable_extents(array: np.ndarray, spec: InputSpec) -> tuple[int, ...]:
-    return tuple(array.shape[axis] for axis in spec.variable_axes)
+def padded_shape(
+    longest: Sequence[int] | np.ndarray, spec: InputSpec, pad_to_multiple_of: int | None = None
+) -> list[int]:
+    """The one rule for a padded size: the shape of one row of ``spec`` in a
+    batch whose items reach ``longest`` on each axis. Variable axes are padded
+    to the longest item, rounded up to ``pad_to_multiple_of``; fixed axes are
+    as declared. ``pad`` allocates this; ``Collator.padded_elements`` (the
+    element cap, the memory ceiling, the direct path's limit) and
+    ``Collator.volume`` (the policies' budget, learnt or fixed) count it."""
+    return [
+        _round_up(int(longest[axis]), pad_to_multiple_of) if dim == VARIABLE else dim
+        for axis, dim in enumerate(spec.shape)
+    ]
 
 
 def _round_up(value: int, multiple: int | None) -> int:
@@ -84,13 +95,10 @@ def pad(
         arrays = [item[spec.name] for item in items]
         shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(batch, len(spec.shape))
         longest = shapes.max(axis=0) if batch else np.zeros(len(spec.shape), np.int64)
-        padded_shape = [
-            _round_up(int(longest[axis]), pad_to_multiple_of) if dim == VARIABLE else dim
-            for axis, dim in enumerate(spec.shape)
-        ]
-        buffer = torch.empty((batch, *padded_shape), dtype=spec.dt.torch, pin_memory=pin_memory)
+        row_shape = padded_shape(longest, spec, pad_to_multiple_of)
+        buffer = torch.empty((batch, *row_shape), dtype=spec.dt.torch, pin_memory=pin_memory)
         host = from_torch(buffer)  # numpy view of the same memory
-        uniform = bool((shapes == shapes[0]).all()) and list(shapes[0]) == padded_shape
+        uniform = bool((shapes == shapes[0]).all()) and list(shapes[0]) == row_shape
         if uniform:
             np.stack(arrays, out=host)  # nothing to pad: one copy
         else:
@@ -184,20 +192,25 @@ class Collator:
         self.parameter_names = [spec.name for spec in config.request_parameter]
 
     def volume(self, item: Item) -> int:
-        """Padded-size proxy of one item, for length-aware policies."""
+        """An item's padded size in the first variable input: the product of
+        its variable extents, each rounded up to ``pad_to_multiple_of``
+        (``padded_shape``), as it would be padded alone. The policies and the
+        budget count a batch as its size times its largest volume, so the
+        rounding counts against ``max_batch_tokens`` as it costs the model."""
         if self.primary is None:
             return 1
-        return math.prod(variable_extents(item[self.primary.name], self.primary))
+        shape = padded_shape(item[self.primary.name].shape, self.primary, self.pad_to_multiple_of)
+        return math.prod(shape[axis] for axis in self.primary.variable_axes)
 
     def padded_elements(self, items: Sequence[Item]) -> int:
-        """Elements a padded batch of ``items`` would allocate, all features."""
+        """Elements ``pad(items)`` allocates, all features (``padded_shape``)."""
         total = 0
         for spec in self.inputs:
-            shape = [
+            longest = [  # plain Python: this runs each time a batch forms, for a few items
                 max(item[spec.name].shape[axis] for item in items) if dim == VARIABLE else dim
                 for axis, dim in enumerate(spec.shape)
             ]
-            total += len(items) * math.prod(shape)
+            total += len(items) * math.prod(padded_shape(longest, spec, self.pad_to_multiple_of))
         return total
 
     def pad(

@@ -1,5 +1,5 @@
 """A finished batch's outcome for each of its callers, and its record in the
-stats: no threads, no futures (``Batcher._finish`` delivers what this returns).
+stats: no threads, no futures (``Pipeline.finish`` delivers what this returns).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from tensorserve.tensors.results import RowResult
 
 @dataclass(eq=False)
 class Batch:
-    """One batch from the moment it leaves the queue until ``_finish``."""
+    """One batch from the moment it leaves the queue until ``Pipeline.finish``."""
 
     entries: list[Pending]
     dispatched: float  # time.monotonic() when taken from the queue

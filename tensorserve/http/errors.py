@@ -26,6 +26,8 @@ from tensorserve.wire import native
 
 log = logging.getLogger(__name__)
 
+# Error code (errors.CODES, the one table) -> HTTP status; tests/test_error_codes.py
+# holds every code to having one, and a code retried later to 503.
 STATUS = {
     errors.InvalidInput.code: 400,
     errors.ModelNotFound.code: 404,
@@ -37,6 +39,7 @@ STATUS = {
     errors.OutOfMemory.code: 413,
     # More items than the queue can ever hold: split the request.
     errors.RequestTooLarge.code: 413,
+    errors.TensorServeError.code: 500,  # internal
 }
 
 
@@ -92,7 +95,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except errors.TensorServeError as exc:
-        status = STATUS.get(exc.code, 500)
+        status = STATUS.get(exc.code, 500)  # a code of its own (a model's subclass): 500
         log_error(request, status, exc.code, exc.message, exc)
         retry_after = exc.retry_after if isinstance(exc, errors.ServerBusy) else None
         return error_response(request, status, exc.message, exc.code, retry_after)

@@ -21,19 +21,12 @@ OK = "ok"
 DISCONNECT = "disconnect"  # the caller closed the connection before the answer
 UNKNOWN_MODEL = "_unknown"
 
-# Error code -> rejection reason. A code missing here (model_failure,
-# internal) is an error of the server or the model, not a rejection.
+# Error code -> rejection reason, from the one table (errors.CODES). A code
+# missing here (model_failure, internal) is an error of the server or the
+# model, not a rejection.
 REJECTION_REASONS = {
-    errors.ServerBusy.code: "queue_full",
-    errors.DeadlineExceeded.code: "deadline",
-    errors.InvalidInput.code: "invalid_input",
-    errors.ModelNotReady.code: "not_ready",
-    errors.ModelNotFound.code: "unknown_model",
-    "out_of_memory": "too_large",  # one item too large for the model's memory
-    DISCONNECT: "disconnect",
-}
-REASONS = ("queue_full", "deadline", "disconnect", "invalid_input", "too_large", "not_ready",
-           "unknown_model")
+    code: cls.rejection for code, cls in errors.CODES.items() if cls.rejection is not None
+} | {DISCONNECT: "disconnect"}
 
 LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,

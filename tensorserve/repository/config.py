@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.parameters import RequestParameterSpec
-from tensorserve.settings import check_batch_tokens
+from tensorserve.settings import MAX_TIMEOUT_MS, check_batch_tokens
 from tensorserve.tensors.dtypes import DTYPES, DType
 
 if sys.version_info >= (3, 11):
@@ -211,7 +211,7 @@ class ModelConfig(_Strict):
     default_timeout_ms: float | None = Field(
         None,
         gt=0,
-        le=3_600_000,
+        le=MAX_TIMEOUT_MS,
         strict=True,  # a number: not true (1 ms), not a string
         description="Deadline of a request that asks for none (queue and run); a request may "
         "ask for less, or more up to the server's max_timeout_ms. Unset: the server's "

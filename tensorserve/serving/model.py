@@ -41,7 +41,7 @@ from tensorserve.batching.batcher import Batcher
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
-from tensorserve.errors import ConfigError, InvalidInput
+from tensorserve.errors import ConfigError
 from tensorserve.repository.config import VARIABLE, DynamicBatching, ModelConfig, parse_config
 from tensorserve.repository.loader import (
     ModelSource,
@@ -59,7 +59,7 @@ from tensorserve.runtime.placement import (
     resolve_isolation,
     resolve_placement,
 )
-from tensorserve.wire.validate import validate_item, validate_parameters
+from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
 
 
 def _watchdog_seconds(config: ModelConfig) -> float | str | None:
@@ -246,26 +246,9 @@ class ServedModel:
         return [validate_item(item, self.config.input, i) for i, item in enumerate(items)]
 
     def priority_level(self, priority: Any) -> int:
-        """A request's ``priority`` as the batcher's level: 1 (highest) .. N
-        with ``priority_levels = N``, 0 or None meaning the model's default
-        level; 0 for a model without levels (any priority is accepted)."""
-        batching = self.config.dynamic_batching
-        levels = batching.priority_levels
-        valid = isinstance(priority, int) and not isinstance(priority, bool) and priority >= 0
-        if priority is not None and not valid:
-            raise InvalidInput(
-                f"parameters.priority must be a non-negative integer, got {priority!r:.40}"
-            )
-        if not levels:
-            return 0
-        if priority is None or priority == 0:
-            return batching.default_priority_level or levels
-        if priority > levels:
-            raise InvalidInput(
-                f"parameters.priority must be 1 (highest) to {levels} for model {self.name!r} "
-                f"(0: its default level), got {priority}"
-            )
-        return priority
+        """A request's ``priority`` as the batcher's level
+        (``wire.validate.priority_level``, the one priority rule)."""
+        return priority_level(priority, self.config.dynamic_batching, self.name)
 
     def request_parameters(self, parameters: Mapping[str, Any] | None) -> dict[str, Any]:
         """A request's values of the parameters the model declares, defaults

@@ -81,6 +81,10 @@ class ModelRegistry:
         return entry
 
     def ready(self, name: str, version: str | None = None) -> ServedModel:
+        """The model to send a request to: ``ModelNotFound`` if there is no
+        such model (or version), ``ModelNotReady`` (with its state and reason)
+        if it cannot take requests now. A lookup, not a yes/no question: for
+        that, see ``not_ready`` and ``ServedModel.health``."""
         entry = self.get(name, version)
         if entry.state is not ModelState.READY or entry.served is None:
             detail = f": {entry.reason}" if entry.reason else ""

@@ -36,13 +36,7 @@ from typing import Any
 import numpy as np
 
 from tensorserve.errors import InvalidInput, ModelFailure
-from tensorserve.repository.config import (
-    DEFAULT_MAX_LENGTH,
-    VARIABLE,
-    InputSpec,
-    ModelConfig,
-    OutputSpec,
-)
+from tensorserve.repository.config import InputSpec, ModelConfig, OutputSpec
 from tensorserve.tensors.dtypes import BY_V2, DType
 from tensorserve.tensors.wire_tensor import WireTensor, check_shape, from_bytes
 from tensorserve.wire import oip_json
@@ -55,6 +49,7 @@ from tensorserve.wire.request import (
     response_parameters,
     timeout_seconds,
 )
+from tensorserve.wire.validate import check_priority, shape_problem
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 JSON_CONTENT_TYPE = "application/json"
@@ -123,11 +118,7 @@ def _request_parameters(parameters: dict[str, Any]) -> tuple[float | None, bool]
         integral=True,
         zero_means_none=True,
     )
-    priority = parameters.get("priority", 0)
-    if not _is_int(priority) or priority < 0:
-        raise InvalidInput(
-            f"parameters.priority must be a non-negative integer, got {reprlib.repr(priority)}"
-        )
+    check_priority(parameters.get("priority"))
     binary_default = parameters.get("binary_data_output", False)
     if not isinstance(binary_default, bool):
         raise InvalidInput("parameters.binary_data_output must be a boolean")
@@ -172,28 +163,26 @@ def from_json_data(data: Any, dt: DType, shape: tuple[int, ...], where: str) -> 
 
 
 def _check_shape(shape: tuple[int, ...], spec: InputSpec, batched: bool, where: str) -> None:
-    """The shape against the model's, in the request's own axis numbers.
-    (``wire.validate`` checks every row again; this says it in OIP terms.)"""
-    expected = ([-1] if batched else []) + list(spec.shape)
-    if len(shape) != len(expected):
+    """The shape against the model's (``validate.shape_problem``), said in the
+    request's own axis numbers. (``wire.validate`` checks every row again.)"""
+    problem = shape_problem(shape, spec, batched=batched)
+    if problem is None:
+        return
+    kind, axis, got, expected, limit = problem
+    if kind == "rank":
         raise InvalidInput(
-            f"{where}: shape {list(shape)} has {len(shape)} dimension(s); the model expects "
+            f"{where}: shape {list(shape)} has {got} dimension(s); the model expects "
             f"{expected}" + (" (batch dimension first)" if batched else "")
         )
-    limit = spec.max_length or DEFAULT_MAX_LENGTH
-    for axis, (got, want) in enumerate(zip(shape, expected)):
-        if axis == 0 and batched:
-            continue  # the batch dimension: checked against max_items later
-        if want == VARIABLE and not 1 <= got <= limit:
-            raise InvalidInput(
-                f"{where}: shape {list(shape)}: axis {axis} has length {got}; "
-                f"it must be between 1 and {limit}"
-            )
-        if want != VARIABLE and got != want:
-            raise InvalidInput(
-                f"{where}: shape {list(shape)}: axis {axis} must be {want} (the model expects "
-                f"{expected})"
-            )
+    if kind == "length":
+        raise InvalidInput(
+            f"{where}: shape {list(shape)}: axis {axis} has length {got}; "
+            f"it must be between 1 and {limit}"
+        )
+    raise InvalidInput(
+        f"{where}: shape {list(shape)}: axis {axis} must be {expected[axis]} (the model expects "
+        f"{expected})"
+    )
 
 
 def _decode_input(

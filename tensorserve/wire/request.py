@@ -19,12 +19,9 @@ import numpy as np
 
 from tensorserve.errors import InvalidInput
 from tensorserve.repository.config import ModelConfig
+from tensorserve.settings import MAX_TIMEOUT_S
 from tensorserve.tensors.dtypes import DType
 from tensorserve.tensors.results import row_parameters
-
-# No protocol may ask the server to keep an item queued longer than this: a
-# deadline of days is a client's bug (a unit mix-up), not a deadline.
-MAX_TIMEOUT_S = 3600
 
 Results = Sequence[Mapping[str, np.ndarray]]
 

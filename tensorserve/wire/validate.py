@@ -1,23 +1,59 @@
 """Check one caller's item against the model's inputs *before* it joins a queue,
 so a bad item is that caller's 400 and never a failed batch.
 
-Every error message names the item index and the feature.
+Every error message names the item index and the feature. Each rule has one
+function that every protocol calls: ``shape_problem`` (rank, variable lengths,
+fixed sizes; the OIP codec also calls it on a whole request's shape, to say
+what is wrong in the request's own axis numbers) and ``priority_level`` (the
+OIP codec calls ``check_priority``, its first half, while decoding).
 """
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 
 from tensorserve.errors import InvalidInput
-from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, InputSpec
+from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, DynamicBatching, InputSpec
 from tensorserve.repository.parameters import RequestParameterSpec, check_value
 from tensorserve.tensors.dtypes import BY_TORCH, from_torch
 from tensorserve.tensors.wire_tensor import WireTensor
 from tensorserve.wire.lists import array_from_list
+
+
+class ShapeProblem(NamedTuple):
+    """What is wrong with a shape; each caller words it in its own terms."""
+
+    kind: Literal["rank", "length", "size"]
+    axis: int  # in the shape's own numbering (-1 for a wrong rank)
+    got: int  # the rank, or the axis's extent
+    expected: list[int]  # the shape wanted, batch axis (-1) first when batched
+    limit: int  # the longest a variable axis may be
+
+
+def shape_problem(
+    shape: Sequence[int], spec: InputSpec, *, batched: bool = False
+) -> ShapeProblem | None:
+    """The one shape rule, or None when ``shape`` keeps it: the declared rank,
+    each variable axis between 1 and ``max_length``, each fixed axis its size.
+    ``batched``: the shape has a leading batch axis, not checked here (the
+    request's item count is checked against ``max_items``)."""
+    expected = ([VARIABLE] if batched else []) + spec.shape
+    limit = spec.max_length or DEFAULT_MAX_LENGTH
+    if len(shape) != len(expected):
+        return ShapeProblem("rank", -1, len(shape), expected, limit)
+    for axis in range(int(batched), len(shape)):
+        got, want = shape[axis], expected[axis]
+        if want == VARIABLE:
+            if not 1 <= got <= limit:
+                return ShapeProblem("length", axis, got, expected, limit)
+        elif got != want:
+            return ShapeProblem("size", axis, got, expected, limit)
+    return None
 
 
 def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.ndarray:
@@ -40,23 +76,20 @@ def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.
         array = value.array
     else:
         array = array_from_list(value, dt, where, what="the list", v2=False)
-    if array.ndim != len(spec.shape):
-        raise InvalidInput(
-            f"{where}: expected {len(spec.shape)} dimension(s) with shape {spec.shape}, "
+    problem = shape_problem(array.shape, spec)
+    if problem is None:
+        return array
+    kind, axis, got, _, limit = problem
+    if kind == "rank":
+        message = (
+            f"expected {len(spec.shape)} dimension(s) with shape {spec.shape}, "
             f"got shape {list(array.shape)}"
         )
-    limit = spec.max_length or DEFAULT_MAX_LENGTH
-    for axis, (got, want) in enumerate(zip(array.shape, spec.shape)):
-        if want == VARIABLE:
-            if not 1 <= got <= limit:
-                raise InvalidInput(
-                    f"{where}: axis {axis} has length {got}; it must be between 1 and {limit}"
-                )
-        elif got != want:
-            raise InvalidInput(
-                f"{where}: axis {axis} has size {got}, expected {want} (shape {spec.shape})"
-            )
-    return array
+    elif kind == "length":
+        message = f"axis {axis} has length {got}; it must be between 1 and {limit}"
+    else:
+        message = f"axis {axis} has size {got}, expected {spec.shape[axis]} (shape {spec.shape})"
+    raise InvalidInput(f"{where}: {message}")
 
 
 def validate_item(
@@ -105,3 +138,34 @@ def validate_parameters(
             raise InvalidInput(f"parameters.{spec.name} {problem}")
         values[spec.name] = value
     return values
+
+
+def check_priority(priority: Any) -> int | None:
+    """A request's ``priority`` parameter: None (absent) or a non-negative
+    integer, else ``InvalidInput``. The first half of ``priority_level``."""
+    if priority is None or (
+        isinstance(priority, int) and not isinstance(priority, bool) and priority >= 0
+    ):
+        return priority
+    raise InvalidInput(
+        f"parameters.priority must be a non-negative integer, got {reprlib.repr(priority)}"
+    )
+
+
+def priority_level(priority: Any, batching: DynamicBatching, model: str) -> int:
+    """The one priority rule: a request's ``priority`` as the batcher's level,
+    1 (highest) .. N with ``priority_levels = N``, 0 or None meaning the
+    model's default level; 0 for a model without levels (any non-negative
+    integer is accepted)."""
+    priority = check_priority(priority)
+    levels = batching.priority_levels
+    if not levels:
+        return 0
+    if not priority:
+        return batching.default_priority_level or levels
+    if priority > levels:
+        raise InvalidInput(
+            f"parameters.priority must be 1 (highest) to {levels} for model {model!r} "
+            f"(0: its default level), got {priority}"
+        )
+    return priority

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import textwrap
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import psutil
 import pytest
 
 from tensorserve.bench.server import ChildServer, free_port
+from tests.helpers import wait_until
 
 SERVER = """
 import http.server, os, subprocess, sys, time
@@ -66,12 +66,14 @@ def wait_for_members(
 ) -> list[psutil.Process]:
     """The tree once it has exactly ``count`` processes and ``ready`` says so
     (they start and exit on their own time)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        members = server.members()
-        if (len(members) == count and ready(members)) or time.monotonic() > deadline:
-            return members
-        time.sleep(0.05)
+    members: list[psutil.Process] = []
+
+    def settled() -> bool:
+        members[:] = server.members()
+        return len(members) == count and ready(members)
+
+    wait_until(settled, f"{count} processes in the server's tree", timeout, poll=0.05)
+    return members
 
 
 def orphans(members: list[psutil.Process]) -> list[psutil.Process]:

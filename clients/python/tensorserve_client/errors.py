@@ -6,7 +6,9 @@ feature at fault.
     TensorServeError                     .message .code .status .attempts
     ├── BadRequest                  4xx  the request is wrong as sent; never retried
     │   ├── InvalidInput            400  invalid_input: an item's dtype, shape or size
-    │   └── ModelNotFound           404  model_not_found: unknown model or version
+    │   ├── ModelNotFound           404  model_not_found: unknown model or version
+    │   ├── RequestTooLarge         413  request_too_large: more items than the queue holds
+    │   └── OutOfMemory             413  out_of_memory: one item too large for the model
     ├── ServerUnavailable           503  try again later; retried with backoff
     │   ├── ModelNotReady           503  model_not_ready: loading, failed or unloaded
     │   └── ServerBusy         503, 429  server_busy: a bounded queue is full
@@ -38,8 +40,10 @@ __all__ = [
     "ModelFailure",
     "ModelNotFound",
     "ModelNotReady",
+    "OutOfMemory",
     "ProtocolError",
     "RequestTimeout",
+    "RequestTooLarge",
     "ServerBusy",
     "ServerError",
     "ServerUnavailable",
@@ -80,6 +84,14 @@ class InvalidInput(BadRequest):
 
 class ModelNotFound(BadRequest):
     """No such model, or no such version of it."""
+
+
+class RequestTooLarge(BadRequest):
+    """More items in one request than the model's queue can ever hold: split it."""
+
+
+class OutOfMemory(BadRequest):
+    """One item too large for the model's memory even alone: send a smaller one."""
 
 
 class ServerUnavailable(TensorServeError):
@@ -126,10 +138,14 @@ class ProtocolError(TensorServeError):
     """The answer could not be understood (not msgpack/JSON, wrong shape)."""
 
 
-# The server's stable codes (tensorserve/errors.py) -> the class rebuilt here.
+# The server's stable codes (tensorserve/errors.py CODES) -> the class rebuilt
+# here; the server's tests/test_error_codes.py holds the two tables together
+# (this package never imports the server).
 BY_CODE: dict[str, type[TensorServeError]] = {
     "invalid_input": InvalidInput,
     "model_not_found": ModelNotFound,
+    "request_too_large": RequestTooLarge,
+    "out_of_memory": OutOfMemory,
     "model_not_ready": ModelNotReady,
     "server_busy": ServerBusy,
     "deadline_exceeded": DeadlineExceeded,
