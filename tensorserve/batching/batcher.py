@@ -18,13 +18,18 @@ it resolves it with the item's result or a ``TensorServeError``. The pieces:
                                                                │
               caller ◀─ settle ◀─ un-pad ◀────────── finish ◀──┘
 
-The direct path. A lone request to an idle worker process would cross three
-threads (loop → model thread → worker → model thread → loop), at ~0.1 ms a
-hand-off. When a caller on an event loop finds the queue empty and an
-instance parked, the loop pads and sends the batch itself and reads the reply
-as it arrives (``_run_direct``). The loop never blocks on a worker: if the
-batch cannot be sent, it goes back to the queue for the model threads (which
-restart a dead worker), and only small batches go direct (``DIRECT_MAX_ELEMENTS``).
+The direct path: the event loop owns the batch. When a caller on an event
+loop finds an instance parked, the loop takes the due batch, pads it, hands
+it to the executor without blocking (a worker process's socket, or the
+instance's forward thread) and reads the reply as it arrives
+(``_run_direct``); then it finishes the batch and, while work is due,
+drives the next one on the same instance (``_release``). Under load the
+model and finisher threads stay parked, so they never take the GIL from the
+loop. The loop never blocks on an executor: if a batch cannot be handed
+over, it goes back to the queue for the model threads (which restart a dead
+worker), and only small batches go direct (``DIRECT_MAX_ELEMENTS``). The
+model threads own what the loop does not: callers without a loop, large
+batches, retries of failed batches, ``dispatch = "timer"``, closing.
 """
 
 from __future__ import annotations
@@ -213,13 +218,10 @@ class Batcher:
         return (await self.infer_many([item], timeout=timeout))[0]
 
     # ------------------------------------------------------------------ the direct path
-    # A lone request to an idle worker process would cross three threads
-    # (loop -> model thread -> worker -> model thread -> loop), at ~0.1 ms a
-    # hand-off on a small VM. When a caller on an event loop finds the queue
-    # empty and an instance parked, the loop pads and sends the batch itself
-    # and reads the reply as it arrives. The loop never blocks on a worker:
-    # a batch it cannot send goes back to the queue for the model threads
-    # (which restart a dead worker), and only small batches go direct.
+    # Through the model threads a batch would cross three threads (loop ->
+    # model thread -> executor -> finisher -> loop), at ~0.1 ms a hand-off on
+    # a small VM, and the threads would take the GIL from the busy loop: the
+    # loop drives the batch itself instead (see the module docstring).
     def _claim_direct(self, now: float) -> tuple[list[Pending], int] | None:
         """A parked instance and the batch the loop should run on it (the lock held)."""
         p = self.pipeline
