@@ -298,7 +298,21 @@ class OverlappingDevice:
         self.launched_before_first_collect: int | None = None
         self.first_collect = threading.Event()
 
+    restarts = 0
+
     def start_instance(self, instance: int) -> None:
+        pass
+
+    def abort(self, launched: torch.Tensor, because: str) -> bool:
+        return False
+
+    def repair(self, instance: int) -> None:
+        pass
+
+    def health(self) -> str | None:
+        return None
+
+    def close(self) -> None:
         pass
 
     def launch(

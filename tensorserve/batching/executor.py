@@ -77,6 +77,29 @@ class Executor(Protocol):
         """Wait for a launched batch and return its outputs."""
         ...
 
+    restarts: int
+    """Instances restored after a failure so far (worker processes replaced;
+    0 for executors in this process): ``tensorserve_worker_restarts_total``."""
+
+    def abort(self, launched: Any, because: str) -> bool:
+        """The watchdog's: stop a batch past its limit. True if it will end as
+        a failure (its worker killed); False if it cannot be stopped (a
+        forward in a thread of this process: its instance is then stuck)."""
+        ...
+
+    def repair(self, instance: int) -> None:
+        """After a batch failed on the instance: restore it now (a dead
+        worker replaced), not at its next batch. Never raises."""
+        ...
+
+    def health(self) -> str | None:
+        """Why no batch can run now (every worker down), None if one can."""
+        ...
+
+    def close(self) -> None:
+        """Release what the executor holds (workers, forward threads)."""
+        ...
+
 
 @runtime_checkable
 class DirectExecutor(Executor, Protocol):

@@ -222,9 +222,7 @@ class Pipeline:
                 self.collected(batch, None, exc)
                 # The batch is over (the watchdog stops counting): now an
                 # executor may restore the instance (a new worker process).
-                repair = getattr(self.executor, "repair", None)
-                if repair is not None:
-                    repair(batch.instance)
+                self.executor.repair(batch.instance)
         if not len(self.queue) and self._to_finisher.empty():
             self.finish(batch)  # nothing to run next: the finisher would add a hand-off
         else:

@@ -117,9 +117,8 @@ class Watchdog:
             "model %s: a batch of %d has run %.1f s on instance %d, past the watchdog's %.1f s",
             p.name, len(batch.entries), ran_s, batch.instance, limit,
         )
-        abort = getattr(p.executor, "abort", None)
         launched = batch.launched
-        if abort is not None and launched is not None and abort(
+        if launched is not None and p.executor.abort(
             launched, f"the batch ran longer than {limit:g} s"
         ):
             return  # the worker is killed: the batch fails as a crash and is retried split

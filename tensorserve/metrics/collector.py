@@ -111,7 +111,7 @@ class BatchingCollector(Collector):
             key = (entry.name, str(served.version))
             seen = self._seen.setdefault(key, _Seen())
             seen.stats[id(served.stats)] = served.stats
-            seen.restarts[id(served.stats)] = int(getattr(served.executor, "restarts", 0))
+            seen.restarts[id(served.stats)] = served.executor.restarts
             current[key] = served
         return current
 

@@ -94,6 +94,16 @@ class ThreadExecutor:
         # The forward threads of instances an event loop drives (the batcher's
         # direct path), started on first use: a worker process never needs one.
         self._runners: list[InstanceRunner | None] = [None] * instance_count
+        self.restarts = 0  # a thread is never replaced
+
+    def abort(self, launched: Launched, because: str) -> bool:
+        return False  # a forward in a thread of this process cannot be stopped
+
+    def repair(self, instance: int) -> None:
+        """Nothing to restore: the instance lives in this process."""
+
+    def health(self) -> str | None:
+        return None
 
     def start_instance(self, instance: int) -> None:
         self._contexts[instance].enter_thread()

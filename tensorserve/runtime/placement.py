@@ -111,6 +111,17 @@ class PlacedExecutor:
         # on a CPU part launch simply runs the batch to the end.
         self.overlaps = any(part.overlaps for part in self.parts)
         self.pin_memory = any(part.pin_memory for part in self.parts)
+        self.restarts = 0  # threads are never replaced
+
+    def abort(self, routed: Routed, because: str) -> bool:
+        return routed.part.abort(routed.launched, because)
+
+    def repair(self, instance: int) -> None:
+        part, local = self._route[instance]
+        part.repair(local)
+
+    def health(self) -> str | None:
+        return None
 
     def devices(self) -> list[torch.device]:
         """Each instance's device, in the batcher's instance order."""

@@ -238,8 +238,7 @@ class ServedModel:
     def health(self) -> str | None:
         """Why the model cannot run a batch now (None: it can): every worker
         down, or every instance stuck in a batch (docs/reliability.md)."""
-        health = getattr(self.executor, "health", None)
-        return self.batcher.pipeline.health() or (health() if health is not None else None)
+        return self.batcher.pipeline.health() or self.executor.health()
 
     # ------------------------------------------------------------------ inference
     def validate(self, items: Sequence[Item]) -> list[dict[str, np.ndarray]]:

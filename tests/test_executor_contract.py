@@ -1,0 +1,63 @@
+"""Every executor implements the whole contract the batcher declares
+(batching/executor.py), so nothing finds a method with ``getattr``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tensorserve.batching.executor import DirectExecutor, Executor
+from tensorserve.runtime.executor import ThreadExecutor
+from tensorserve.runtime.isolated import ProcessExecutor
+from tensorserve.runtime.placement import PlacedExecutor
+
+PACKAGE = Path(__file__).resolve().parent.parent / "tensorserve"
+
+
+def members(protocol: type) -> set[str]:
+    names = set(getattr(protocol, "__annotations__", {}))
+    names |= {n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_")}
+    for base in protocol.__mro__[1:]:
+        if base is not object and getattr(base, "_is_protocol", False):
+            names |= members(base)
+    return names
+
+
+def test_the_contract_names_what_the_batcher_and_the_server_call() -> None:
+    assert {"launch", "collect", "abort", "repair", "health", "restarts", "close",
+            "pin_memory", "overlaps", "instance_count", "start_instance"} <= members(Executor)
+
+
+@pytest.mark.parametrize("executor", [ThreadExecutor, ProcessExecutor, PlacedExecutor])
+def test_every_executor_implements_every_member(executor: type) -> None:
+    source = ast.parse(Path(__import__(executor.__module__, fromlist=["_"]).__file__).read_text())
+    cls = next(n for n in source.body if isinstance(n, ast.ClassDef) and n.name == executor.__name__)
+    defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    defined |= {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Name)}
+    # Attributes set in __init__ (self.x = ...) count as implemented.
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    defined |= {
+        t.attr for node in ast.walk(init) if isinstance(node, ast.Assign)
+        for t in node.targets if isinstance(t, ast.Attribute)
+    }
+    missing = members(Executor) - defined
+    assert not missing, f"{executor.__name__} lacks {sorted(missing)}"
+
+
+@pytest.mark.parametrize("executor", [ThreadExecutor, ProcessExecutor])
+def test_executors_in_this_process_and_in_workers_can_be_driven_by_a_loop(executor: type) -> None:
+    assert members(DirectExecutor) - members(Executor) <= set(dir(executor))
+
+
+def test_nothing_finds_an_executor_method_with_getattr() -> None:
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in ("getattr", "hasattr") and node.args
+                    and "executor" in ast.unparse(node.args[0])):
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not offenders
