@@ -266,7 +266,7 @@ async def _parked(model: ServedModel) -> None:
     assert await asyncio.to_thread(model.batcher.wait_idle, 10)
 
 
-def test_a_loop_drives_a_worker_while_work_is_due_and_the_model_thread_takes_over() -> None:
+def test_a_loop_drives_a_worker_until_a_backlog_and_the_model_thread_takes_over() -> None:
     items = [token_item(int(n), rng) for n in rng.integers(8, 128, size=60)]
     with ServedModel.from_repository(REPOSITORY, "tagger") as here:
         expected = here.infer_many_sync(items)
@@ -279,12 +279,24 @@ def test_a_loop_drives_a_worker_while_work_is_due_and_the_model_thread_takes_ove
             # A lone caller: the loop sends the batch and reads the reply.
             lone = await model.infer(items[0])
             assert launched_on == [loop_thread]
-            # A burst: the first batch goes direct, the rest queue behind it,
-            # and the loop forms and sends each next batch as the last one's
-            # reply comes in: the model thread never takes the GIL.
-            burst = await asyncio.gather(*(model.infer(item) for item in items[1:30]))
-            assert len(launched_on) > 2
+            # Pairs: the first item goes direct, the second queues behind it,
+            # and the loop sends it as the first one's reply comes in (no
+            # backlog): the model thread never takes the GIL.
+            burst = []
+            for pair in range(6):
+                burst += await asyncio.gather(
+                    *(model.infer(item) for item in items[1 + 2 * pair : 3 + 2 * pair])
+                )
+            assert len(launched_on) >= 4
             assert set(launched_on) == {loop_thread}
+            # A backlog (more waits than a batch takes): the worker is the
+            # bottleneck, and the model thread takes over, sending the next
+            # batch while one runs.
+            launched_on.clear()
+            await _parked(model)
+            burst += await asyncio.gather(*(model.infer(item) for item in items[13:30]))
+            assert launched_on[0] == loop_thread
+            assert any(thread != loop_thread for thread in launched_on[1:])
             # Callers without a loop are the model thread's: it reads the same
             # socket with blocking reads (uvloop had made it non-blocking).
             launched_on.clear()
