@@ -336,10 +336,16 @@ class ServedHttpTarget:
     kind = "http (--serve)"
 
     def __init__(
-        self, repository: str, model: str, server_args: Sequence[str] = (), *, timeout: float = 60.0
+        self,
+        repository: str,
+        model: str,
+        server_args: Sequence[str] = (),
+        *,
+        timeout: float = 60.0,
+        protocol: str = "msgpack",
     ):
         self.server = ServerProcess(repository, server_args)
-        self.http = HttpTarget(self.server.url, model, timeout=timeout)
+        self.http = HttpTarget(self.server.url, model, timeout=timeout, protocol=protocol)
         self.model = model
 
     @property
