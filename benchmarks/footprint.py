@@ -27,7 +27,8 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-from results_file import save
+
+from tensorserve.bench.results import save
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "footprint.json"

@@ -40,11 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from results_file import save
-from toy_model import write_flat_model, write_zeros_model
-
 from tensorserve.bench.items import ItemFactory, vocab_limit
 from tensorserve.bench.lengths import uniform
+from tensorserve.bench.repositories import write_flat_model, write_zeros_model
+from tensorserve.bench.results import save
 from tensorserve.bench.server import ServerProcess
 from tensorserve.bench.targets import HttpTarget
 from tensorserve.bench.wrk import find_wrk, measure, write_script, wrk_version

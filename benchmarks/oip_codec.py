@@ -38,8 +38,8 @@ from typing import Any
 import msgpack
 import numpy as np
 from noop_roundtrip import _free_port, _wait_ready
-from results_file import save
 
+from tensorserve.bench.results import save
 from tensorserve.repository.config import ModelConfig, load_config
 from tensorserve.wire import native, oip, oip_json
 from tensorserve.wire.validate import validate_item

@@ -33,10 +33,10 @@ from typing import Any
 
 import msgpack
 import numpy as np
-from results_file import save
-from toy_model import write_toy_model
 
 from tensorserve.bench.rawhttp import RawHttpPool
+from tensorserve.bench.repositories import write_xy_model
+from tensorserve.bench.results import save
 from tensorserve.bench.server import ServerProcess
 
 # The model misbehaves on marker values in an item's first element. Its
@@ -205,7 +205,7 @@ async def _load(url: str, seconds: float, kinds: tuple[str, ...] | None) -> dict
 
 def run(isolation: str, seconds: float, only: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as repo:
-        write_toy_model(repo, "soak", MODEL, CONFIG.format(isolation=isolation))
+        write_xy_model(repo, "soak", MODEL, CONFIG.format(isolation=isolation))
         server = ServerProcess(repo, ("--log-level", "ERROR"), sample_interval=0.1).start()
         try:
             kinds = BAD_KINDS_PROCESS if isolation == "process" else BAD_KINDS_THREAD

@@ -4,7 +4,6 @@ model repositories with toy models."""
 from __future__ import annotations
 
 import json
-import textwrap
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -12,6 +11,11 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
+# A model folder from config.toml text and model.py (no weights): the
+# benchmarks' writer. Prefer ``write_toy_model``; ``write_model`` is for a
+# config's text that ``toy_config`` cannot write (invalid TOML).
+from tensorserve.bench.repositories import write_model
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 
@@ -92,17 +96,6 @@ def toy_config(
             lines += [f"[[{kind}]]", f"name = {_toml(name)}"]
             lines += [f"{k} = {_toml(v)}" for k, v in spec.items()]
     return "\n".join(lines) + "\n"
-
-
-def write_model(repo: Path, name: str, config: str, model_py: str, version: int = 1) -> Path:
-    """A model folder with the given config.toml text and model.py (no
-    weights). Prefer ``write_toy_model``; this one is for a config's text
-    that ``toy_config`` cannot write (invalid TOML)."""
-    folder = repo / name
-    (folder / str(version)).mkdir(parents=True, exist_ok=True)
-    (folder / "config.toml").write_text(textwrap.dedent(config))
-    (folder / str(version) / "model.py").write_text(textwrap.dedent(model_py))
-    return folder
 
 
 def write_toy_model(repo: Path, name: str, model_py: str, version: int = 1, **config: Any) -> Path:
