@@ -101,9 +101,8 @@ def serve(case: Case, tree: Path, work: Path, args: argparse.Namespace) -> Itera
     flags += [flag for value in args.server_arg for flag in shlex.split(value)]
     server = ServerProcess(
         str(repository.resolve()), flags,
-        env={"PYTHONPATH": str(tree)}, log=work / f"server-{case.name}.log",
+        env={"PYTHONPATH": str(tree)}, cwd=tree, log=work / f"server-{case.name}.log",
     )  # fmt: skip
-    server.cwd = tree  # ServerProcess takes no cwd: the tree's own package, not ours, is imported
     server.start()
     try:
         yield server
