@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from tensorserve.bench.protocols import encode_request
-from tensorserve.bench.repositories import write_model
+from tensorserve.bench.repositories import write_token_model
 from tensorserve.bench.results import save
 from tensorserve.bench.server import ServerProcess
 from tensorserve.repository.config import ModelConfig, load_config
@@ -149,24 +149,10 @@ def codec_section(lengths: list[int], rounds: int) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- http section
-CONFIG = """max_batch_size = 32
+# The tagger's contract (repositories.TOKEN_CONTRACT), no warm-up.
+SETTINGS = """max_batch_size = 32
 device = "cpu"
 isolation = "thread"
-[warmup]
-enabled = false
-[[input]]
-name = "input_ids"
-dtype = "int64"
-shape = [-1]
-[[input]]
-name = "attention_mask"
-dtype = "int64"
-shape = [-1]
-[[output]]
-name = "logits"
-dtype = "float32"
-shape = [-1, 9]
-unpad_like = "input_ids"
 """
 # Costs next to nothing, and its floats are not round (each writes ~18 digits).
 MODEL = """import torch
@@ -217,7 +203,7 @@ def http_section(trees: list[Path], rounds: int, requests: int) -> list[dict[str
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         repository = Path(tmp, "repository")
-        write_model(repository, "noop", CONFIG, MODEL)
+        write_token_model(repository, "noop", MODEL, SETTINGS)
         for round_ in range(rounds):
             for tree in trees:
                 log = Path(tmp, "server.log")
