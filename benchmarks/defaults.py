@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -33,19 +32,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from generate_example_weights import make_variant
-from results_file import save
 
 from tensorserve.bench import ServedHttpTarget, Variant, run_bench, uniform
+from tensorserve.bench.repositories import TUNED_KEYS, cached_copy
+from tensorserve.bench.results import save
 
 CACHE = ROOT / "benchmarks" / ".cache" / "defaults-per-model"
 RESULTS = ROOT / "benchmarks" / "results" / "defaults.json"
 # The token models at the benchmark's size (docs/performance.md); the others as bundled.
 BIGGER = {"tagger", "attention_tagger", "gru_tagger"}
 MODELS = ("tagger", "attention_tagger", "gru_tagger", "embedder", "image_filter")
-TUNED_KEYS = ("isolation", "max_batch_tokens")
 # The first is the baseline of the ratios: the defaults before they were
 # learnt (a model thread, no budget).
 CONTENDERS = (
@@ -55,22 +53,16 @@ CONTENDERS = (
 )
 
 
+def bigger(source: Path, dest: Path) -> None:
+    make_variant(source, dest, {"vocab_size": 30000})
+
+
 def repository(model: str) -> Path:
     """A repository holding only ``model``, its config without tuned keys."""
-    source, folder = ROOT / "model_repository" / model, CACHE / model
-    copy = folder / model
-    fresh = (copy / "1" / "model.safetensors").exists() and all(
-        (source / f).stat().st_mtime <= (copy / "1" / "model.safetensors").stat().st_mtime
-        for f in ("config.toml", "1/model.py")
-    )
-    if not fresh:
-        shutil.rmtree(copy, ignore_errors=True)
-        if model in BIGGER:
-            make_variant(source, copy, {"vocab_size": 30000})
-        else:
-            shutil.copytree(source, copy)
-    lines = (copy / "config.toml").read_text().splitlines(keepends=True)
-    (copy / "config.toml").write_text("".join(l for l in lines if not l.startswith(TUNED_KEYS)))
+    folder = CACHE / model
+    build, key = (bigger, "vocab_size=30000") if model in BIGGER else (None, "")
+    cached_copy(ROOT / "model_repository" / model, folder / model, build, key=key,
+                without=TUNED_KEYS)
     return folder
 
 

@@ -16,59 +16,34 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-import psutil
-from results_file import save
+from tensorserve.bench.results import save
+from tensorserve.bench.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "footprint.json"
 CONTENDERS = "defaults=;thread=--isolation thread"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def ready(port: int) -> bool:
+def measure(flags: list[str], repository: Path, log: Path, timeout: float = 180.0) -> dict[str, float]:
+    server = ServerProcess(str(repository), flags, ready_timeout=timeout, log=log)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1) as answer:
-            return bool(answer.status == 200)
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
-
-
-def measure(flags: list[str], repository: Path, timeout: float = 180.0) -> dict[str, float]:
-    port = free_port()
-    command = [sys.executable, "-m", "tensorserve", "serve", "--host", "127.0.0.1",
-               "--port", str(port), "--model-repository", str(repository), *flags]
-    started = time.monotonic()
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server.start()
+    except (RuntimeError, TimeoutError) as exc:  # it says why, with the log's tail
+        raise SystemExit(f"{shlex.join(server.command)}: not ready: {exc}") from None
     try:
-        while not ready(port):
-            if server.poll() is not None or time.monotonic() - started > timeout:
-                raise SystemExit(f"{shlex.join(command)}: not ready (exit {server.returncode})")
-            time.sleep(0.05)
-        seconds = time.monotonic() - started
         time.sleep(1.0)  # standby workers fork just after their model is ready
-        tree = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+        tree = server.members()
         pss = sum(p.memory_full_info().pss for p in tree)
-        return {"ready_s": seconds, "processes": len(tree), "pss_mb": pss / 2**20}
+        assert server.ready_s is not None
+        return {"ready_s": server.ready_s, "processes": len(tree), "pss_mb": pss / 2**20}
     finally:
-        server.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        server.send_signal(signal.SIGTERM)  # the second one: exit now, without draining
-        server.wait(timeout=30)
+        server.stop()
 
 
 def main() -> int:
@@ -80,12 +55,14 @@ def main() -> int:
     args = parser.parse_args()
     contenders = dict(item.split("=", 1) for item in args.contenders.split(";"))
     rows: list[dict[str, object]] = []
-    for round_ in range(1, args.rounds + 1):
-        for name, flags in contenders.items():
-            row = {"contender": name, "round": round_, **measure(shlex.split(flags), args.repository)}
-            print(f"#{round_} {name:<10} ready {row['ready_s']:5.1f} s  "
-                  f"{row['processes']:3} processes  {row['pss_mb']:7.0f} MB PSS", flush=True)
-            rows.append(row)
+    with tempfile.TemporaryDirectory(prefix="footprint-") as logs:
+        for round_ in range(1, args.rounds + 1):
+            for name, flags in contenders.items():
+                measured = measure(shlex.split(flags), args.repository, Path(logs, "server.log"))
+                row = {"contender": name, "round": round_, **measured}
+                print(f"#{round_} {name:<10} ready {row['ready_s']:5.1f} s  "
+                      f"{row['processes']:3} processes  {row['pss_mb']:7.0f} MB PSS", flush=True)
+                rows.append(row)
     print(f"\n{'contender':<10} {'ready s (median)':>17} {'processes':>10} {'PSS MB (median)':>16}")
     for name in contenders:
         mine = [r for r in rows if r["contender"] == name]

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,11 +33,12 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
-from noop_roundtrip import _free_port, _wait_ready
-from results_file import save
 
+from tensorserve.bench.protocols import encode_request
+from tensorserve.bench.repositories import write_token_model
+from tensorserve.bench.results import save
+from tensorserve.bench.server import ServerProcess
 from tensorserve.repository.config import ModelConfig, load_config
 from tensorserve.wire import native, oip, oip_json
 from tensorserve.wire.validate import validate_item
@@ -48,6 +47,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "oip_codec.json"
 LABELS = 9
 PROTOCOLS = ["msgpack", "oip json", "oip json (stdlib)", "oip binary"]
+# Each row's request, spelled by tensorserve.bench.protocols.
+SPELLING = {"msgpack": "msgpack", "oip json": "json", "oip binary": "binary"}
 
 
 # ---------------------------------------------------------------------- bodies
@@ -56,27 +57,12 @@ def tokens(length: int) -> np.ndarray:
 
 
 def request_body(protocol: str, length: int) -> tuple[bytes, dict[str, str]]:
-    """One item's request as a client sends it, and its headers."""
-    ids, mask = tokens(length), np.ones(length, np.int64)
-    if protocol == "msgpack":
-        item = {
-            name: {"dtype": "int64", "shape": [length], "data": array.tobytes()}
-            for name, array in (("input_ids", ids), ("attention_mask", mask))
-        }
-        return msgpack.packb({"items": [item]}), {"Content-Type": native.CONTENT_TYPE}
-    inputs = [
-        {"name": name, "shape": [1, length], "datatype": "INT64"}
-        for name in ("input_ids", "attention_mask")
-    ]
-    if protocol != "oip binary":  # plain JSON: the data inline, the answer in JSON
-        for tensor, array in zip(inputs, (ids, mask)):
-            tensor["data"] = array.tolist()
-        return json.dumps({"inputs": inputs}).encode(), {"Content-Type": "application/json"}
-    for tensor in inputs:
-        tensor["parameters"] = {"binary_data_size": 8 * length}
-    header = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
-    headers = {"Content-Type": "application/octet-stream", oip.HEADER_LENGTH: str(len(header))}
-    return header + ids.tobytes() + mask.tobytes(), headers
+    """One item's request as a client sends it, and its headers: plain JSON
+    has the data inline and gets its answer in JSON; binary asks for a binary
+    answer."""
+    item = {"input_ids": tokens(length), "attention_mask": np.ones(length, np.int64)}
+    encoded = encode_request(SPELLING[protocol], [item], {})
+    return encoded.body, {"Content-Type": encoded.content_type, **encoded.headers}
 
 
 @contextmanager
@@ -163,24 +149,10 @@ def codec_section(lengths: list[int], rounds: int) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- http section
-CONFIG = """max_batch_size = 32
+# The tagger's contract (repositories.TOKEN_CONTRACT), no warm-up.
+SETTINGS = """max_batch_size = 32
 device = "cpu"
 isolation = "thread"
-[warmup]
-enabled = false
-[[input]]
-name = "input_ids"
-dtype = "int64"
-shape = [-1]
-[[input]]
-name = "attention_mask"
-dtype = "int64"
-shape = [-1]
-[[output]]
-name = "logits"
-dtype = "float32"
-shape = [-1, 9]
-unpad_like = "input_ids"
 """
 # Costs next to nothing, and its floats are not round (each writes ~18 digits).
 MODEL = """import torch
@@ -192,18 +164,16 @@ class Model(torch.nn.Module):
 """
 
 
-def http_round(tree: Path, repository: Path, requests: int, seed: int) -> list[dict[str, Any]]:
+def http_round(
+    tree: Path, repository: Path, requests: int, seed: int, log: Path
+) -> list[dict[str, Any]]:
     """One server; the protocols take turns request by request (one
     keep-alive connection each), so a busy moment of the machine costs them
     alike."""
-    port = _free_port()
-    command = [sys.executable, "-m", "tensorserve", "serve", "--model-repository",
-               str(repository), "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "WARNING"]
-    server = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = ServerProcess(str(repository), ready_timeout=60, env={"PYTHONPATH": str(tree)},
+                           cwd=tree, log=log).start()
+    port = server.port
     try:
-        _wait_ready(port)
         lengths = np.random.default_rng(seed).integers(8, 129, size=requests + requests // 5)
         protocols = [p for p in PROTOCOLS if p != "oip json (stdlib)"]
         bodies = {p: {n: request_body(p, n) for n in set(lengths.tolist())} for p in protocols}
@@ -226,20 +196,18 @@ def http_round(tree: Path, repository: Path, requests: int, seed: int) -> list[d
             for p, v in latencies.items()
         ]
     finally:
-        server.terminate()
-        server.wait(20)
+        server.stop()
 
 
 def http_section(trees: list[Path], rounds: int, requests: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        repository = Path(tmp)
-        (repository / "noop" / "1").mkdir(parents=True)
-        (repository / "noop" / "config.toml").write_text(CONFIG)
-        (repository / "noop" / "1" / "model.py").write_text(MODEL)
+        repository = Path(tmp, "repository")
+        write_token_model(repository, "noop", MODEL, SETTINGS)
         for round_ in range(rounds):
             for tree in trees:
-                for row in http_round(tree.resolve(), repository, requests, round_):
+                log = Path(tmp, "server.log")
+                for row in http_round(tree.resolve(), repository, requests, round_, log):
                     rows.append({"round": round_ + 1, **row})
                     print(f"round {round_ + 1}  {row['tree']:24} {row['protocol']:11} "
                           f"p50 {row['p50_ms']:.3f} ms  mean {row['mean_ms']:.3f} ms", flush=True)

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 import time
 
 import numpy as np
 import torch
-from results_file import save
 
 from tensorserve import ServedModel
+from tensorserve.bench.percentiles import percentile
+from tensorserve.bench.results import save
 
 FLOOD_CALLERS = 64
 
@@ -37,11 +37,6 @@ def _model(levels: int) -> ServedModel:
         max_batch_size=8,
         dynamic_batching={"priority_levels": levels, "max_queue_size": 100_000},
     )
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))] if ordered else 0.0
 
 
 async def _run(levels: int, seconds: float) -> dict[str, object]:
@@ -68,10 +63,10 @@ async def _run(levels: int, seconds: float) -> dict[str, object]:
         await asyncio.gather(urgent(), *(flood() for _ in range(FLOOD_CALLERS)))
     return {
         "priority_levels": levels,
-        "high_p50_ms": round(1000 * statistics.median(high), 2),
-        "high_p99_ms": round(1000 * _percentile(high, 99), 2),
-        "low_p50_ms": round(1000 * statistics.median(low), 2),
-        "low_p99_ms": round(1000 * _percentile(low, 99), 2),
+        "high_p50_ms": round(1000 * percentile(high, 50), 2),
+        "high_p99_ms": round(1000 * percentile(high, 99), 2),
+        "low_p50_ms": round(1000 * percentile(low, 50), 2),
+        "low_p99_ms": round(1000 * percentile(low, 99), 2),
         "flood_items_per_s": round(len(low) / seconds, 1),
         "high_requests": len(high),
     }

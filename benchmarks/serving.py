@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
-import shutil
 import statistics
 import sys
 import time
@@ -62,7 +60,9 @@ from tensorserve.bench import (
     uniform,
 )
 from tensorserve.bench.loadgen import PointResult
-from tensorserve.bench.sweep import machine_info
+from tensorserve.bench.repositories import TUNED_KEYS, cached_copy
+from tensorserve.bench.results import machine_info, save
+from tensorserve.bench.server import override_flags
 from tensorserve.runtime.device import default_intra_op_threads
 from tensorserve.settings import Settings
 
@@ -75,36 +75,23 @@ IMAGES = ROOT / "docs" / "img"
 LENGTHS = uniform(8, 128)
 
 
+def bigger(source: Path, dest: Path) -> None:
+    make_variant(source, dest, {"vocab_size": 30000})
+
+
 def benchmark_repository() -> Path:
     """The bundled tagger and gru_tagger at the issue's size (vocab 30000)."""
     for model in ("tagger", "gru_tagger", "attention_tagger"):
-        source, copy = ROOT / "model_repository" / model, CACHE / model
-        stale = not (copy / "1" / "model.safetensors").exists() or any(
-            (source / f).stat().st_mtime > (copy / f).stat().st_mtime
-            for f in ("config.toml", "1/model.py")
-        )
-        if stale:
-            make_variant(ROOT / "model_repository" / model, CACHE / model, {"vocab_size": 30000})
-            # The policy section sets budgets explicitly: the copies start without one.
-            config = CACHE / model / "config.toml"
-            lines = config.read_text().splitlines(keepends=True)
-            config.write_text("".join(l for l in lines if not l.startswith("max_batch_tokens")))
+        # The policy section sets budgets explicitly: the copies start without one.
+        cached_copy(ROOT / "model_repository" / model, CACHE / model, bigger,
+                    key="vocab_size=30000", without=("max_batch_tokens",))
     return CACHE
 
 
 def defaults_repository() -> Path:
     """The benchmark tagger with nothing tuned: its config.toml without
     ``isolation`` and ``max_batch_tokens``, so tensorserve's defaults decide."""
-    source, copy = benchmark_repository() / "tagger", DEFAULTS / "tagger"
-    if not (copy / "1" / "model.safetensors").exists() or (
-        (source / "1" / "model.safetensors").stat().st_mtime
-        > (copy / "1" / "model.safetensors").stat().st_mtime
-    ):
-        shutil.rmtree(copy, ignore_errors=True)
-        shutil.copytree(source, copy)
-    lines = (source / "config.toml").read_text().splitlines(keepends=True)
-    tuned = ("isolation", "max_batch_tokens")
-    (copy / "config.toml").write_text("".join(l for l in lines if not l.startswith(tuned)))
+    cached_copy(benchmark_repository() / "tagger", DEFAULTS / "tagger", without=TUNED_KEYS)
     return DEFAULTS
 
 
@@ -169,10 +156,6 @@ async def measure(make_target: Any, variants: list[Variant], concurrency: list[i
     return result.points
 
 
-def flags(overrides: dict[str, Any]) -> list[str]:
-    return [f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()]
-
-
 # --------------------------------------------------------------------------- sections
 # The bundled tagger's own budget (its config.toml), for the sections that
 # measure the server as shipped.
@@ -207,7 +190,7 @@ async def overhead(repo: Path, args: Any) -> dict[str, Any]:
             elif isolation is None:
                 target = lambda v: ServedHttpTarget(str(defaults), "tagger", [])
             else:
-                target = lambda v, o=overrides: ServedHttpTarget(str(repo), "tagger", flags(o))
+                target = lambda v, o=overrides: ServedHttpTarget(str(repo), "tagger", override_flags(o))
             rows += await measure(target, [Variant(f"{name} #{repeat + 1}")], [32], args)
     per_repeat = [rows[i : i + len(OVERHEAD_CONTENDERS)] for i in range(0, len(rows), len(OVERHEAD_CONTENDERS))]
     ceilings = [max(r[0].items_per_s, r[1].items_per_s) for r in per_repeat]
@@ -255,7 +238,7 @@ async def dispatch(repo: Path, args: Any) -> dict[str, Any]:
     for repeat in range(args.repeats):
         for mode in ("eager", "timer"):
             rows += await measure(
-                lambda v, m=mode: ServedHttpTarget(str(repo), "tagger", flags({"dispatch": m})),
+                lambda v, m=mode: ServedHttpTarget(str(repo), "tagger", override_flags({"dispatch": m})),
                 [Variant(f"{mode} #{repeat + 1}")],
                 [1, 8, 32],
                 args,
@@ -292,7 +275,7 @@ async def latency(repo: Path, args: Any) -> dict[str, Any]:
         for isolation in ("thread", "process"):
             forward.append(batch1_forward_ms(repo, 200, args.seed))
             rows += await measure(
-                lambda v, i=isolation: ServedHttpTarget(str(repo), "tagger", flags({"isolation": i})),
+                lambda v, i=isolation: ServedHttpTarget(str(repo), "tagger", override_flags({"isolation": i})),
                 [Variant(f"c=1, {isolation} #{repeat + 1}")],
                 [1],
                 args,
@@ -385,7 +368,6 @@ def main() -> int:
             elif key != "points":
                 print(f"{key}: {[round(v, 3) for v in value]}")
     plot(results)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     serializable = {
         "machine": machine_info(),
         "command": " ".join(sys.argv),
@@ -395,8 +377,7 @@ def main() -> int:
             for name, section in results.items()
         },
     }
-    args.output.write_text(json.dumps(serializable, indent=1))
-    print(f"\nwrote {args.output}")
+    save(args.output, serializable)
     return 0
 
 

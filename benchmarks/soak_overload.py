@@ -39,10 +39,11 @@ from typing import Any
 
 import msgpack
 import numpy as np
-from results_file import save
-from toy_model import write_toy_model
 
+from tensorserve.bench.protocols import decode_error
 from tensorserve.bench.rawhttp import RawHttpPool
+from tensorserve.bench.repositories import write_xy_model
+from tensorserve.bench.results import save
 from tensorserve.bench.server import ServerProcess
 
 MODEL = """
@@ -99,13 +100,7 @@ def classify(status: int, body: bytes, expected: np.ndarray | None) -> str:
         y = msgpack.unpackb(body)["outputs"][0]["y"]
         got = np.frombuffer(y["data"], dtype=y["dtype"]).reshape(y["shape"])
         return "answered correctly" if np.array_equal(got, expected * 2) else "wrong: output"
-    code = "?"
-    for decode in (msgpack.unpackb, json.loads):  # the native protocol's errors, else JSON
-        try:
-            code = decode(body)["code"]
-            break
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException):
-            continue
+    code = (decode_error(body) or {}).get("code", "?")  # the native protocol's errors, or JSON
     if status >= 500 and expected is None and status != 503:
         return f"wrong: {status} {code} for a malformed body"
     return f"refused {status} {code}"
@@ -410,7 +405,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         repository = Path(folder)
-        write_toy_model(repository, "echo", MODEL, CONFIG)
+        write_xy_model(repository, "echo", MODEL, CONFIG)
         started = time.monotonic()
         results = asyncio.run(soak(repository))
     results["wall_s"] = round(time.monotonic() - started, 1)

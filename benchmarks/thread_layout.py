@@ -443,18 +443,20 @@ def torch_calls_per_forward() -> dict:
 
 
 def summarize(pooled: dict) -> list[dict]:
+    from tensorserve.bench.percentiles import percentile
+
     base_ms = [r["e2e"] for r in pooled[BASELINE[0]][BASELINE[1]]]
     base, base_min = statistics.median(base_ms), min(base_ms)
     rows = []
     for proc, by_var in pooled.items():
         for name, rs in by_var.items():
             ms = sorted(r["e2e"] for r in rs)
-            q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else ms * 3
             med = statistics.median(ms)
             v = next(x for x in PROCS[proc]["variants"] if x["name"] == name)
             rows.append(dict(
                 process=proc, variant=name, median_ms=round(med, 1), min_ms=round(ms[0], 1),
-                p25_ms=round(q[0], 1), p75_ms=round(q[2], 1), n=len(ms),
+                p25_ms=round(percentile(ms, 25), 1), p75_ms=round(percentile(ms, 75), 1),
+                n=len(ms),
                 ratio_vs_baseline=round(med / base, 2),
                 min_ratio_vs_baseline=round(ms[0] / base_min, 2),
                 forward_only_median_ms=round(statistics.median(r["ms"] for r in rs), 1),
@@ -561,14 +563,14 @@ def main() -> None:
         "batch": {"items": 32, **info},
         "elapsed_s": round(time.monotonic() - t_start, 1),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta,
-                   "processes": {p: {k: v for k, v in PROCS[p].items() if k != "variants"}
-                                 for p in names},
-                   "thread_state_probe": probe, "torch_calls_per_forward": calls,
-                   "baseline": list(BASELINE),
-                   "results": rows}, f, indent=1)
+    from tensorserve.bench.results import write_json
+
+    write_json(args.out, {"meta": meta,
+                          "processes": {p: {k: v for k, v in PROCS[p].items() if k != "variants"}
+                                        for p in names},
+                          "thread_state_probe": probe, "torch_calls_per_forward": calls,
+                          "baseline": list(BASELINE),
+                          "results": rows}, indent=1)
     os.remove(args.out + ".raw")
     print(f"\nwrote {os.path.relpath(args.out)}  ({meta['elapsed_s']} s)")
 

@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 import psutil
-from results_file import save
-from toy_model import write_toy_model
 
 from tensorserve import ServedModel
+from tensorserve.bench.repositories import write_xy_model
+from tensorserve.bench.results import save
 
 MODEL = """
 import torch
@@ -53,7 +53,7 @@ def measure(standby: bool, template: bool, rounds: int) -> dict[str, object]:
     unavailable, loads = [], []
     with tempfile.TemporaryDirectory() as repo:
         settings = CONFIG.format(standby=str(standby).lower(), template=str(template).lower())
-        write_toy_model(repo, "m", MODEL, settings)
+        write_xy_model(repo, "m", MODEL, settings)
         with ServedModel.from_repository(repo, "m") as model:
             for _ in range(rounds):
                 started = time.monotonic()

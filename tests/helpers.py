@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import textwrap
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -14,6 +13,11 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
+# A model folder from config.toml text and model.py (no weights): the
+# benchmarks' writer. Prefer ``write_toy_model``; ``write_model`` is for a
+# config's text that ``toy_config`` cannot write (invalid TOML).
+from tensorserve.bench.repositories import write_model
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 
@@ -128,17 +132,6 @@ def toy_config(
             lines += [f"[[{kind}]]", f"name = {_toml(name)}"]
             lines += [f"{k} = {_toml(v)}" for k, v in spec.items()]
     return "\n".join(lines) + "\n"
-
-
-def write_model(repo: Path, name: str, config: str, model_py: str, version: int = 1) -> Path:
-    """A model folder with the given config.toml text and model.py (no
-    weights). Prefer ``write_toy_model``; this one is for a config's text
-    that ``toy_config`` cannot write (invalid TOML)."""
-    folder = repo / name
-    (folder / str(version)).mkdir(parents=True, exist_ok=True)
-    (folder / "config.toml").write_text(textwrap.dedent(config))
-    (folder / str(version) / "model.py").write_text(textwrap.dedent(model_py))
-    return folder
 
 
 def write_toy_model(repo: Path, name: str, model_py: str, version: int = 1, **config: Any) -> Path:

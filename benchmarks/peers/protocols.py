@@ -1,6 +1,8 @@
 """Wire protocols of the peers (one item per request): how each spells a
 request for ``targets.PeerTarget`` and how its answer is decoded for the
-correctness check. Pure functions of numpy arrays and bytes.
+correctness check. Pure functions of numpy arrays and bytes. tensorserve's
+own protocols (msgpack, KServe v2 JSON and binary) are spelled by
+``tensorserve.bench.protocols``, the encoders of ``tensorserve bench``.
 
 Every request carries ``input_ids`` and ``attention_mask`` (int64, ones over the
 real tokens).  With ``pad_to`` the *client* right-pads both to that length
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 
 import msgpack
 import numpy as np
+
+from tensorserve.bench.protocols import binary_body, json_body, msgpack_body
 
 NUM_LABELS = 9
 VOCAB_SIZE = 30000  # the benchmark tagger's (run.prepare_repository)
@@ -64,18 +68,15 @@ class Protocol:
     decode: Callable[[bytes, Mapping[str, str], int], np.ndarray]
 
 
+def _item(ids: np.ndarray, pad_to: int | None) -> dict[str, np.ndarray]:
+    x, m = _padded(ids, pad_to)
+    return {"input_ids": x, "attention_mask": m}
+
+
 # -- tensorserve msgpack -------------------------------------------------------
 
-def _msgpack_tensor(a: np.ndarray) -> dict:
-    return {"dtype": str(a.dtype), "shape": list(a.shape),
-            "data": np.ascontiguousarray(a).astype(a.dtype.newbyteorder("<")).tobytes()}
-
-
 def _enc_msgpack(ids: np.ndarray, pad_to: int | None) -> tuple[bytes, dict[str, str]]:
-    x, m = _padded(ids, pad_to)
-    body = msgpack.packb({"items": [{"input_ids": _msgpack_tensor(x),
-                                     "attention_mask": _msgpack_tensor(m)}]})
-    return body, {}
+    return msgpack_body([_item(ids, pad_to)], {}), {}
 
 
 def _dec_msgpack(body: bytes, headers: Mapping[str, str], length: int) -> np.ndarray:
@@ -88,19 +89,7 @@ def _dec_msgpack(body: bytes, headers: Mapping[str, str], length: int) -> np.nda
 # -- KServe v2 binary (Triton) -------------------------------------------------
 
 def _enc_kserve_binary(ids: np.ndarray, pad_to: int | None) -> tuple[bytes, dict[str, str]]:
-    x, m = _padded(ids, pad_to)
-    xb = x.astype("<i8").tobytes()
-    mb = m.astype("<i8").tobytes()
-    header = json.dumps({
-        "inputs": [
-            {"name": "input_ids", "shape": [1, x.shape[0]], "datatype": "INT64",
-             "parameters": {"binary_data_size": len(xb)}},
-            {"name": "attention_mask", "shape": [1, m.shape[0]], "datatype": "INT64",
-             "parameters": {"binary_data_size": len(mb)}},
-        ],
-        "outputs": [{"name": "logits", "parameters": {"binary_data": True}}],
-    }, separators=(",", ":")).encode()
-    return header + xb + mb, {"Inference-Header-Content-Length": str(len(header))}
+    return binary_body([_item(ids, pad_to)], {}, outputs=["logits"])
 
 
 def _dec_kserve_binary(body: bytes, headers: Mapping[str, str], length: int) -> np.ndarray:
@@ -125,16 +114,7 @@ def _dec_kserve_binary(body: bytes, headers: Mapping[str, str], length: int) -> 
 # -- KServe v2 JSON (MLServer) ---------------------------------------------------
 
 def _enc_kserve_json(ids: np.ndarray, pad_to: int | None) -> tuple[bytes, dict[str, str]]:
-    x, m = _padded(ids, pad_to)
-    body = json.dumps({
-        "inputs": [
-            {"name": "input_ids", "shape": [1, x.shape[0]], "datatype": "INT64",
-             "data": x.tolist()},
-            {"name": "attention_mask", "shape": [1, m.shape[0]], "datatype": "INT64",
-             "data": m.tolist()},
-        ],
-    }, separators=(",", ":")).encode()
-    return body, {}
+    return json_body([_item(ids, pad_to)], {}), {}
 
 
 def _dec_kserve_json(body: bytes, headers: Mapping[str, str], length: int) -> np.ndarray:

@@ -97,17 +97,13 @@ def prepare_repository() -> Path:
     sys.path.insert(0, str(ROOT / "scripts"))
     from generate_example_weights import make_variant, read_parameters
 
-    src = ROOT / "model_repository" / "tagger"
-    dst = CACHE / "repo" / "tagger"
-    stamp = dst / ".source-stamp"
-    want = json.dumps({"config": (src / "config.toml").read_text(),
-                       "model": (src / "1" / "model.py").read_text(), "vocab": VOCAB_SIZE})
-    if not (stamp.exists() and stamp.read_text() == want
-            and (dst / "1" / "model.safetensors").exists()):
-        if dst.exists():
-            shutil.rmtree(dst)
-        make_variant(src, dst, {"vocab_size": VOCAB_SIZE}, seed=0)
-        stamp.write_text(want)
+    from tensorserve.bench.repositories import cached_copy
+
+    def bigger(source: Path, dest: Path) -> None:
+        make_variant(source, dest, {"vocab_size": VOCAB_SIZE}, seed=0)
+
+    dst = cached_copy(ROOT / "model_repository" / "tagger", CACHE / "repo" / "tagger", bigger,
+                      key=f"vocab_size={VOCAB_SIZE}")
     assert read_parameters(dst)["vocab_size"] == VOCAB_SIZE
     return dst
 
@@ -115,14 +111,9 @@ def prepare_repository() -> Path:
 def prepare_defaults_repository(tuned: Path) -> Path:
     """``<cache>/repo-defaults/tagger``: the same tagger with nothing tuned
     (its config.toml without ``isolation`` and ``max_batch_tokens``)."""
-    dst = CACHE / "repo-defaults" / "tagger"
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(tuned, dst)
-    lines = (tuned / "config.toml").read_text().splitlines(keepends=True)
-    tuned_keys = ("isolation", "max_batch_tokens")
-    (dst / "config.toml").write_text("".join(x for x in lines if not x.startswith(tuned_keys)))
-    return dst.parent
+    from tensorserve.bench.repositories import TUNED_KEYS, cached_copy
+
+    return cached_copy(tuned, CACHE / "repo-defaults" / "tagger", without=TUNED_KEYS).parent
 
 
 # --------------------------------------------------------------------------- peers
@@ -543,10 +534,10 @@ def main() -> int:
         if s.get("error_sample"):
             print(f"  {s['peer']} {s['variant']} c={s['concurrency']}: e.g. {s['error_sample']}")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "summary": summary, "best": best, "runs": rows},
-                              indent=1, default=str))
+    from tensorserve.bench.results import write_json
+
+    out = write_json(args.out, {"meta": meta, "summary": summary, "best": best, "runs": rows},
+                     indent=1)
     print(f"\nwrote {out}")
     if not args.no_plot:
         plot(best, meta, Path(args.plot))

@@ -100,9 +100,9 @@ class PeerTarget(HttpTarget):
         timeout: float = 30.0,
     ) -> None:
         super().__init__(url, "tagger", timeout=timeout)
-        self.protocol = PROTOCOLS[protocol]
-        self.content_type = self.protocol.content_type
-        self.infer_path = self.protocol.path
+        self.peer_protocol = PROTOCOLS[protocol]  # self.protocol: tensorserve's own, unused
+        self.content_type = self.peer_protocol.content_type
+        self.infer_path = self.peer_protocol.path
         self.pad_to = pad_to
         self.stats_file = stats_file
         self.server = server
@@ -115,7 +115,7 @@ class PeerTarget(HttpTarget):
     def encode_body(self, items: Sequence[Item]) -> tuple[bytes, Mapping[str, str]]:
         if len(items) != 1:
             raise ValueError("the peer protocols carry one item per request")
-        body, headers = self.protocol.encode(items[0]["input_ids"], self.pad_to)
+        body, headers = self.peer_protocol.encode(items[0]["input_ids"], self.pad_to)
         # identity: no peer may spend CPU gzip-ing responses the others send raw
         return body, {"Accept-Encoding": "identity", **headers}
 
@@ -132,7 +132,7 @@ class PeerTarget(HttpTarget):
         return {
             "kind": self.kind,
             "url": self.url,
-            "protocol": self.protocol.name,
+            "protocol": self.peer_protocol.name,
             "pad_to": self.pad_to,
         }
 
@@ -152,7 +152,7 @@ class PeerTarget(HttpTarget):
                 response = await asyncio.wait_for(raw.exchange(request), self.timeout)
                 if response.status != 200:
                     return None, f"HTTP {response.status}: {response.body[:160]!r}"
-                out = self.protocol.decode(response.body, response.headers, int(ids.shape[0]))
+                out = self.peer_protocol.decode(response.body, response.headers, int(ids.shape[0]))
             except Exception as exc:  # noqa: BLE001 - any failure is that request's
                 return None, f"{type(exc).__name__}: {exc}"[:200]
             want = reference.logits(ids)

@@ -11,10 +11,13 @@ For scripts (everything here is importable without matplotlib or tqdm):
     ))
 
 Modules: ``lengths`` (length distributions) · ``items`` (synthetic items from
-a model's inputs) · ``targets`` (HTTP and in-process targets, batching
-counters) · ``loadgen`` (closed and open loop, ``run_point``) · ``sweep``
-(variants x load levels, ``BenchResult``) · ``report`` (table) · ``plots``
-(PNGs) · ``server`` (``--serve``) · ``cli``.
+a model's inputs) · ``protocols`` (one request encoder per protocol) ·
+``targets`` (HTTP and in-process targets, batching counters) · ``loadgen``
+(closed and open loop, ``run_point``) · ``percentiles`` · ``sweep`` (variants
+x load levels, ``BenchResult``) · ``report`` (table) · ``plots`` (PNGs) ·
+``server`` (the one way to start a server: ``--serve`` and every script of
+``benchmarks/``) · ``results`` (result files) · ``repositories`` (toy models,
+cached copies of bundled ones) · ``soak`` (the fault soak) · ``wrk`` · ``cli``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """``tensorserve bench``: measure a model under load and write the result.
 
     tensorserve bench tagger --url http://127.0.0.1:8000 --concurrency 1,8,32,64
+    tensorserve bench tagger --serve --protocol binary --concurrency 32
     tensorserve bench tagger --in-process --variant fifo:policy=fifo \\
         --variant length_aware:policy=length_aware --output results/policies.json
 
@@ -125,6 +126,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     where.add_argument(
         "--timeout", type=float, default=60.0, help="per-request timeout in s (HTTP)"
     )
+    where.add_argument(
+        "--protocol",
+        choices=["msgpack", "json", "binary"],  # protocols.PROTOCOLS, not imported here
+        default="msgpack",
+        help="HTTP: the native msgpack protocol (default), KServe v2 JSON, or KServe v2 "
+        "with binary tensors (Triton's extension)",
+    )
     load = p.add_argument_group("load")
     load.add_argument(
         "--mode",
@@ -209,9 +217,10 @@ def _make_target_factory(args: argparse.Namespace) -> Callable[[Any], Any]:
             args.model,
             [*extra, *override_flags({**common, **v.overrides})],
             timeout=args.timeout,
+            protocol=args.protocol,
         )
     url = args.url or "http://127.0.0.1:8000"
-    return lambda v: HttpTarget(url, args.model, timeout=args.timeout)
+    return lambda v: HttpTarget(url, args.model, timeout=args.timeout, protocol=args.protocol)
 
 
 def _check(args: argparse.Namespace) -> str | None:
@@ -220,6 +229,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return (
             "--set and --variant change the model's config: use them with --in-process or --serve"
         )
+    if args.in_process and args.protocol != "msgpack":
+        return "--protocol is how requests travel over HTTP: not with --in-process"
     if args.mode == "open" and not args.rate:
         return "--mode open needs --rate (requests/s, e.g. --rate 50,100,200)"
     if args.duration <= 0 or args.warmup < 0:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorserve.bench.percentiles import percentiles_ms
 from tensorserve.bench.targets import BatchingDelta, Target
 
 Progress = Callable[[float, str], None]  # (seconds of the plan done since last call, status)
@@ -162,20 +163,6 @@ async def open_loop(
         task.add_done_callback(in_flight.discard)
     if in_flight:
         await asyncio.gather(*in_flight)
-
-
-def percentiles_ms(latencies: Sequence[float]) -> dict[str, float]:
-    if not latencies:
-        return {k: float("nan") for k in ("mean", "p50", "p90", "p99", "max")}
-    values = np.asarray(latencies) * 1000.0
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {
-        "mean": float(values.mean()),
-        "p50": float(p50),
-        "p90": float(p90),
-        "p99": float(p99),
-        "max": float(values.max()),
-    }
 
 
 async def _phase(

@@ -99,6 +99,7 @@ class ChildServer:
         self.new_session = new_session
         self.sample_interval = sample_interval
         self.process: subprocess.Popen[bytes] | None = None
+        self.ready_s: float | None = None  # seconds from start to ready
         self._seen: dict[int, psutil.Process] = {}
         self._peak_rss = 0
         self._sampler: threading.Thread | None = None
@@ -111,6 +112,7 @@ class ChildServer:
         if self.log is not None:
             self.log.parent.mkdir(parents=True, exist_ok=True)
             output = open(self.log, "wb")  # noqa: SIM115 - the child keeps it open
+        started = time.monotonic()
         try:
             self.process = subprocess.Popen(
                 self.command,
@@ -129,6 +131,7 @@ class ChildServer:
         except BaseException:
             self.stop()
             raise
+        self.ready_s = time.monotonic() - started
         if self.sample_interval:
             self._sampler = threading.Thread(
                 target=self._sample_loop, name=f"{self.name}-sampler", daemon=True
@@ -151,7 +154,7 @@ class ChildServer:
                         return
             except OSError:
                 pass
-            time.sleep(0.1)
+            time.sleep(0.05)
         raise TimeoutError(
             f"{self.name} not ready at {self.ready_url} after {self.ready_timeout:.0f} s"
             f"{self.log_tail()}"
@@ -289,7 +292,12 @@ def _command_line(process: psutil.Process) -> str:
 
 class ServerProcess(ChildServer):
     """A ``python -m tensorserve serve`` child on a free loopback port;
-    ``start`` waits until it is ready. ``env`` adds to this process's environment."""
+    ``start`` waits until it is ready. ``env`` adds to this process's environment.
+
+    Every benchmark that needs a server starts it with this. To serve another
+    source tree (a git worktree of an older commit, say), give
+    ``env={"PYTHONPATH": tree}`` and ``cwd=tree``: that tree's package is the
+    one imported."""
 
     def __init__(
         self,
@@ -298,6 +306,7 @@ class ServerProcess(ChildServer):
         *,
         ready_timeout: float = 120.0,
         env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
         log: str | Path | None = None,
         new_session: bool = False,
         sample_interval: float | None = None,
@@ -316,6 +325,7 @@ class ServerProcess(ChildServer):
             command,
             ready_url=f"{self.url}/v2/health/ready",
             env={**os.environ, **(env or {})},
+            cwd=cwd,
             log=log,
             name="tensorserve",
             ready_timeout=ready_timeout,
@@ -336,10 +346,16 @@ class ServedHttpTarget:
     kind = "http (--serve)"
 
     def __init__(
-        self, repository: str, model: str, server_args: Sequence[str] = (), *, timeout: float = 60.0
+        self,
+        repository: str,
+        model: str,
+        server_args: Sequence[str] = (),
+        *,
+        timeout: float = 60.0,
+        protocol: str = "msgpack",
     ):
         self.server = ServerProcess(repository, server_args)
-        self.http = HttpTarget(self.server.url, model, timeout=timeout)
+        self.http = HttpTarget(self.server.url, model, timeout=timeout, protocol=protocol)
         self.model = model
 
     @property

@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
-import os
-import platform
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from tensorserve.bench.items import ItemFactory, length_summary, vocab_limit
 from tensorserve.bench.lengths import LengthDistribution
 from tensorserve.bench.loadgen import PointResult, PreparedRequest, Progress, run_point
+from tensorserve.bench.results import machine_info, write_json
 from tensorserve.bench.targets import Target
 
 SCHEMA = 1
@@ -59,44 +55,13 @@ class BenchResult:
         return data
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # NaN (no successful request) is written as null: strict JSON readers refuse NaN.
-        path.write_text(json.dumps(_no_nan(self.to_dict()), indent=2) + "\n")
-        return path
+        return write_json(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> BenchResult:
         data = json.loads(Path(path).read_text())
         data["points"] = [PointResult.from_dict(p) for p in data["points"]]
         return cls(**data)
-
-
-def _no_nan(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_no_nan(v) for v in value]
-    return value
-
-
-def machine_info() -> dict[str, Any]:
-    def version(package: str) -> str | None:
-        try:
-            return metadata.version(package)
-        except metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "torch": version("torch"),
-        "tensorserve": version("tensorserve"),
-    }
 
 
 def build_pool(

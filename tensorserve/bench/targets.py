@@ -5,7 +5,8 @@ clock starts (``encode``), so the measured loop only sends (``send``). It also
 reads the model's batching counters (``counters``), whose differences over a
 measured window give the executed batch sizes and the padding efficiency.
 
-    HttpTarget       native msgpack protocol: POST /v2/models/{m}/infer
+    HttpTarget       POST /v2/models/{m}/infer in the native msgpack protocol,
+                     KServe v2 JSON or KServe v2 binary (``protocols.py``)
     InProcessTarget  ServedModel.infer_many, no HTTP at all (the ceiling)
 """
 
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from tensorserve.bench.items import FeatureSpec, Item, specs_from_config, specs_from_metadata
+from tensorserve.bench.protocols import CONTENT_TYPES, PROTOCOLS, decode_error, encode_request
 from tensorserve.bench.rawhttp import RawHttpPool
 
 if TYPE_CHECKING:
@@ -149,7 +151,8 @@ class Target(Protocol):
 
 
 class HttpTarget:
-    """A running tensorserve, spoken to in the native msgpack protocol.
+    """A running tensorserve, spoken to in ``protocol``: ``msgpack`` (the
+    native protocol), ``json`` or ``binary`` (KServe v2; see ``protocols.py``).
 
     Requests go through ``RawHttpPool``, the cheapest client we have: the load
     generator shares the machine with the server and should cost it as little
@@ -162,12 +165,20 @@ class HttpTarget:
     """
 
     kind = "http"
-    content_type = "application/msgpack"  # wire.native.CONTENT_TYPE
 
-    def __init__(self, url: str, model: str, *, timeout: float = 60.0) -> None:
+    def __init__(
+        self, url: str, model: str, *, timeout: float = 60.0, protocol: str = "msgpack"
+    ) -> None:
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"unknown protocol {protocol!r}; one of {', '.join(PROTOCOLS)}")
         self.url = url.rstrip("/")
         self.model = model
         self.timeout = timeout
+        self.protocol = protocol
+        self.content_type = CONTENT_TYPES[protocol]
+        # KServe v2: whether the model's inputs lead with a batch dimension
+        # (max_batch_size > 1), until discover() reads its config.
+        self.batched = True
         self.specs: list[FeatureSpec] = []
         self.parameters: dict[str, Any] = {}
         self._config: dict[str, Any] | None = None
@@ -190,7 +201,10 @@ class HttpTarget:
             self.parameters = dict(config.get("parameters") or {})
             self._config = _config_summary(config)
         else:
-            self.specs = specs_from_metadata(await self._get_json(f"/v2/models/{self.model}"))
+            config = await self._get_json(f"/v2/models/{self.model}")  # KServe v2 metadata
+            self.specs = specs_from_metadata(config)
+        if "max_batch_size" in config:
+            self.batched = int(config["max_batch_size"]) > 1
 
     async def _get_json(self, path: str, missing_ok: bool = False) -> Any:
         assert self._raw is not None, "open() first"
@@ -211,21 +225,9 @@ class HttpTarget:
 
     def encode_body(self, items: Sequence[Item]) -> tuple[bytes, Mapping[str, str]]:
         """(body, extra headers) of one infer request for ``items``."""
-        import msgpack
-
-        from tensorserve.wire.native import encode_tensor
-
         dtypes = {s.name: s.dtype for s in self.specs}
-        body = {
-            "items": [
-                {
-                    name: encode_tensor(array, dtypes.get(name, array.dtype.name))
-                    for name, array in item.items()
-                }
-                for item in items
-            ]
-        }
-        return msgpack.packb(body), {}
+        encoded = encode_request(self.protocol, items, dtypes, batched=self.batched)
+        return encoded.body, encoded.headers
 
     async def send(self, payload: bytes) -> None:
         assert self._raw is not None, "open() first"
@@ -238,7 +240,9 @@ class HttpTarget:
         return counters_from_snapshot(stats.get("batching", {}))
 
     def describe(self) -> dict[str, Any]:
-        described: dict[str, Any] = {"kind": self.kind, "url": self.url, "model": self.model}
+        described: dict[str, Any] = {
+            "kind": self.kind, "url": self.url, "model": self.model, "protocol": self.protocol
+        }
         if self._config is not None:
             described["config"] = self._config
         return described
@@ -250,13 +254,10 @@ class HttpTarget:
 
 
 def _error_text(status: int, body: bytes) -> str:
-    try:
-        import msgpack
-
-        message = msgpack.unpackb(body, raw=False)
-        return f"HTTP {status} {message['code']}: {message['error']}"
-    except Exception:  # noqa: BLE001 - not a tensorserve error body (a proxy's, say)
+    error = decode_error(body)
+    if error is None:  # not a tensorserve error body (a proxy's, say)
         return f"HTTP {status}: {body[:200]!r}"
+    return f"HTTP {status} {error['code']}: {error.get('error', '')}"
 
 
 class InProcessTarget:

@@ -98,6 +98,44 @@ def test_http_run_against_the_real_server(
     assert re.search(r"^default\s+c=2\s+\d", table, re.MULTILINE)
 
 
+def check_counters_add_up(point: dict[str, Any]) -> None:
+    """Every item the client got back went through the model in the window,
+    and nothing else did (both phases drain before the counters are read)."""
+    assert point["items"] > 0 and point["errors"] == 0, point["error_samples"]
+    assert round(point["avg_batch_size"] * point["batches"]) == point["items"]
+    assert sum(point["batch_size_histogram"].values()) == point["batches"]
+
+
+def test_kserve_json_run_against_the_real_server(server_url: str, tmp_path: Path) -> None:
+    output = tmp_path / "json.json"
+    code = main([
+        "bench", "tagger", "--url", server_url, "--protocol", "json", "--concurrency", "2",
+        "--duration", "0.5", "--warmup", "0.1", "--pool", "16", "--no-progress", "--no-plots",
+        "--output", str(output),
+    ])  # fmt: skip
+    assert code == 0
+    result = json.loads(output.read_text())
+    assert result["targets"][0]["protocol"] == "json"
+    check_counters_add_up(result["points"][0])
+
+
+def test_kserve_binary_run_with_a_server_it_starts(echo_repository: Path, tmp_path: Path) -> None:
+    output = tmp_path / "binary.json"
+    code = main([
+        "bench", "echo", "--serve", "--model-repository", str(echo_repository),
+        "--protocol", "binary", "--items-per-request", "2", "--lengths", "16",
+        "--concurrency", "3", "--duration", "0.5", "--warmup", "0.1", "--pool", "16",
+        "--no-progress", "--no-plots", "--output", str(output),
+    ])  # fmt: skip
+    assert code == 0
+    result = json.loads(output.read_text())
+    (described,) = result["targets"]
+    assert (described["kind"], described["protocol"]) == ("http (--serve)", "binary")
+    (point,) = result["points"]
+    check_counters_add_up(point)
+    assert point["items"] == 2 * point["requests"]  # two rows of one shape per request
+
+
 def test_unreachable_server_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(
         ["bench", "tagger", "--url", "http://127.0.0.1:9", "--duration", "0.1", "--no-progress"]
@@ -112,6 +150,7 @@ def test_unreachable_server_is_an_error_not_a_traceback(capsys: pytest.CaptureFi
         (["--set", "policy=fifo"], "--in-process or --serve"),
         (["--mode", "open"], "--rate"),
         (["--lengths", "0:9"], "low <= high"),
+        (["--in-process", "--protocol", "json"], "not with --in-process"),
     ],
 )
 def test_usage_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

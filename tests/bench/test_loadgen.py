@@ -5,7 +5,8 @@ import math
 import pytest
 
 from tensorserve.bench.lengths import uniform
-from tensorserve.bench.loadgen import percentiles_ms, run_point
+from tensorserve.bench.loadgen import run_point
+from tensorserve.bench.percentiles import percentiles_ms
 from tensorserve.bench.sweep import Variant, build_pool, run_bench
 from tensorserve.bench.targets import InProcessTarget
 

@@ -15,7 +15,6 @@ import pytest
 
 from tensorserve.bench.items import FeatureSpec, ItemFactory
 from tensorserve.bench.lengths import uniform
-from tensorserve.bench.oip_target import OipJsonTarget, oip_json_body
 from tensorserve.bench.targets import HttpTarget
 from tensorserve.bench.wrk import (
     WrkFailed,
@@ -118,7 +117,7 @@ def bodies(target: HttpTarget, count: int = 12) -> tuple[list[dict[str, np.ndarr
     ("target", "codec"),
     [
         (HttpTarget("http://127.0.0.1:1", "zeros"), native),
-        (OipJsonTarget("http://127.0.0.1:1", "zeros"), oip),
+        (HttpTarget("http://127.0.0.1:1", "zeros", protocol="json"), oip),
     ],
     ids=["msgpack", "json"],
 )
@@ -143,19 +142,6 @@ def test_body_files_decode_back_to_the_items(tmp_path: Path, target: HttpTarget,
         assert decoded.keys() == item.keys()
         for name, array in item.items():
             np.testing.assert_array_equal(decoded[name], array)
-
-
-def test_oip_body_shape_and_refusals() -> None:
-    item = {"input_ids": np.array([5, 6, 7], np.int64)}
-    assert oip_json_body([item], {"input_ids": "int64"}) == (
-        b'{"inputs":[{"name":"input_ids","shape":[1,3],"datatype":"INT64","data":[5,6,7]}]}'
-    )
-    unbatched = oip_json_body([item], {}, batched=False)
-    assert b'"shape":[3]' in unbatched
-    with pytest.raises(ValueError, match="differ in shape"):
-        oip_json_body([item, {"input_ids": np.array([1], np.int64)}], {})
-    with pytest.raises(ValueError, match="one item per request"):
-        oip_json_body([item, item], {}, batched=False)
 
 
 @pytest.fixture

@@ -1,0 +1,256 @@
+"""The fault soak: steady callers of good items against a real server, with
+and without one bad request every ``bad_every_s`` mixed in — a poisoned item,
+an item whose padded batch runs out of memory, one too large to fit even
+alone, a deadline that cannot be met, a caller that leaves, and (process
+isolation) an item that kills its worker.
+
+    result = run("thread", seconds=20)     # benchmarks/soak.py prints and saves it
+    assert not failures(result)
+
+Per load (``without_bad``, ``with_bad``): good sent / correct / failed (by
+status) / lost / hung, good items per second, and the statuses each kind of
+bad request got. ``correct`` is checked (y = 2x, every row its caller's
+own); ``lost`` is a connection that broke or a request with no response;
+``hung`` is no answer within ``HUNG_AFTER_S``. The invariant
+(docs/reliability.md): 0 lost, 0 hung, 0 good items failed; the goal beside
+it: good throughput with the bad traffic at least 80% of the same load
+without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tensorserve.bench.protocols import decode_error, msgpack_body
+from tensorserve.bench.rawhttp import RawHttpPool, RawResponse
+from tensorserve.bench.repositories import write_xy_model
+from tensorserve.bench.server import ServerProcess
+
+# The model misbehaves on marker values in an item's first element. Its
+# "memory" holds a padded batch of at most MEMORY_ELEMENTS elements.
+MODEL = """
+import os
+import time
+import torch
+
+MEMORY_ELEMENTS = 4096
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        first = x[:, 0, 0]
+        if (first == 13).any():
+            raise RuntimeError("poison value 13 in batch")
+        if (first == 7).any():
+            os._exit(7)  # kills the worker (process isolation only)
+        if (first == 55).any():
+            time.sleep(0.02)  # slow: the caller's 5 ms deadline passes
+        if x.numel() > MEMORY_ELEMENTS:
+            raise torch.OutOfMemoryError(f"tried to allocate {x.numel()} elements")
+        time.sleep(0.001 + 0.00002 * x.shape[0])  # a model that costs something
+        return x * 2
+"""
+CONFIG = """
+max_batch_size = 16
+isolation = "{isolation}"
+[dynamic_batching]
+max_queue_delay_ms = 2.0
+"""
+ROUTE = "/v2/models/soak/infer"
+MSGPACK = "application/msgpack"
+DTYPES = {"x": "float32"}
+HUNG_AFTER_S = 30.0
+CALLERS = 16
+GOOD_LENGTHS = (4, 32)  # 16 items pad to at most 16 x 32 x 4 = 2048 elements: they fit
+BAD_KINDS_THREAD = ("poison", "oom_split", "oom_alone", "deadline", "disconnect")
+BAD_KINDS_PROCESS = (*BAD_KINDS_THREAD, "worker_kill")
+
+
+def bad_request(kind: str, rng: np.random.Generator) -> bytes:
+    """The body of a bad request of ``kind``."""
+    x = rng.uniform(20, 100, size=(8, 4)).astype(np.float32)
+    parameters = None
+    if kind == "poison":
+        x[0, 0] = 13
+    elif kind == "worker_kill":
+        x[0, 0] = 7
+    elif kind == "oom_split":  # fits alone (3200), not padded with company
+        x = rng.uniform(20, 100, size=(800, 4)).astype(np.float32)
+    elif kind == "oom_alone":  # 8000 elements: never fits
+        x = rng.uniform(20, 100, size=(2000, 4)).astype(np.float32)
+    elif kind == "deadline":
+        x[0, 0] = 55
+        parameters = {"timeout_ms": 5}
+    return msgpack_body([{"x": x}], DTYPES, parameters=parameters)
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    correct: int = 0
+    failed: collections.Counter[str] = field(default_factory=collections.Counter)
+    lost: int = 0
+    hung: int = 0
+    bad: dict[str, collections.Counter[str]] = field(default_factory=dict)
+
+    def as_dict(self, seconds: float) -> dict[str, Any]:
+        return {
+            "good_sent": self.sent, "good_correct": self.correct,
+            "good_failed": dict(self.failed), "lost": self.lost, "hung": self.hung,
+            "good_per_s": self.correct / seconds,
+            "bad": {kind: dict(codes) for kind, codes in self.bad.items()},
+        }  # fmt: skip
+
+
+def _status(response: RawResponse) -> str:
+    error = decode_error(response.body) or {}
+    return f"{response.status} {error.get('code', '')}".strip()
+
+
+async def _good_caller(url: str, seed: int, until: float, tally: Tally) -> None:
+    import msgpack
+
+    rng = np.random.default_rng(seed)
+    pool = RawHttpPool(url)
+    try:
+        while time.monotonic() < until:
+            x = rng.uniform(20, 100, size=(int(rng.integers(*GOOD_LENGTHS)), 4)).astype(np.float32)
+            tally.sent += 1
+            request = pool.request(ROUTE, msgpack_body([{"x": x}], DTYPES), MSGPACK)
+            try:
+                response = await asyncio.wait_for(pool.exchange(request), HUNG_AFTER_S)
+            except asyncio.TimeoutError:
+                tally.hung += 1
+                pool = RawHttpPool(url)
+                continue
+            except (OSError, EOFError, asyncio.IncompleteReadError):
+                tally.lost += 1
+                pool = RawHttpPool(url)
+                continue
+            if response.status != 200:
+                tally.failed[_status(response)] += 1
+                continue
+            output = msgpack.unpackb(response.body)["outputs"][0]["y"]
+            y = np.frombuffer(output["data"], np.float32).reshape(output["shape"])
+            if y.shape == x.shape and np.array_equal(y, x * 2):
+                tally.correct += 1
+            else:
+                tally.failed["200 wrong rows"] += 1
+    finally:
+        await pool.close()
+
+
+async def _bad_caller(
+    url: str, kinds: tuple[str, ...], until: float, tally: Tally, every_s: float
+) -> None:
+    rng = np.random.default_rng(99)
+    pool = RawHttpPool(url)
+    turn = 0
+    try:
+        while time.monotonic() < until - 1:
+            kind = kinds[turn % len(kinds)]
+            turn += 1
+            request = pool.request(ROUTE, bad_request(kind, rng), MSGPACK)
+            codes = tally.bad.setdefault(kind, collections.Counter())
+            if kind == "disconnect":  # send it, then leave before the answer
+                _, writer = await asyncio.open_connection(pool.host, pool.port)
+                writer.write(request)
+                await writer.drain()
+                writer.close()
+                codes["left"] += 1
+            else:
+                try:
+                    response = await asyncio.wait_for(pool.exchange(request), HUNG_AFTER_S)
+                    codes[_status(response)] += 1
+                except asyncio.TimeoutError:
+                    codes["hung"] += 1
+                    tally.hung += 1
+                except (OSError, EOFError, asyncio.IncompleteReadError):
+                    codes["lost"] += 1
+                    tally.lost += 1
+                    pool = RawHttpPool(url)
+            await asyncio.sleep(every_s)
+    finally:
+        await pool.close()
+
+
+async def load(
+    url: str,
+    seconds: float,
+    kinds: tuple[str, ...] | None,
+    *,
+    callers: int = CALLERS,
+    bad_every_s: float = 1.0,
+) -> dict[str, Any]:
+    """``callers`` good callers for ``seconds``; with ``kinds``, a bad caller
+    beside them sending those kinds in turn, one every ``bad_every_s``
+    (stopping a second before the good ones)."""
+    tally = Tally()
+    started = time.monotonic()
+    until = started + seconds
+    work = [_good_caller(url, seed, until, tally) for seed in range(callers)]
+    if kinds:
+        work.append(_bad_caller(url, kinds, until, tally, bad_every_s))
+    await asyncio.gather(*work)
+    return tally.as_dict(time.monotonic() - started)
+
+
+def run(
+    isolation: str,
+    seconds: float,
+    only: list[str] | None = None,
+    *,
+    callers: int = CALLERS,
+    bad_every_s: float = 1.0,
+) -> dict[str, Any]:
+    """One server with the soak model in ``isolation``; the same load without,
+    then with, the bad requests (``only`` these kinds, if given)."""
+    with tempfile.TemporaryDirectory() as repo:
+        write_xy_model(repo, "soak", MODEL, CONFIG.format(isolation=isolation))
+        server = ServerProcess(repo, ("--log-level", "ERROR"), sample_interval=0.1).start()
+        try:
+            kinds = BAD_KINDS_PROCESS if isolation == "process" else BAD_KINDS_THREAD
+            kinds = tuple(k for k in kinds if only is None or k in only)
+            if isolation == "process":  # let the standby worker load before measuring
+                time.sleep(5)
+            options: dict[str, Any] = {"callers": callers, "bad_every_s": bad_every_s}
+            clean = asyncio.run(load(server.url, seconds, None, **options))
+            mixed = asyncio.run(load(server.url, seconds, kinds, **options))
+            ready = _ready(server.url)
+            peak_rss = server.peak_rss_bytes
+        finally:
+            server.stop()
+    return {
+        "isolation": isolation, "without_bad": clean, "with_bad": mixed,
+        "ratio": mixed["good_per_s"] / clean["good_per_s"] if clean["good_per_s"] else 0.0,
+        "ready_after": ready, "peak_rss_mb": peak_rss / 2**20,
+    }  # fmt: skip
+
+
+def failures(result: dict[str, Any]) -> dict[str, Any]:
+    """What broke the invariant in one ``run``'s result (empty: nothing):
+    good requests lost, hung or failed, in either load."""
+    broken = {}
+    for load_name in ("without_bad", "with_bad"):
+        counts = result[load_name]
+        found = {k: counts[k] for k in ("lost", "hung", "good_failed") if counts[k]}
+        if found:
+            broken[load_name] = found
+    return broken
+
+
+def _ready(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
