@@ -307,7 +307,10 @@ class Batcher:
             direct = None
             if loop is not None and not p.closing and len(p.queue):
                 direct = self._claim_direct(time.monotonic(), unless_backlog=True)
-            if direct is None and (len(p.queue) or p.closing):
+            # Whatever the model threads would take now (parts of a failed batch
+            # to run again included: finish woke them while this instance was
+            # still DRIVEN, and they went back to waiting).
+            if direct is None and (len(p.queue) or p.retries or p.closing):
                 p.cond.notify_all()
         if direct is not None:
             assert loop is not None
