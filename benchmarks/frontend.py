@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from typing import Any
 
 from tensorserve.bench.items import ItemFactory, vocab_limit
 from tensorserve.bench.lengths import uniform
+from tensorserve.bench.percentiles import medians_by
 from tensorserve.bench.repositories import write_flat_model, write_zeros_model
 from tensorserve.bench.results import save
 from tensorserve.bench.server import ServerProcess
@@ -214,19 +214,11 @@ MEDIANS = ("req_s", "items_s", "of_model", "of_offline", "server_cpu_us_per_requ
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Medians over the repeats per (case, tree, protocol, c); errors summed."""
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(tuple(row[k] for k in KEY), []).append(row)
-    summary = []
-    for key, group in groups.items():
-        entry: dict[str, Any] = dict(zip(KEY, key))
-        entry["repeats"] = len(group)
-        for name in MEDIANS:
-            values = [r[name] for r in group if r.get(name) is not None]
-            entry[name] = statistics.median(values) if values else None
+    summary = medians_by(rows, KEY, MEDIANS)
+    for entry in summary:
+        group = [r for r in rows if all(r[k] == entry[k] for k in KEY)]
         entry["non_2xx"] = sum(r["non_2xx"] for r in group)
         entry["socket_errors"] = sum(sum(r["socket_errors"].values()) for r in group)
-        summary.append(entry)
     return summary
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ import psutil
 
 from tensorserve.bench.items import ItemFactory, specs_from_config
 from tensorserve.bench.lengths import uniform
+from tensorserve.bench.percentiles import medians_by
 from tensorserve.bench.protocols import json_body
 from tensorserve.bench.repositories import write_flat_model
 from tensorserve.bench.results import save
@@ -195,17 +195,9 @@ MEDIANS = ("items_s", "of_model", "cpu_us_per_request", "batcher_cpu_us_per_requ
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault(tuple(row[k] for k in KEY), []).append(row)
-    summary = []
-    for key, group in groups.items():
-        entry: dict[str, Any] = {**dict(zip(KEY, key)), "repeats": len(group)}
-        for name in MEDIANS:
-            values = [r[name] for r in group if r[name] is not None]
-            entry[name] = statistics.median(values) if values else None
-        entry["errors"] = sum(r["errors"] for r in group)
-        summary.append(entry)
+    summary = medians_by(rows, KEY, MEDIANS)
+    for entry in summary:
+        entry["errors"] = sum(r["errors"] for r in rows if all(r[k] == entry[k] for k in KEY))
     return sorted(summary, key=lambda s: (s["c"], s["variant"] != "server", s["frontends"]))
 
 

@@ -5,7 +5,9 @@ gives the same). Every latency table of ``tensorserve bench`` and of
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,4 +31,23 @@ def percentiles_ms(
         {f"p{p}": float(v) for p, v in zip(points, np.percentile(values, list(points)))}
     )
     summary["max"] = float(values.max())
+    return summary
+
+
+def medians_by(
+    rows: Sequence[Mapping[str, Any]], key: Sequence[str], fields: Sequence[str]
+) -> list[dict[str, Any]]:
+    """One entry per distinct ``key`` (in first-seen order): the key's values,
+    ``repeats`` and the median of each field over the rows that have it (None
+    where none has it). The benchmarks' summaries of repeated runs."""
+    groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[k] for k in key), []).append(row)
+    summary = []
+    for values, group in groups.items():
+        entry: dict[str, Any] = {**dict(zip(key, values)), "repeats": len(group)}
+        for name in fields:
+            found = [r[name] for r in group if r.get(name) is not None]
+            entry[name] = statistics.median(found) if found else None
+        summary.append(entry)
     return summary

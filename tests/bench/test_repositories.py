@@ -86,3 +86,18 @@ def test_the_one_percentile_interpolates_between_ranks() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile(range(101), 99) == 99.0
     assert percentile([], 99) != percentile([], 99)  # NaN
+
+
+def test_medians_by_groups_repeats_in_first_seen_order_and_skips_missing_values() -> None:
+    from tensorserve.bench.percentiles import medians_by
+
+    rows = [
+        {"case": "b", "c": 1, "x": 3.0, "y": None},
+        {"case": "a", "c": 1, "x": 1.0},
+        {"case": "b", "c": 1, "x": 5.0, "y": 2.0},
+        {"case": "b", "c": 1, "x": 4.0, "y": 4.0},
+    ]
+    assert medians_by(rows, ("case", "c"), ("x", "y")) == [
+        {"case": "b", "c": 1, "repeats": 3, "x": 4.0, "y": 3.0},
+        {"case": "a", "c": 1, "repeats": 1, "x": 1.0, "y": None},
+    ]
