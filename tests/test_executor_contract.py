@@ -61,3 +61,27 @@ def test_nothing_finds_an_executor_method_with_getattr() -> None:
                     and "executor" in ast.unparse(node.args[0])):
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not offenders
+
+
+def test_every_isolation_a_config_may_name_has_an_executor_kind() -> None:
+    from typing import get_args
+
+    from tensorserve.repository.config import ModelConfig
+    from tensorserve.runtime.kinds import KINDS
+
+    named = set(get_args(ModelConfig.model_fields["isolation"].annotation)) - {"auto"}
+    assert named == set(KINDS)  # "auto" is resolved to one of them before a kind is built
+
+
+def test_an_unknown_executor_kind_is_refused_naming_the_known_ones() -> None:
+    from tensorserve.errors import ConfigError
+    from tensorserve.repository.config import ModelConfig
+    from tensorserve.runtime.kinds import ExecutorRequest, build_executor
+    from tensorserve.runtime.placement import resolve_placement
+
+    config, placements = resolve_placement(ModelConfig.model_validate({
+        "input": [{"name": "x", "dtype": "float32", "shape": [-1]}],
+        "output": [{"name": "y", "dtype": "float32", "shape": [-1]}],
+    }))
+    with pytest.raises(ConfigError, match="no executor of kind 'onnx'; known: thread, process"):
+        build_executor("onnx", ExecutorRequest("m", config, placements, 1, fn=lambda x: x))

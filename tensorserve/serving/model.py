@@ -41,24 +41,13 @@ from tensorserve.batching.batcher import Batcher
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
-from tensorserve.errors import ConfigError
 from tensorserve.repository.config import VARIABLE, DynamicBatching, ModelConfig, parse_config
-from tensorserve.repository.loader import (
-    ModelSource,
-    discover,
-    load_model,
-    read_config,
-    resolve_version,
-)
+from tensorserve.repository.loader import ModelSource, discover, read_config
 from tensorserve.runtime.device import default_intra_op_threads, resolve_device
-from tensorserve.runtime.executor import ThreadExecutor, on_device
+from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.isolated import ProcessExecutor
-from tensorserve.runtime.placement import (
-    PlacedExecutor,
-    placed_thread_executor,
-    resolve_isolation,
-    resolve_placement,
-)
+from tensorserve.runtime.kinds import ExecutorRequest, build_executor
+from tensorserve.runtime.placement import PlacedExecutor, resolve_isolation, resolve_placement
 from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
 
 
@@ -99,29 +88,15 @@ class ServedModel:
         self.config = config
         self.device = resolve_device(placements[0].device)
         self.stats = BatchStats()
-        self.fn: Callable[..., Any] | None = None
-        if executor is None:
+        self.fn: Callable[..., Any] | None = fn if executor is not None else None
+        if executor is None:  # a batch function handed over: the thread kind runs it
             if fn is None:
                 raise TypeError("ServedModel needs a batch function or an executor")
-            if config.isolation == "process":
-                raise ValueError(
-                    f"{name}: isolation = 'process' needs a repository model (its worker "
-                    f"process imports the model's model.py); use from_repository"
-                )
-            if len(placements) > 1:
-                executor = placed_thread_executor(
-                    fn, config, placements, intra_op_threads or default_intra_op_threads()
-                )
-                self.fn = executor.fn
-            else:
-                self.fn = on_device(fn, config, self.device)
-                executor = ThreadExecutor(
-                    self.fn,
-                    config,
-                    self.device,
-                    instance_count=config.instance_count,
-                    intra_op_threads=intra_op_threads or default_intra_op_threads(),
-                )
+            threads = intra_op_threads or default_intra_op_threads()
+            built = build_executor(
+                config.isolation, ExecutorRequest(name, config, placements, threads, fn=fn)
+            )
+            executor, self.fn = built.executor, built.fn
         self.executor = executor
         batching = config.dynamic_batching
         options = BatcherOptions(
@@ -187,30 +162,16 @@ class ServedModel:
         threads = intra_op_threads or default_intra_op_threads()
         config, placements = resolve_placement(config)
         config = resolve_isolation(config, placements)
-        if config.isolation == "process" and len(placements) > 1:
-            raise ConfigError(
-                f"{source.name}: instance_group over several devices needs isolation = "
-                f"'thread' (each worker process runs on the model's one device)"
-            )
-        if config.isolation == "process":
-            version = resolve_version(source, version)
-            executor = ProcessExecutor(source, version, config, intra_op_threads=threads)
-            executor.start()  # the workers load the model; a failure raises ConfigError
-            try:
-                return cls(source.name, config, None, executor=executor, version=version,
-                           on_fatal=on_fatal)
-            except BaseException:
-                executor.close()  # no worker outlives a model that failed to build
-                raise
-        loaded = load_model(source, version, config)
-        return cls(
-            source.name,
-            config,
-            loaded.module,
-            version=loaded.version,
-            on_fatal=on_fatal,
-            intra_op_threads=threads,
+        built = build_executor(
+            config.isolation,
+            ExecutorRequest(source.name, config, placements, threads, source=source, version=version),
         )
+        try:
+            return cls(source.name, config, built.fn, executor=built.executor,
+                       version=built.version, on_fatal=on_fatal)
+        except BaseException:
+            built.executor.close()  # no worker outlives a model that failed to build
+            raise
 
     # ------------------------------------------------------------------ life cycle
     def start(self) -> ServedModel:

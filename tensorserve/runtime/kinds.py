@@ -1,0 +1,100 @@
+"""Executors by kind: the one place that maps a model's ``isolation`` to
+the executor that runs its batches.
+
+    thread    model threads in this process (``ThreadExecutor``; over several
+              devices, ``PlacedExecutor``): a repository model loaded here, or
+              a batch function handed to ``ServedModel.from_function``
+    process   one worker process per instance (``ProcessExecutor``), which
+              loads the repository model itself
+
+A new kind (an ONNX Runtime session, a remote executor) is one builder
+here and one entry in ``KINDS``; ``ServedModel`` asks for a kind by name
+and never constructs an executor itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tensorserve.errors import ConfigError
+from tensorserve.repository.config import ModelConfig
+from tensorserve.repository.loader import ModelSource, load_model, resolve_version
+from tensorserve.runtime.device import resolve_device
+from tensorserve.runtime.executor import ThreadExecutor, on_device
+from tensorserve.runtime.isolated import ProcessExecutor
+from tensorserve.runtime.placement import Placement, PlacedExecutor, placed_thread_executor
+
+
+@dataclass(frozen=True)
+class ExecutorRequest:
+    """What a kind may need: the model's resolved config and placements, and
+    either its repository ``source`` (and ``version``) or a loaded ``fn``."""
+
+    name: str
+    config: ModelConfig
+    placements: Sequence[Placement]
+    intra_op_threads: int
+    source: ModelSource | None = None
+    version: int | None = None
+    fn: Callable[..., Any] | None = None
+
+
+@dataclass(frozen=True)
+class BuiltExecutor:
+    executor: ThreadExecutor | ProcessExecutor | PlacedExecutor
+    version: int
+    fn: Callable[..., Any] | None  # the model as it runs here (None: in its workers)
+
+
+def _thread(request: ExecutorRequest) -> BuiltExecutor:
+    fn, version = request.fn, request.version or 1
+    if fn is None:
+        assert request.source is not None
+        loaded = load_model(request.source, request.version, request.config)
+        fn, version = loaded.module, loaded.version
+    config = request.config
+    if len(request.placements) > 1:
+        placed = placed_thread_executor(fn, config, request.placements, request.intra_op_threads)
+        return BuiltExecutor(placed, version, placed.fn)
+    fn = on_device(fn, config, resolve_device(request.placements[0].device))
+    executor = ThreadExecutor(
+        fn, config, resolve_device(request.placements[0].device),
+        instance_count=config.instance_count, intra_op_threads=request.intra_op_threads,
+    )  # fmt: skip
+    return BuiltExecutor(executor, version, fn)
+
+
+def _process(request: ExecutorRequest) -> BuiltExecutor:
+    if request.source is None:
+        raise ValueError(
+            f"{request.name}: isolation = 'process' needs a repository model (its worker "
+            f"process imports the model's model.py); use from_repository"
+        )
+    if len(request.placements) > 1:
+        raise ConfigError(
+            f"{request.name}: instance_group over several devices needs isolation = "
+            f"'thread' (each worker process runs on the model's one device)"
+        )
+    version = resolve_version(request.source, request.version)
+    executor = ProcessExecutor(
+        request.source, version, request.config, intra_op_threads=request.intra_op_threads
+    )
+    executor.start()  # the workers load the model; a failure raises ConfigError
+    return BuiltExecutor(executor, version, None)
+
+
+KINDS: dict[str, Callable[[ExecutorRequest], BuiltExecutor]] = {
+    "thread": _thread,
+    "process": _process,
+}
+
+
+def build_executor(kind: str, request: ExecutorRequest) -> BuiltExecutor:
+    """The executor of ``kind`` for the model (``ConfigError`` for a kind
+    nobody registered)."""
+    builder = KINDS.get(kind)
+    if builder is None:
+        raise ConfigError(f"{request.name}: no executor of kind {kind!r}; known: {', '.join(KINDS)}")
+    return builder(request)
