@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 

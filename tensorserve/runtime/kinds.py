@@ -24,7 +24,7 @@ from tensorserve.repository.loader import ModelSource, load_model, resolve_versi
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import ThreadExecutor, on_device
 from tensorserve.runtime.isolated import ProcessExecutor
-from tensorserve.runtime.placement import Placement, PlacedExecutor, placed_thread_executor
+from tensorserve.runtime.placement import PlacedExecutor, Placement, placed_thread_executor
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,10 @@ def _thread(request: ExecutorRequest) -> BuiltExecutor:
     if len(request.placements) > 1:
         placed = placed_thread_executor(fn, config, request.placements, request.intra_op_threads)
         return BuiltExecutor(placed, version, placed.fn)
-    fn = on_device(fn, config, resolve_device(request.placements[0].device))
+    device = resolve_device(request.placements[0].device)
+    fn = on_device(fn, config, device)
     executor = ThreadExecutor(
-        fn, config, resolve_device(request.placements[0].device),
+        fn, config, device,
         instance_count=config.instance_count, intra_op_threads=request.intra_op_threads,
     )  # fmt: skip
     return BuiltExecutor(executor, version, fn)

@@ -18,7 +18,7 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
@@ -48,10 +48,16 @@ class InstanceRunner:
         self._jobs.put(None)
 
     def _loop(self, enter: Callable[[], None]) -> None:
-        enter()
+        try:
+            enter()
+            broken: BaseException | None = None
+        except BaseException as exc:  # the thread cannot run batches: each fails, none hangs
+            broken = exc
         while (job := self._jobs.get()) is not None:
             features, parameters, future = job
             try:
+                if broken is not None:
+                    raise broken
                 future.set_result(self._run(features, parameters))
             except BaseException as exc:  # the model's failure: this batch's only
                 future.set_exception(exc)
@@ -82,10 +88,7 @@ def reply_on_loop(future: Future[Any], loop: asyncio.AbstractEventLoop, done: Do
     future.add_done_callback(on_resolved)
 
     def finish_now() -> None:
-        try:
-            future.result()
-        except BaseException:  # delivered as the error below
-            pass
+        wait([future])
         deliver()
 
     return finish_now
