@@ -101,6 +101,14 @@ class Settings(BaseSettings):
         description="Then: longest queued and running requests may take to finish; what is "
         "left is answered 503.",
     )
+    liveness_stall_s: float = Field(
+        60.0,
+        ge=0,
+        le=MAX_TIMEOUT_S,
+        description="/v2/health/live answers 503 once a model instance has been stuck this "
+        "long in a forward the watchdog gave up on and cannot stop (a model thread: only a "
+        "restart frees it); 0: liveness never fails.",
+    )
     allow_empty_repository: bool = Field(
         False,
         description="Start with no model in the repository (to load models through the "

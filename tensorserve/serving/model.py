@@ -201,6 +201,11 @@ class ServedModel:
         down, or every instance stuck in a batch (docs/reliability.md)."""
         return self.batcher.pipeline.health() or self.executor.health()
 
+    def stuck_instances(self) -> list[tuple[int, float]]:
+        """(instance, seconds) for each instance stuck in a forward that the
+        watchdog could not stop: only a restart of the process frees it."""
+        return self.batcher.pipeline.watchdog.stuck()
+
     # ------------------------------------------------------------------ inference
     def validate(self, items: Sequence[Item]) -> list[dict[str, np.ndarray]]:
         return [validate_item(item, self.config.input, i) for i, item in enumerate(items)]
