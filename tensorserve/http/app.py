@@ -65,6 +65,7 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
         settings.model_repository,
         settings.model_overrides(),
         intra_op_threads=settings.intra_op_threads,
+        default_device=settings.device,
     )
     app[SETTINGS] = settings
     app[REGISTRY] = registry

@@ -64,8 +64,10 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def metadata(request: web.Request) -> web.Response:
     entry = request.app[REGISTRY].get(*_model(request))
+    devices = entry.served.devices if entry.served is not None else None
     return web.json_response(
-        model_metadata(entry.name, entry.version, entry.state.value, entry.reason, entry.config)
+        model_metadata(entry.name, entry.version, entry.state.value, entry.reason, entry.config,
+                       devices)
     )
 
 

@@ -171,14 +171,22 @@ class BatchingCollector(Collector):
             "How long the model's last load took (import, weights, warm-up).",
             labels=["model"],
         )
+        device = GaugeMetricFamily(
+            "tensorserve_model_device_info",
+            "1 for each device a served model's instances run on (what device = auto became).",
+            labels=["model", "device"],
+        )
         for entry in sorted(self.registry.entries.values(), key=lambda e: e.name):
+            if entry.served is not None:
+                for name in entry.served.devices:
+                    device.add_metric([entry.name, name], 1.0)
             ready.add_metric([entry.name], 1.0 if entry.state.value == "READY" else 0.0)
             for name in MODEL_STATES:
                 state.add_metric([entry.name, name], 1.0 if entry.state.value == name else 0.0)
             seconds = getattr(entry, "load_seconds", None)
             if seconds is not None:
                 load.add_metric([entry.name], seconds)
-        yield from (ready, state, load)
+        yield from (ready, state, load, device)
         wedged = GaugeMetricFamily(
             "tensorserve_instance_wedged_seconds",
             "How long a model instance has been stuck in a forward the watchdog could not "
