@@ -1,11 +1,13 @@
 # tensorserve images, two variants from one file (docs/deployment.md):
 #
-#   GPU (default): torch's CUDA build. PyPI's Linux torch wheels bundle the
-#   CUDA runtime, so the host needs only the NVIDIA driver and the NVIDIA
-#   container toolkit (docker run --gpus all, or nvidia.com/gpu on Kubernetes).
+#   GPU (default): torch's CUDA 12.6 build, which bundles the CUDA runtime, so
+#   the host needs only an NVIDIA driver >= 525 (docs/deployment.md has the
+#   table) and the NVIDIA container toolkit (docker run --gpus all, or
+#   nvidia.com/gpu on Kubernetes). TENSORSERVE_DEVICE=cuda: without CUDA its
+#   models are FAILED with the reason, never quietly served on the CPU.
 #     docker build -t tensorserve:gpu .
 #   CPU: torch's CPU build (no CUDA libraries: a far smaller image).
-#     docker build -t tensorserve:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#     docker build -t tensorserve:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu --build-arg DEVICE=cpu .
 #
 #   docker run --stop-timeout 30 -p 8000:8000 -v "$PWD/model_repository:/models:ro" tensorserve:cpu
 #
@@ -22,8 +24,9 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE} AS build
 
 ARG TORCH_VERSION=2.13.0
-# PyPI (the default) serves the CUDA build; a PyTorch index serves the others.
-ARG TORCH_INDEX_URL=https://pypi.org/simple
+# PyTorch's CUDA 12.6 index: its builds run on drivers >= 525, which most
+# clusters have (PyPI's default build may need a newer one).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -47,6 +50,10 @@ RUN pip install . ./clients/python
 # ---- runtime: the environment and the models, no build tools -------------
 FROM ${BASE_IMAGE}
 
+# cuda for the GPU variant; cpu for the CPU one (auto: CUDA if found, else
+# the CPU with a warning).
+ARG DEVICE=cuda
+
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -56,6 +63,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TENSORSERVE_PORT=8000 \
     TENSORSERVE_MODEL_REPOSITORY=/models \
     TENSORSERVE_LOG_FORMAT=json \
+    TENSORSERVE_DEVICE=${DEVICE} \
     TENSORSERVE_DRAIN_DELAY_S=5 \
     TENSORSERVE_SHUTDOWN_GRACE_S=20
 

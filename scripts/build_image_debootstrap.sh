@@ -54,7 +54,7 @@ tar -C "$work/rootfs" -c . | "${engine[@]}" import - "$base"
 
 # --format docker keeps HEALTHCHECK (the OCI image format has no such field).
 "${engine[@]}" build --format docker --network host "${limits[@]}" "${volumes[@]}" \
-  --build-arg BASE_IMAGE="$base" -t "$image" .
+  --build-arg BASE_IMAGE="$base" --build-arg DEVICE=cpu -t "$image" .
 
 "${engine[@]}" rm -f "$name" >/dev/null 2>&1 || true
 "${engine[@]}" run -d --name "$name" --network host "${limits[@]}" \

@@ -1,9 +1,11 @@
 """Server settings: defaults < environment (``TENSORSERVE_*``) < CLI flags.
 
 The per-model overrides (``max_batch_size``, ``max_queue_delay_ms``,
-``device``, ``dispatch``, ``policy``, ``instance_count``, ``max_batch_tokens``,
+``dispatch``, ``policy``, ``instance_count``, ``max_batch_tokens``,
 ``isolation``) apply to every model of the repository on top of its
-config.toml, as MLServer's settings do.
+config.toml, as MLServer's settings do. ``device`` is the server's default
+instead: it replaces what a model leaves to ``auto``
+(``ModelConfig.with_default_device``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ MAX_TIMEOUT_MS = MAX_TIMEOUT_S * 1000
 MODEL_OVERRIDES = (
     "max_batch_size",
     "max_queue_delay_ms",
-    "device",
     "dispatch",
     "policy",
     "instance_count",
@@ -101,6 +102,14 @@ class Settings(BaseSettings):
         description="Then: longest queued and running requests may take to finish; what is "
         "left is answered 503.",
     )
+    liveness_stall_s: float = Field(
+        60.0,
+        ge=0,
+        le=MAX_TIMEOUT_S,
+        description="/v2/health/live answers 503 once a model instance has been stuck this "
+        "long in a forward the watchdog gave up on and cannot stop (a model thread: only a "
+        "restart frees it); 0: liveness never fails.",
+    )
     allow_empty_repository: bool = Field(
         False,
         description="Start with no model in the repository (to load models through the "
@@ -122,10 +131,17 @@ class Settings(BaseSettings):
         "(docs/threading.md).",
     )
 
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where models whose config.toml leaves device (or an instance group's "
+        "kind) at auto run. cuda: a model that would run on the CPU for want of CUDA is "
+        "FAILED instead, with the reason (torch, its CUDA, the driver); auto: CUDA when "
+        "present, else the CPU, with a warning.",
+    )
+
     # Overrides applied to every model's config.toml (None: keep the model's own).
     max_batch_size: int | None = Field(None, ge=0, description="Most items in one batch (0, 1: no batching).")
     max_queue_delay_ms: float | None = Field(None, ge=0, description="Longest an item waits for company.")
-    device: str | None = Field(None, description="auto | cpu | cuda | cuda:N.")
     dispatch: Literal["eager", "timer"] | None = Field(
         None, description="eager: run as soon as the model is idle; timer: wait for a full batch or the delay."
     )

@@ -65,10 +65,12 @@ def test_flags_parse_to_the_settings_types_and_choices() -> None:
     assert settings.access_log is True
     assert settings.model_repository == Path("/models")
     assert settings.model_overrides() == {
-        "isolation": "process", "max_batch_tokens": 512, "max_queue_delay_ms": 2.5, "device": "cpu"
+        "isolation": "process", "max_batch_tokens": 512, "max_queue_delay_ms": 2.5
     }  # fmt: skip
+    assert settings.device == "cpu"  # the server's default, not an override
     actions = {a.dest: a for a in serve_parser()._actions}
     assert actions["policy"].choices == ["fifo", "length_aware"]  # Literal | None: choices
+    assert actions["device"].choices == ["auto", "cpu", "cuda"]
     assert actions["log_level"].choices == ["DEBUG", "INFO", "WARNING", "ERROR"]
     for bad in (["--policy", "lifo"], ["--port", "eighty"], ["--log-level", "LOUD"]):
         with pytest.raises(SystemExit):

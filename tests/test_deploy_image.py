@@ -47,12 +47,18 @@ class Stage:
         assert found, f"the final stage has no {keyword}"
         return found[-1]
 
-    def env(self) -> dict[str, str]:
+    def env(self, build_args: dict[str, str] | None = None) -> dict[str, str]:
+        """The stage's ENV, its ``${ARG}``s expanded: the ARG's default, or
+        the value ``build_args`` gives (``--build-arg``)."""
+        values = {}
+        for args in self.all("ARG"):
+            name, _, default = args.partition("=")
+            values[name] = (build_args or {}).get(name, default)
         env: dict[str, str] = {}
         for args in self.all("ENV"):
             for pair in shlex.split(args):
                 key, _, value = pair.partition("=")
-                env[key] = value
+                env[key] = re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], value)
         return env
 
 
@@ -127,10 +133,22 @@ def test_the_stop_timeout_covers_the_drain() -> None:
     assert f"--stop-timeout {STOP_TIMEOUT_S}" in (ROOT / "Dockerfile").read_text()
 
 
+# What the CPU variant's build passes (the Dockerfile's header, docs/deployment.md).
+CPU_VARIANT = {"TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu", "DEVICE": "cpu"}
+
+
 def test_the_cpu_variant_is_a_build_argument() -> None:
     build = stages()[0]
-    assert any(a.startswith("TORCH_INDEX_URL=") for a in build.all("ARG"))
-    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in (ROOT / "Dockerfile").read_text()
+    assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126" in build.all("ARG")
+    command = " ".join(f"--build-arg {k}={v}" for k, v in CPU_VARIANT.items())
+    assert command in (ROOT / "Dockerfile").read_text()
+    assert command in (ROOT / "docs" / "deployment.md").read_text()
+
+
+def test_the_gpu_variant_requires_cuda_and_the_cpu_one_does_not() -> None:
+    final = stages()[-1]
+    assert final.env()["TENSORSERVE_DEVICE"] == "cuda"  # never quietly on the CPU
+    assert final.env(CPU_VARIANT)["TENSORSERVE_DEVICE"] == "cpu"
 
 
 def test_the_build_context_holds_what_the_dockerfile_copies() -> None:
@@ -146,7 +164,7 @@ def test_the_build_context_holds_what_the_dockerfile_copies() -> None:
 def image_environment(final: Stage, port: int, home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORSERVE_")}
     venv_bin = str(Path(sys.executable).parent)
-    for key, value in final.env().items():
+    for key, value in final.env(CPU_VARIANT).items():  # this machine has no GPU
         if key == "PATH":
             assert value == "/opt/venv/bin:$PATH", value
             env["PATH"] = venv_bin + os.pathsep + env.get("PATH", "")

@@ -169,7 +169,17 @@ def test_the_cpu_deployment_differs_from_the_gpu_one_only_in_image_resources_and
         pod.pop("tolerations", None)
         pod["containers"][0].pop("image")
         pod["containers"][0].pop("resources")
+    # ... and in requiring CUDA: a GPU pod that finds none fails its models.
+    gpu_env = gpu["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "TENSORSERVE_DEVICE", "value": "cuda"} in gpu_env
+    gpu_env.remove({"name": "TENSORSERVE_DEVICE", "value": "cuda"})
     assert gpu == cpu
+
+
+def test_the_kserve_runtime_requires_cuda() -> None:
+    (runtime,) = documents(DEPLOY / "kserve" / "servingruntime.yaml")
+    env = runtime["spec"]["containers"][0]["env"]
+    assert {"name": "TENSORSERVE_DEVICE", "value": "cuda"} in env
 
 
 def test_the_gpu_deployment_asks_for_a_gpu_and_the_cpu_one_sets_a_cpu_quota() -> None:

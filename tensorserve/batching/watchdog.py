@@ -14,7 +14,10 @@ so far, at least ``AUTO_MIN_S``):
   item that hangs alone fails;
 - model threads cannot be killed: the batch's callers are answered at once,
   the instance counts as stuck, and once every instance is stuck the model
-  is not ready and refuses new items until a forward comes back.
+  is not ready and refuses new items until a forward comes back. Such an
+  instance is ``stuck``: the server's liveness (``serving/liveness.py``)
+  fails once one has been stuck longer than ``--liveness-stall-s``, so that
+  the process is restarted, since nothing else can free the thread.
 
 Before the limit, ``stalled`` tells readiness a batch has run far longer
 than any before it (a frozen worker, a device that stopped answering), so
@@ -109,6 +112,15 @@ class Watchdog:
                     f"(the slowest batch so far took {self.pipeline.slowest_s:.3f} s)"
                 )
         return None
+
+    def stuck(self) -> list[tuple[int, float]]:
+        """Each instance whose forward the watchdog gave up on and could not
+        stop (a model thread), with how long it has been running that batch.
+        A forward that comes back clears it (``Pipeline.finish``)."""
+        p = self.pipeline
+        running = self.running(time.perf_counter())
+        with p.lock:
+            return [(b.instance, ran_s) for b, ran_s in running if p.hung[b.instance] is b]
 
     def _expire(self, batch: Batch, ran_s: float, limit: float) -> None:
         p = self.pipeline

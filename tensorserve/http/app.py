@@ -12,10 +12,11 @@ from aiohttp import web
 
 from tensorserve.http import handlers, infer, repository
 from tensorserve.http.errors import error_middleware
-from tensorserve.http.keys import LOG_LIMIT, METRICS, REGISTRY, SETTINGS
+from tensorserve.http.keys import LIVENESS, LOG_LIMIT, METRICS, REGISTRY, SETTINGS
 from tensorserve.http.logs import RateLimit, install_request_ids
 from tensorserve.http.observe import observe_middleware
 from tensorserve.metrics import CONTENT_TYPE, Metrics
+from tensorserve.serving.liveness import Liveness
 from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
 
@@ -64,10 +65,12 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
         settings.model_repository,
         settings.model_overrides(),
         intra_op_threads=settings.intra_op_threads,
+        default_device=settings.device,
     )
     app[SETTINGS] = settings
     app[REGISTRY] = registry
-    app[METRICS] = Metrics(registry)
+    app[LIVENESS] = Liveness(registry, settings.liveness_stall_s)
+    app[METRICS] = Metrics(registry, app[LIVENESS])
     app[LOG_LIMIT] = RateLimit()
     _routes(app)
 

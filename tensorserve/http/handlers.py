@@ -12,7 +12,7 @@ from aiohttp import web
 from tensorserve import __version__
 from tensorserve.batching.policy import budget_report
 from tensorserve.errors import ModelNotReady
-from tensorserve.http.keys import REGISTRY
+from tensorserve.http.keys import LIVENESS, REGISTRY
 from tensorserve.http.lifecycle import SHUTTING_DOWN, draining
 from tensorserve.serving import ServedModel
 from tensorserve.serving.registry import ModelState
@@ -38,7 +38,13 @@ async def server_metadata(request: web.Request) -> web.Response:
 
 
 async def live(request: web.Request) -> web.Response:
-    return web.json_response({"live": True})
+    # 503 only for what waiting cannot fix: a model thread stuck for good
+    # (serving/liveness.py); the orchestrator then restarts the process.
+    wedged = request.app[LIVENESS].wedged()
+    if not wedged:
+        return web.json_response({"live": True})
+    body = {"live": False, "reason": wedged[0].reason, "wedged": [w.describe() for w in wedged]}
+    return web.json_response(body, status=503)
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -58,8 +64,10 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def metadata(request: web.Request) -> web.Response:
     entry = request.app[REGISTRY].get(*_model(request))
+    devices = entry.served.devices if entry.served is not None else None
     return web.json_response(
-        model_metadata(entry.name, entry.version, entry.state.value, entry.reason, entry.config)
+        model_metadata(entry.name, entry.version, entry.state.value, entry.reason, entry.config,
+                       devices)
     )
 
 

@@ -10,12 +10,14 @@ from aiohttp import web
 
 from tensorserve.http.logs import RateLimit
 from tensorserve.metrics import Metrics
+from tensorserve.serving.liveness import Liveness
 from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
 
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", ModelRegistry)
 METRICS = web.AppKey("metrics", Metrics)
+LIVENESS = web.AppKey("liveness", Liveness)
 # Lines a client can cause (4xx, rejections, disconnects): per app, per code.
 LOG_LIMIT = web.AppKey("log_limit", RateLimit)
 

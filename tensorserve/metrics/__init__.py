@@ -30,6 +30,7 @@ from tensorserve.metrics.collector import BatchingCollector
 from tensorserve.metrics.requests import RequestMetrics
 
 if TYPE_CHECKING:
+    from tensorserve.serving.liveness import Liveness
     from tensorserve.serving.registry import ModelRegistry
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -47,9 +48,9 @@ def _version(package: str) -> str:
 class Metrics:
     """One Prometheus registry per server."""
 
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, liveness: Liveness | None = None) -> None:
         self.prometheus = CollectorRegistry()
-        self.prometheus.register(BatchingCollector(registry))
+        self.prometheus.register(BatchingCollector(registry, liveness))
         self.requests = RequestMetrics(self.prometheus)
         ProcessCollector(registry=self.prometheus)
         PlatformCollector(registry=self.prometheus)

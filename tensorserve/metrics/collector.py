@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 from tensorserve.batching.stats import BatchStats, Buckets
 
 if TYPE_CHECKING:
+    from tensorserve.serving.liveness import Liveness
     from tensorserve.serving.registry import ModelRegistry
 
 MODEL_STATES = ("LOADING", "READY", "FAILED", "UNLOADING", "UNAVAILABLE")
@@ -97,8 +98,9 @@ def _sum_histograms(stats: list[BatchStats]) -> dict[str, Buckets]:
 
 
 class BatchingCollector(Collector):
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, liveness: Liveness | None = None) -> None:
         self.registry = registry
+        self.liveness = liveness
         self._seen: dict[tuple[str, str], _Seen] = {}
 
     def _observe_current(self) -> dict[tuple[str, str], Any]:
@@ -169,11 +171,28 @@ class BatchingCollector(Collector):
             "How long the model's last load took (import, weights, warm-up).",
             labels=["model"],
         )
+        device = GaugeMetricFamily(
+            "tensorserve_model_device_info",
+            "1 for each device a served model's instances run on (what device = auto became).",
+            labels=["model", "device"],
+        )
         for entry in sorted(self.registry.entries.values(), key=lambda e: e.name):
+            if entry.served is not None:
+                for name in entry.served.devices:
+                    device.add_metric([entry.name, name], 1.0)
             ready.add_metric([entry.name], 1.0 if entry.state.value == "READY" else 0.0)
             for name in MODEL_STATES:
                 state.add_metric([entry.name, name], 1.0 if entry.state.value == name else 0.0)
             seconds = getattr(entry, "load_seconds", None)
             if seconds is not None:
                 load.add_metric([entry.name], seconds)
-        yield from (ready, state, load)
+        yield from (ready, state, load, device)
+        wedged = GaugeMetricFamily(
+            "tensorserve_instance_wedged_seconds",
+            "How long a model instance has been stuck in a forward the watchdog could not "
+            "stop, for each one that makes /v2/health/live fail (--liveness-stall-s).",
+            labels=["model", "version", "instance"],
+        )
+        for w in self.liveness.wedged() if self.liveness is not None else []:
+            wedged.add_metric([w.model, w.version, str(w.instance)], w.stalled_s)
+        yield wedged

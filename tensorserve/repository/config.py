@@ -319,6 +319,23 @@ class ModelConfig(_Strict):
                 data[key] = value
         return ModelConfig.model_validate(data)
 
+    def with_default_device(self, device: str) -> ModelConfig:
+        """A copy with the server's ``device`` (auto, cpu or cuda) in place of
+        what the model leaves to ``auto``: its device, its groups' kind. Unlike
+        an override, a model pinned to the CPU, or to GPUs, stays there."""
+        if device == "auto":
+            return self
+        kind = "KIND_GPU" if device == "cuda" else "KIND_CPU"
+        groups = [
+            group.model_copy(update={"kind": kind, "gpus": group.gpus if kind == "KIND_GPU" else None})
+            if group.kind == "KIND_AUTO" else group
+            for group in self.instance_group
+        ]  # fmt: skip
+        update: dict[str, Any] = {"instance_group": groups}
+        if self.device == "auto" and not groups:
+            update["device"] = device
+        return self.model_copy(update=update)
+
 
 def _field_path(loc: tuple[Any, ...]) -> str:
     path = ""

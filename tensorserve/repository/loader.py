@@ -131,8 +131,12 @@ def load_model(source: ModelSource, version: int | None, config: ModelConfig) ->
     return LoadedModel(source.name, version, config, module)
 
 
-def read_config(source: ModelSource, overrides: dict[str, Any] | None = None) -> ModelConfig:
-    config = load_config(source.path / "config.toml")
+def read_config(
+    source: ModelSource, overrides: dict[str, Any] | None = None, default_device: str = "auto"
+) -> ModelConfig:
+    """A model's config.toml, with the server's default device (``--device``)
+    and then its overrides applied."""
+    config = load_config(source.path / "config.toml").with_default_device(default_device)
     if overrides:
         try:
             config = config.with_overrides(**overrides)

@@ -16,19 +16,22 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from tensorserve.errors import ConfigError
 from tensorserve.runtime.cpus import available_cpus
+from tensorserve.runtime.cuda_diagnosis import cuda_missing
 
 
 def resolve_device(name: str) -> torch.device:
-    """``auto`` means CUDA when present; asking for CUDA without one is an error."""
+    """``auto`` means CUDA when present; asking for CUDA without one is a
+    ``ConfigError`` that says why CUDA is missing (the model is FAILED)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"device {name!r} requested but CUDA is not available")
+            raise ConfigError(f"device {name!r} requested but CUDA is not available: {cuda_missing()}")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise RuntimeError(
+            raise ConfigError(
                 f"device {name!r} requested but only {torch.cuda.device_count()} GPU(s) exist"
             )
     return device

@@ -25,6 +25,7 @@ import torch
 from tensorserve.errors import ConfigError
 from tensorserve.repository.config import ModelConfig
 from tensorserve.runtime.cpus import available_cpus
+from tensorserve.runtime.cuda_diagnosis import cuda_missing
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed, Launched, ThreadExecutor, on_device
 
@@ -55,7 +56,8 @@ def place(config: ModelConfig, gpu_count: int | None = None) -> list[Placement]:
         else:
             if gpus_here == 0:
                 raise ConfigError(
-                    f"instance_group[{index}]: KIND_GPU needs a GPU, and CUDA sees none"
+                    f"instance_group[{index}]: KIND_GPU needs a GPU, and CUDA sees none: "
+                    f"{cuda_missing()}"
                 )
             gpus = list(range(gpus_here)) if group.gpus is None else group.gpus
             missing = [g for g in gpus if g >= gpus_here]

@@ -29,6 +29,7 @@ declarations: every item of the request carries the values to ``forward``.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -43,12 +44,15 @@ from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
 from tensorserve.repository.config import VARIABLE, DynamicBatching, ModelConfig, parse_config
 from tensorserve.repository.loader import ModelSource, discover, read_config
+from tensorserve.runtime.cuda_diagnosis import cuda_missing
 from tensorserve.runtime.device import default_intra_op_threads, resolve_device
 from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.isolated import ProcessExecutor
 from tensorserve.runtime.kinds import ExecutorRequest, build_executor
 from tensorserve.runtime.placement import PlacedExecutor, resolve_isolation, resolve_placement
 from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
+
+log = logging.getLogger(__name__)
 
 
 def _watchdog_seconds(config: ModelConfig) -> float | str | None:
@@ -87,6 +91,12 @@ class ServedModel:
             config = config.model_copy(update={"isolation": "thread"})
         self.config = config
         self.device = resolve_device(placements[0].device)
+        if placements[0].device == "auto" and self.device.type == "cpu":
+            # Said once per model load: a GPU node whose driver is too old for
+            # this torch, or a pod without its GPU, would otherwise serve on
+            # the CPU, slowly, with nothing in the logs.
+            log.warning("model %s: device = \"auto\" found no CUDA, so it runs on the CPU (%s); "
+                        "--device cuda makes this an error", name, cuda_missing())
         self.stats = BatchStats()
         self.fn: Callable[..., Any] | None = fn if executor is not None else None
         if executor is None:  # a batch function handed over: the thread kind runs it
@@ -200,6 +210,19 @@ class ServedModel:
         """Why the model cannot run a batch now (None: it can): every worker
         down, or every instance stuck in a batch (docs/reliability.md)."""
         return self.batcher.pipeline.health() or self.executor.health()
+
+    @property
+    def devices(self) -> list[str]:
+        """Where the instances run, resolved ("cpu", "cuda", "cuda:1"): what
+        ``auto`` became, for metadata and metrics."""
+        if isinstance(self.executor, PlacedExecutor):
+            return list(dict.fromkeys(str(d) for d in self.executor.devices()))
+        return [str(self.device)]
+
+    def stuck_instances(self) -> list[tuple[int, float]]:
+        """(instance, seconds) for each instance stuck in a forward that the
+        watchdog could not stop: only a restart of the process frees it."""
+        return self.batcher.pipeline.watchdog.stuck()
 
     # ------------------------------------------------------------------ inference
     def validate(self, items: Sequence[Item]) -> list[dict[str, np.ndarray]]:

@@ -62,9 +62,11 @@ class ModelRegistry:
         overrides: dict[str, Any] | None = None,
         *,
         intra_op_threads: int | None = None,
+        default_device: str = "auto",
     ) -> None:
         self.repository = repository
         self.overrides = overrides or {}
+        self.default_device = default_device  # --device: what a model's "auto" becomes
         self.intra_op_threads = intra_op_threads
         self.entries: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -169,7 +171,7 @@ class ModelRegistry:
             return entry
 
     def _build(self, source: ModelSource) -> ServedModel:
-        config = read_config(source, self.overrides)
+        config = read_config(source, self.overrides, self.default_device)
         served = ServedModel.from_source(
             source,
             None,

@@ -14,8 +14,16 @@ def _tensor(spec: TensorSpec, batching: bool) -> dict[str, Any]:
 
 
 def model_metadata(
-    name: str, version: int | None, state: str, reason: str, config: ModelConfig | None
+    name: str,
+    version: int | None,
+    state: str,
+    reason: str,
+    config: ModelConfig | None,
+    devices: list[str] | None = None,
 ) -> dict[str, Any]:
+    """KServe v2's fields, and tensorserve's own beside them (state, reason,
+    max_batch_size, pad values; ``device``: where a served model resolved to
+    run, one name, or a list over several devices)."""
     metadata: dict[str, Any] = {
         "name": name,
         "versions": [str(version)] if version is not None else [],
@@ -24,6 +32,8 @@ def model_metadata(
     }
     if reason:
         metadata["reason"] = reason
+    if devices:
+        metadata["device"] = devices[0] if len(devices) == 1 else devices
     if config is not None:
         metadata["max_batch_size"] = config.max_batch_size
         metadata["inputs"] = [
