@@ -3,7 +3,8 @@
 The per-model overrides (``max_batch_size``, ``max_queue_delay_ms``,
 ``device``, ``dispatch``, ``policy``, ``instance_count``, ``max_batch_tokens``,
 ``isolation``) apply to every model of the repository on top of its
-config.toml, as MLServer's settings do.
+config.toml, as MLServer's settings do; ``target_p99_ms`` is a default that
+a model's own config.toml value overrides.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ MODEL_OVERRIDES = (
     "instance_count",
     "max_batch_tokens",
     "isolation",
+    "target_p99_ms",  # a default: a model's own target_p99_ms wins (repository.config)
 )
 
 
@@ -140,6 +142,11 @@ class Settings(BaseSettings):
     )
     isolation: Literal["auto", "thread", "process"] | None = Field(
         None, description="Run each model instance in a thread of the server or its own process."
+    )
+    target_p99_ms: float | None = Field(
+        None, gt=0, le=MAX_TIMEOUT_MS,
+        description="Default p99 latency target for models whose config.toml sets none "
+        "(batching adapts and late requests are refused with 503 would_miss_target).",
     )
 
     @field_validator("max_batch_tokens", mode="before")
