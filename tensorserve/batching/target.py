@@ -13,9 +13,14 @@ model's batches were measured to cost (no clocks of its own: callers pass
        safety * ((ahead + items) / (rate * instances) + batch_s)  >  target
 
    ``ahead``: the items queued that would be served before it (at its
-   priority or higher); ``rate``: items per second one instance serves in
-   the batches it runs now (recent batches' items over their seconds);
-   ``batch_s``: a recent batch's seconds, the one it may find running.
+   priority or higher); ``rate``: the most items per second one instance
+   was measured to serve in batches of at most ``ahead + items`` (a moving
+   average of the seconds of each batch size): a queue that long drains in
+   batches that big. Not the rate of the last batches: when few are
+   admitted batches are small and slow per item, and judging a long queue
+   by them would admit fewer still, down to batches of one (measured: 17%
+   of capacity served at 1.5x load); ``batch_s``: a recent batch's seconds,
+   the one it may find running.
    Until a few batches were measured nothing is refused, nor is a request
    with nothing ahead of it (the model alone is slower than the target:
    refusing would turn every slow answer into none).
@@ -28,9 +33,11 @@ model's batches were measured to cost (no clocks of its own: callers pass
    The queue delay is at most a tenth of the target.
 3. **Feedback.** The prediction leaves out the front end, un-padding and the
    machine's noise, so it is corrected by what callers got: every
-   ``ADJUST_EVERY`` served items, ``safety`` grows x1.15 (up to 4) while the
+   ``ADJUST_EVERY`` served items, ``safety`` grows x1.1 (up to 2) while the
    achieved p99 of the last ``WINDOW`` items is over the target, and shrinks
-   x0.95 (down to 0.5) while it is under 70% of it.
+   x0.95 (down to 0.5) while it is under 70% of it. Bounded: latency the
+   queue does not cause (a saturated front end) is not cured by refusing
+   more, and an unbounded factor would refuse nearly everything.
 
 Latency here is the server's: from the item's admission to its batch's end
 (queue wait + padding + forward + un-padding), what the server controls.
@@ -53,7 +60,7 @@ class LatencyTarget:
     ADJUST_EVERY = 100  # served items between two safety updates
     MIN_BATCHES = 4  # measured batches before anything is refused
     ALPHA = 0.2  # weight of the newest batch in the moving averages
-    SAFETY = (0.5, 4.0)
+    SAFETY = (0.5, 2.0)
 
     def __init__(self, target_ms: float, max_batch_size: int, max_queue_delay_ms: float, instances: int):
         if target_ms <= 0:
@@ -69,7 +76,8 @@ class LatencyTarget:
         self._batches = 0
         self._since_adjust = 0
         self._batch_s = 0.0  # moving average of a batch's seconds
-        self._items = 0.0  # moving average of a batch's items
+        # Moving average of the seconds of a batch of each size (index: items - 1).
+        self._seconds_by_size: list[float | None] = [None] * self.max_batch_size
         self.refused = 0
 
     # ------------------------------------------------------------------ measuring
@@ -81,7 +89,9 @@ class LatencyTarget:
             first = self._batches == 0
             self._batches += 1
             self._batch_s = seconds if first else self._batch_s + self.ALPHA * (seconds - self._batch_s)
-            self._items = items if first else self._items + self.ALPHA * (items - self._items)
+            size = min(items, self.max_batch_size) - 1
+            old = self._seconds_by_size[size]
+            self._seconds_by_size[size] = seconds if old is None else old + self.ALPHA * (seconds - old)
             self._latencies.extend(latencies)
             self._since_adjust += len(latencies)
             self._resize_batches()
@@ -100,7 +110,7 @@ class LatencyTarget:
         if p99 is None:
             return
         if p99 > self.target_s:
-            self.safety = min(high, self.safety * 1.15)
+            self.safety = min(high, self.safety * 1.1)
         elif p99 < 0.7 * self.target_s:
             self.safety = max(low, self.safety * 0.95)
 
@@ -116,9 +126,16 @@ class LatencyTarget:
         is answered (with the safety factor), or None while unmeasured."""
         if self._batches < self.MIN_BATCHES:
             return None
-        batch_s, per_batch = self._batch_s, self._items
-        rate = per_batch / batch_s  # items/s of one instance in today's batches
-        return self.safety * ((ahead + items) / (rate * self.instances) + batch_s)
+        queued = ahead + items
+        rate = self._best_rate(min(queued, self.batch_cap))
+        return self.safety * (queued / (rate * self.instances) + self._batch_s)
+
+    def _best_rate(self, largest: int) -> float:
+        """The most items/s one instance was measured to serve in batches of
+        at most ``largest`` items (of any size, if none that small ran yet)."""
+        measured = [(i + 1) / s for i, s in enumerate(self._seconds_by_size) if s]
+        within = [(i + 1) / s for i, s in enumerate(self._seconds_by_size[:largest]) if s]
+        return max(within or measured)
 
     def would_miss(self, ahead: int, items: int) -> float | None:
         """The predicted seconds if they exceed the target (refuse), else None.
