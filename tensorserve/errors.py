@@ -16,6 +16,7 @@ from a response's code (``clients/python/tensorserve_client/errors.py``).
     ├── ModelNotFound                model_not_found   unknown model or version
     ├── ModelNotReady                model_not_ready   loading, failed to load, or unloading
     ├── ServerBusy                   server_busy       a bounded queue is full
+    │   └── WouldMissTarget          would_miss_target the queue ahead would make it miss the latency target
     ├── RequestTooLarge              request_too_large more items than the queue can ever hold
     ├── DeadlineExceeded             deadline_exceeded the item waited longer than its timeout
     ├── ModelFailure                 model_failure     the model (or batch function) raised
@@ -77,6 +78,16 @@ class ServerBusy(TensorServeError):
         self.retry_after = retry_after
 
 
+class WouldMissTarget(ServerBusy):
+    """The model has a latency target (``target_p99_ms``) and the work queued
+    ahead would make this request late: refused at once rather than queued
+    to miss it (batching.target). Retry after ``retry_after`` seconds, or
+    send it to another replica."""
+
+    code = "would_miss_target"
+    rejection = "would_miss_target"
+
+
 class RequestTooLarge(TensorServeError):
     """A request that could never be admitted, however long it waited (more
     items than the model's queue holds): split it; retrying cannot help."""
@@ -125,6 +136,7 @@ CODES: dict[str, type[TensorServeError]] = {
         ModelNotFound,
         ModelNotReady,
         ServerBusy,
+        WouldMissTarget,
         RequestTooLarge,
         DeadlineExceeded,
         ModelFailure,

@@ -5,7 +5,8 @@ The per-model overrides (``max_batch_size``, ``max_queue_delay_ms``,
 ``isolation``) apply to every model of the repository on top of its
 config.toml, as MLServer's settings do. ``device`` is the server's default
 instead: it replaces what a model leaves to ``auto``
-(``ModelConfig.with_default_device``).
+(``ModelConfig.with_default_device``); ``target_p99_ms`` is a default too,
+which a model's own config.toml value overrides.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ MODEL_OVERRIDES = (
     "instance_count",
     "max_batch_tokens",
     "isolation",
+    "target_p99_ms",  # a default: a model's own target_p99_ms wins (repository.config)
 )
 
 
@@ -156,6 +158,11 @@ class Settings(BaseSettings):
     )
     isolation: Literal["auto", "thread", "process"] | None = Field(
         None, description="Run each model instance in a thread of the server or its own process."
+    )
+    target_p99_ms: float | None = Field(
+        None, gt=0, le=MAX_TIMEOUT_MS,
+        description="Default p99 latency target for models whose config.toml sets none "
+        "(batching adapts and late requests are refused with 503 would_miss_target).",
     )
 
     @field_validator("max_batch_tokens", mode="before")

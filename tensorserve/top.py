@@ -7,7 +7,8 @@ Each frame reads the server over plain HTTP: ``GET /metrics`` (twice, an
 interval apart, for the rates), ``GET /v2/models`` (every model's state) and
 ``GET /v2/models/stats`` (the last minute's p50/p99 and padding efficiency,
 and the queue depth). One row per model: state, requests/s, items/s, p50 and
-p99, mean batch size, padding efficiency, queue depth, and errors and
+p99, mean batch size, padding efficiency, queue depth, the latency target (p99
+achieved / target, batch cap) if the model has one, and errors and
 rejections by reason since the server started.
 
 Reading and arithmetic are plain functions (``read``, ``rows``); only
@@ -67,6 +68,8 @@ class Row:
     batch_size: float | None = None
     padding_efficiency: float | None = None
     queue_depth: int | None = None
+    # The latency target's controller (batching/target.py), if the model has one.
+    target: dict[str, Any] | None = None
     errors: dict[str, int] = field(default_factory=dict)  # reason or code -> count
 
 
@@ -118,6 +121,7 @@ def rows(before: Reading | None, now: Reading) -> list[Row]:
                 row.padding_efficiency = recent["padding_efficiency"]
             row.batch_size = stats["avg_batch_size"] if stats["total_batches"] else None
             row.queue_depth = int(stats["queue_depth"])
+            row.target = stats.get("latency_target")
         row.errors = _errors(now, model)
         out.append(row)
     unknown = _errors(now, UNKNOWN_MODEL)
@@ -141,7 +145,16 @@ def _number(value: float | None, digits: int) -> str:
 
 
 COLUMNS = ("model", "state", "req/s", "items/s", "p50 ms", "p99 ms", "batch", "pad eff",
-           "queue", "errors (since start)")
+           "queue", "target", "errors (since start)")
+
+
+def _target(target: dict[str, Any] | None) -> str:
+    """``p99 achieved / target ms, batch cap``: what the controller keeps to."""
+    if target is None:
+        return "-"
+    achieved = target["achieved_p99_ms"]
+    return (f"{_number(achieved, 0)}/{target['target_p99_ms']:g} ms, "
+            f"cap {target['batch_cap']}")
 
 
 def cells(row: Row) -> list[str]:
@@ -155,6 +168,7 @@ def cells(row: Row) -> list[str]:
         _number(row.batch_size, 2),
         _number(row.padding_efficiency, 3),
         "-" if row.queue_depth is None else str(row.queue_depth),
+        _target(row.target),
         ", ".join(f"{k} {v}" for k, v in row.errors.items()) or "-",
     ]
 
@@ -167,8 +181,8 @@ def render(table_rows: list[Row], url: str, interval: float) -> Table:
         title_justify="left",
     )
     for index, name in enumerate(COLUMNS):
-        table.add_column(name, justify="left" if index in (0, 1, 9) else "right",
-                         no_wrap=index != 9)
+        table.add_column(name, justify="left" if index in (0, 1, 10) else "right",
+                         no_wrap=index != 10)
     for row in table_rows:
         style = None if row.state in ("READY", "-") else "yellow"
         table.add_row(*cells(row), style=style)

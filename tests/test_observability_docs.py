@@ -64,7 +64,7 @@ async def test_every_exposed_metric_is_documented_and_every_documented_one_expos
     text = await (await client.get("/metrics")).text()
     exposed = {_base(f.name) for f in text_string_to_metric_families(text)
                if f.name.startswith("tensorserve_")}
-    documented = {_base(n) for n in re.findall(r"`(tensorserve_[a-z_]+)`", DOCS.read_text())}
+    documented = {_base(n) for n in re.findall(r"`(tensorserve_[a-z0-9_]+)`", DOCS.read_text())}
     documented -= {"tensorserve_build"}  # the Info metric's name without its _info suffix
     assert exposed - documented == set(), "exposed but not documented"
     assert documented - exposed == set(), "documented but not exposed"

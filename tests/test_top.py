@@ -47,7 +47,7 @@ def test_one_frame_shows_each_model_with_its_numbers(tmp_path: Path) -> None:
     assert echo == [
         "echo", "READY", "0.0", "0.0", f"{recent['p50_ms']:.2f}", f"{recent['p99_ms']:.2f}",
         f"{stats['avg_batch_size']:.2f}", f"{recent['padding_efficiency']:.3f}", "0",
-        "invalid_input 2, model_failure 1",
+        "-", "invalid_input 2, model_failure 1",
     ]
     assert "unknown_model 1" in lines["_unknown"]
 
@@ -67,6 +67,17 @@ def test_rates_come_from_two_reads() -> None:
         return Reading(at, samples, {"m": "READY"}, json.loads(json.dumps(stats)))
 
     (row,) = rows(reading(10.0, 100, 300), reading(12.0, 140, 400))
-    assert cells(row) == ["m", "READY", "20.0", "50.0", "-", "-", "2.50", "-", "3", "queue_full 4"]
+    assert cells(row) == ["m", "READY", "20.0", "50.0", "-", "-", "2.50", "-", "3", "-",
+                          "queue_full 4"]
     (first,) = rows(None, reading(12.0, 140, 400))
     assert first.requests_per_s is None and cells(first)[2] == "-"
+
+
+def test_a_model_with_a_latency_target_shows_what_it_achieves_against_it() -> None:
+    stats = {"m": {"total_batches": 5, "avg_batch_size": 2.5, "queue_depth": 0,
+                   "recent": {"items": 0},
+                   "latency_target": {"target_p99_ms": 150.0, "achieved_p99_ms": 121.4,
+                                      "batch_cap": 12}}}
+    samples = {"tensorserve_rejections_total": [({"model": "m", "reason": "would_miss_target"}, 7.0)]}
+    (row,) = rows(None, Reading(1.0, samples, {"m": "READY"}, stats))
+    assert cells(row)[9:] == ["121/150 ms, cap 12", "would_miss_target 7"]

@@ -24,7 +24,14 @@ from types import MappingProxyType
 from typing import Any, cast
 
 from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
-from tensorserve.errors import DeadlineExceeded, RequestTooLarge, ServerBusy, TensorServeError
+from tensorserve.batching.target import LatencyTarget
+from tensorserve.errors import (
+    DeadlineExceeded,
+    RequestTooLarge,
+    ServerBusy,
+    TensorServeError,
+    WouldMissTarget,
+)
 
 # How far into the queue a policy looks (a multiple of max_batch_size): enough
 # to find items of similar length, bounded so selection stays cheap.
@@ -47,6 +54,8 @@ class BatcherOptions:
     watchdog_s: float | str | None = "auto"
     # Triton's priority levels: 0 = none; else Pending.priority is 1 (highest)..N.
     priority_levels: int = 0
+    # The p99 latency to keep (batching.target); None: no target, today's batching.
+    target_p99_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.dispatch not in ("eager", "timer"):
@@ -123,8 +132,10 @@ class AdmissionQueue:
         options: BatcherOptions,
         padded_elements: Callable[[list[Any]], int],
         name: str = "model",
+        target: LatencyTarget | None = None,
     ) -> None:
         self.options = options
+        self.target = target  # the latency target's controller, if the model has one
         self.name = name
         self._padded_elements = padded_elements  # of a batch of these items (collate)
         self._waiting: list[Pending] = []
@@ -156,7 +167,40 @@ class AdmissionQueue:
                 f"limit {limit}); retry later",
                 retry_after=self.drain_rate.seconds_for(ahead, now),
             )
+        if self.target is not None:
+            self._refuse_if_late(entries)
         self._waiting.extend(entries)
+
+    def _refuse_if_late(self, entries: Sequence[Pending]) -> None:
+        """``WouldMissTarget`` if the request would be answered after the
+        latency target: refused now, not queued to be late (batching.target)."""
+        assert self.target is not None
+        level = entries[0].priority
+        if self.options.priority_levels:  # served before it: its level and higher (1 is highest)
+            ahead = sum(1 for p in self._waiting if p.priority <= level)
+        else:
+            ahead = len(self._waiting)
+        predicted = self.target.would_miss(ahead, len(entries))
+        if predicted is None:
+            return
+        target_s = self.target.target_s
+        low, high = DrainRate.RETRY_AFTER_S
+        raise WouldMissTarget(
+            f"model {self.name!r} would answer in ~{1000 * predicted:.0f} ms, over its "
+            f"{1000 * target_s:.0f} ms latency target ({ahead} items ahead); retry later",
+            retry_after=min(high, max(low, predicted - target_s)),
+        )
+
+    def batch_cap(self) -> int:
+        """The most items the next batch may hold: the target's cap, if any."""
+        cap = self.options.max_batch_size
+        return min(cap, self.target.batch_cap) if self.target is not None else cap
+
+    def _queue_delay_s(self) -> float:
+        delay = self.options.max_queue_delay_ms
+        if self.target is not None:
+            delay = min(delay, self.target.queue_delay_ms)
+        return delay / 1000
 
     def gone(self, now: float) -> list[Pending]:
         """Waiting entries nobody waits for: cancelled, or past their deadline
@@ -184,13 +228,13 @@ class AdmissionQueue:
         opts = self.options
         if not self._waiting:
             return math.inf
-        if len(self._waiting) >= opts.max_batch_size or closing:
+        if len(self._waiting) >= self.batch_cap() or closing:
             return 0.0
         if ahead:
             return math.inf
         if opts.dispatch == "eager":
             return 0.0
-        overdue_in = self._waiting[0].enqueued + opts.max_queue_delay_ms / 1000 - now
+        overdue_in = self._waiting[0].enqueued + self._queue_delay_s() - now
         return max(0.0, overdue_in)
 
     def take(self, now: float, *, leave_growing: bool = False) -> list[Pending]:
@@ -202,9 +246,9 @@ class AdmissionQueue:
         opts = self.options
         positions = self._window(now)  # indices into the queue, in the order to prefer
         window = [self._waiting[i] for i in positions]
-        overdue_at = now - opts.max_queue_delay_ms / 1000
+        overdue_at = now - self._queue_delay_s()
         views = [Waiting(p.volume, p.enqueued <= overdue_at) for p in window]
-        chosen = sorted(opts.policy.select(views, opts.max_batch_size))
+        chosen = sorted(opts.policy.select(views, self.batch_cap()))
         chosen = self._within_element_cap(window, chosen)
         if leave_growing and len(chosen) == len(self._waiting):
             return []

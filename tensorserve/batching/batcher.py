@@ -47,6 +47,7 @@ from tensorserve.batching.executor import BatchOutputs, DirectExecutor, Executor
 from tensorserve.batching.pipeline import InstanceState, Pipeline
 from tensorserve.batching.results import Batch
 from tensorserve.batching.stats import BatchStats
+from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import DeadlineExceeded, ModelNotReady
 
 # The direct path pads on the event loop's thread and sends without blocking:
@@ -102,6 +103,11 @@ class Batcher:
     @property
     def queue(self) -> AdmissionQueue:
         return self.pipeline.queue
+
+    @property
+    def latency_target(self) -> LatencyTarget | None:
+        """The latency target's controller, if the model has a target."""
+        return self.pipeline.target
 
     @property
     def queue_depth(self) -> int:

@@ -33,6 +33,7 @@ from tensorserve.batching.executor import BatchOutputs, Executor
 from tensorserve.batching.recovery import Recovery
 from tensorserve.batching.results import Batch, BatchResults
 from tensorserve.batching.stats import BatchStats
+from tensorserve.batching.target import LatencyTarget
 from tensorserve.batching.watchdog import Watchdog
 from tensorserve.errors import ModelFailure, ModelNotReady
 
@@ -63,8 +64,14 @@ class Pipeline:
         self.name = name
         self.stats = stats
         self._on_fatal = on_fatal
-        self.queue = AdmissionQueue(options, collator.padded_elements, name)
-        self.results = BatchResults(collator, options.policy, stats, name)
+        instances = executor.instance_count
+        self.target = (
+            None if options.target_p99_ms is None
+            else LatencyTarget(options.target_p99_ms, options.max_batch_size,
+                               options.max_queue_delay_ms, instances)
+        )  # fmt: skip
+        self.queue = AdmissionQueue(options, collator.padded_elements, name, self.target)
+        self.results = BatchResults(collator, options.policy, stats, name, self.target)
         self.recovery = Recovery(name, options.split_failed_batches, stats)
         self.watchdog = Watchdog(self, options.watchdog_s)
         self.lock = threading.Lock()
@@ -72,7 +79,6 @@ class Pipeline:
         self.parked = threading.Condition(self.lock)  # an instance was parked (wait_idle)
         self.accepting = False
         self.closing = False
-        instances = executor.instance_count
         self.states = [InstanceState.BUSY] * instances
         self.in_flight: set[Batch] = set()  # left the queue, not yet finished
         # Parts of failed batches to run again (batching.recovery), before any

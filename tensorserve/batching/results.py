@@ -15,6 +15,7 @@ from tensorserve.batching.collate import Collator, PaddedBatch
 from tensorserve.batching.executor import BatchOutputs
 from tensorserve.batching.policy import BatchPolicy
 from tensorserve.batching.stats import BatchStats
+from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import ModelFailure, as_model_failure
 from tensorserve.tensors.results import RowResult
 
@@ -43,11 +44,19 @@ class BatchResults:
     """Turns a collected batch into one outcome per caller (un-padding the
     outputs), teaches the policy's cost model, and records the batch."""
 
-    def __init__(self, collator: Collator, policy: BatchPolicy, stats: BatchStats, name: str) -> None:
+    def __init__(
+        self,
+        collator: Collator,
+        policy: BatchPolicy,
+        stats: BatchStats,
+        name: str,
+        target: LatencyTarget | None = None,
+    ) -> None:
         self.collator = collator
         self.policy = policy
         self.stats = stats
         self.name = name
+        self.target = target  # told what each batch cost and what its callers waited
 
     def outcomes(self, batch: Batch) -> list[Outcome]:
         """One (entry, result or error, failed) per caller, in order."""
@@ -108,6 +117,9 @@ class BatchResults:
         entries = batch.entries
         if batch.error is None:
             self._teach(entries, batch.seconds)
+            if self.target is not None:
+                now = time.monotonic()
+                self.target.observe(len(entries), batch.seconds, [now - e.enqueued for e in entries])
         padded = batch.padded
         real, elements = (padded.real_elements, padded.padded_elements) if padded else (0, 0)
         self.stats.record_batch(

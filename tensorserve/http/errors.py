@@ -33,6 +33,7 @@ STATUS = {
     errors.ModelNotFound.code: 404,
     errors.ModelNotReady.code: 503,
     errors.ServerBusy.code: 503,
+    errors.WouldMissTarget.code: 503,
     errors.DeadlineExceeded.code: 504,
     errors.ModelFailure.code: 500,
     # One item too large for the model's memory even alone: send a smaller one.

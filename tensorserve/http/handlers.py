@@ -91,6 +91,8 @@ async def model_config(request: web.Request) -> web.Response:
 def _stat(served: ServedModel) -> dict[str, Any]:
     snapshot = served.stats.snapshot(served.batcher.queue_depth)
     snapshot["budget"] = budget_report(served.batcher.options.policy)
+    if (target := served.batcher.latency_target) is not None:
+        snapshot["latency_target"] = target.report()
     return triton.model_stat(served.name, str(served.version), snapshot)
 
 

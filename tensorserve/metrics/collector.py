@@ -157,6 +157,7 @@ class BatchingCollector(Collector):
         yield recoveries
         yield from histograms.values()
         yield depth
+        yield from _target_families(current)
         yield from self._model_families()
 
     def _model_families(self) -> Iterator[Metric]:
@@ -196,3 +197,34 @@ class BatchingCollector(Collector):
         for w in self.liveness.wedged() if self.liveness is not None else []:
             wedged.add_metric([w.model, w.version, str(w.instance)], w.stalled_s)
         yield wedged
+
+
+# (report key, metric name, help, scale): a latency target's controller
+# (batching/target.py), for the models that have a target.
+TARGET_GAUGES = (
+    ("target_p99_ms", "tensorserve_latency_target_seconds", "The model's p99 latency target.", 1e-3),
+    ("achieved_p99_ms", "tensorserve_latency_achieved_p99_seconds",
+     "p99 latency (admission to batch end) of the model's last 1000 served items.", 1e-3),
+    ("batch_cap", "tensorserve_latency_target_batch_cap",
+     "Most items per batch the latency target's controller allows now.", 1.0),
+    ("queue_delay_ms", "tensorserve_latency_target_queue_delay_seconds",
+     "Longest queue delay the latency target's controller allows.", 1e-3),
+    ("safety", "tensorserve_latency_target_safety",
+     "The controller's correction of its predicted wait (1: as predicted).", 1.0),
+)
+
+
+def _target_families(current: dict[tuple[str, str], Any]) -> Iterator[Metric]:
+    families = {
+        key: GaugeMetricFamily(metric, text, labels=["model", "version"])
+        for key, metric, text, _ in TARGET_GAUGES
+    }
+    for labels, served in sorted(current.items()):
+        target = served.batcher.latency_target
+        if target is None:
+            continue
+        report = target.report()
+        for key, _, _, scale in TARGET_GAUGES:
+            if report[key] is not None:
+                families[key].add_metric(labels, report[key] * scale)
+    yield from families.values()

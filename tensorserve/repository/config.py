@@ -76,6 +76,10 @@ class OutputSpec(TensorSpec):
     )
 
 
+# Server-wide settings that are defaults, not overrides: a model's own value wins.
+DEFAULTS_ONLY = frozenset({"target_p99_ms"})
+
+
 class DynamicBatching(_Strict):
     max_queue_delay_ms: float = Field(5.0, ge=0, le=60_000, description="Longest an item waits for company.")
     dispatch: Literal["eager", "timer"] = Field(
@@ -111,6 +115,13 @@ class DynamicBatching(_Strict):
     default_priority_level: int = Field(
         0, ge=0, le=16,
         description="The level of a request that gives none (or 0); 0 = the lowest level.",
+    )
+
+    target_p99_ms: float | None = Field(
+        None, gt=0, le=MAX_TIMEOUT_MS,
+        description="The p99 latency (admission to batch end) to keep: batch size and queue "
+        "delay adapt to it, and a request the queue ahead would make late is refused at "
+        "once (503 would_miss_target). Unset: no target.",
     )
 
     @field_validator("max_batch_tokens", mode="before")
@@ -313,6 +324,8 @@ class ModelConfig(_Strict):
                 continue
             if key in ("device", "instance_count"):
                 data["instance_group"] = []  # the server-wide placement wins
+            if key in DEFAULTS_ONLY and data["dynamic_batching"].get(key) is not None:
+                continue  # a server-wide default: the model's own setting wins
             if key in DynamicBatching.model_fields:
                 data["dynamic_batching"][key] = value
             else:

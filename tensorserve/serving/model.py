@@ -117,6 +117,7 @@ class ServedModel:
             max_queue_size=batching.max_queue_size,
             max_batch_elements=batching.max_batch_elements,
             priority_levels=batching.priority_levels,
+            target_p99_ms=batching.target_p99_ms,
             split_failed_batches=config.faults.split_failed_batches,
             watchdog_s=_watchdog_seconds(config),
         )

@@ -12,6 +12,7 @@ feature at fault.
     ├── ServerUnavailable           503  try again later; retried with backoff
     │   ├── ModelNotReady           503  model_not_ready: loading, failed or unloaded
     │   └── ServerBusy         503, 429  server_busy: a bounded queue is full
+    │       └── WouldMissTarget  503     would_miss_target: the latency target would be missed
     ├── Timeout                          also a builtin TimeoutError
     │   ├── DeadlineExceeded        504  deadline_exceeded: the server dropped the item
     │   └── RequestTimeout               no answer within the client's timeout
@@ -45,6 +46,7 @@ __all__ = [
     "RequestTimeout",
     "RequestTooLarge",
     "ServerBusy",
+    "WouldMissTarget",
     "ServerError",
     "ServerUnavailable",
     "TensorServeError",
@@ -106,6 +108,11 @@ class ServerBusy(ServerUnavailable):
     """A bounded queue is full (503 server_busy, or 429)."""
 
 
+class WouldMissTarget(ServerBusy):
+    """The model's latency target would be missed behind the work queued
+    ahead (503 would_miss_target): retry later or on another replica."""
+
+
 class Timeout(TensorServeError, builtins.TimeoutError):
     """The request took too long, on the server or on the way."""
 
@@ -148,6 +155,7 @@ BY_CODE: dict[str, type[TensorServeError]] = {
     "out_of_memory": OutOfMemory,
     "model_not_ready": ModelNotReady,
     "server_busy": ServerBusy,
+    "would_miss_target": WouldMissTarget,
     "deadline_exceeded": DeadlineExceeded,
     "model_failure": ModelFailure,
     "internal": InternalError,

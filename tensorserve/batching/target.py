@@ -1,0 +1,166 @@
+"""A latency target: the p99 a model's callers need, and the controller that
+batches and admits to keep it (``[dynamic_batching] target_p99_ms``).
+
+Without a target a queue fills to ``max_queue_size`` under overload and every
+accepted item waits behind it: the p99 of what is served grows with the
+queue, not with what callers need. With one, three rules, all from what the
+model's batches were measured to cost (no clocks of its own: callers pass
+``now``, so it is unit-tested with made-up times, tests/test_target.py):
+
+1. **Admission by predicted wait.** A request is refused at once
+   (``WouldMissTarget``: 503 + Retry-After) when
+
+       safety * ((ahead + items) / (rate * instances) + batch_s)  >  target
+
+   ``ahead``: the items queued that would be served before it (at its
+   priority or higher); ``rate``: the most items per second one instance
+   was measured to serve in batches of at most ``ahead + items`` (a moving
+   average of the seconds of each batch size): a queue that long drains in
+   batches that big. Not the rate of the last batches: when few are
+   admitted batches are small and slow per item, and judging a long queue
+   by them would admit fewer still, down to batches of one (measured: 17%
+   of capacity served at 1.5x load); ``batch_s``: a recent batch's seconds,
+   the one it may find running.
+   Until a few batches were measured nothing is refused, nor is a request
+   with nothing ahead of it (the model alone is slower than the target:
+   refusing would turn every slow answer into none).
+2. **Batch size.** A batch that takes longer than a quarter of the target
+   leaves too little for the waits around it: the batch cap shrinks (x0.8)
+   while recent batches take more than ``target / 4`` and grows back (+1, up
+   to ``max_batch_size``) while they take less than ``target / 8``. Between
+   the two it stays: a bigger batch serves more items per second on every
+   model measured here, so the cap is the largest that fits the target.
+   The queue delay is at most a tenth of the target.
+3. **Feedback.** The prediction leaves out the front end, un-padding and the
+   machine's noise, so it is corrected by what callers got: every
+   ``ADJUST_EVERY`` served items, ``safety`` grows x1.1 (up to 2) while the
+   achieved p99 of the last ``WINDOW`` items is over the target, and shrinks
+   x0.95 (down to 0.5) while it is under 70% of it. Bounded: latency the
+   queue does not cause (a saturated front end) is not cured by refusing
+   more, and an unbounded factor would refuse nearly everything.
+
+Latency here is the server's: from the item's admission to its batch's end
+(queue wait + padding + forward + un-padding), what the server controls.
+Written by whichever thread finished a batch, read by whichever admits:
+``observe`` and ``report`` hold a lock; ``predicted_s`` and the caps read
+whole values.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+
+class LatencyTarget:
+    WINDOW = 1000  # served items whose latencies give the achieved p99
+    ADJUST_EVERY = 100  # served items between two safety updates
+    MIN_BATCHES = 4  # measured batches before anything is refused
+    ALPHA = 0.2  # weight of the newest batch in the moving averages
+    SAFETY = (0.5, 2.0)
+
+    def __init__(self, target_ms: float, max_batch_size: int, max_queue_delay_ms: float, instances: int):
+        if target_ms <= 0:
+            raise ValueError(f"target_p99_ms must be > 0, got {target_ms}")
+        self.target_s = target_ms / 1000
+        self.max_batch_size = max(1, max_batch_size)
+        self.instances = max(1, instances)
+        self.queue_delay_ms = min(max_queue_delay_ms, target_ms / 10)
+        self.batch_cap = self.max_batch_size
+        self.safety = 1.0
+        self._lock = threading.Lock()
+        self._latencies: deque[float] = deque(maxlen=self.WINDOW)
+        self._batches = 0
+        self._since_adjust = 0
+        self._batch_s = 0.0  # moving average of a batch's seconds
+        # Moving average of the seconds of a batch of each size (index: items - 1).
+        self._seconds_by_size: list[float | None] = [None] * self.max_batch_size
+        self.refused = 0
+
+    # ------------------------------------------------------------------ measuring
+    def observe(self, items: int, seconds: float, latencies: Sequence[float]) -> None:
+        """One batch that ran: its items, its seconds, and each item's latency."""
+        if items < 1 or seconds <= 0:
+            return
+        with self._lock:
+            first = self._batches == 0
+            self._batches += 1
+            self._batch_s = seconds if first else self._batch_s + self.ALPHA * (seconds - self._batch_s)
+            size = min(items, self.max_batch_size) - 1
+            old = self._seconds_by_size[size]
+            self._seconds_by_size[size] = seconds if old is None else old + self.ALPHA * (seconds - old)
+            self._latencies.extend(latencies)
+            self._since_adjust += len(latencies)
+            self._resize_batches()
+            if self._since_adjust >= self.ADJUST_EVERY:
+                self._since_adjust = 0
+                self._correct(self._p99())
+
+    def _resize_batches(self) -> None:
+        if self._batch_s > self.target_s / 4 and self.batch_cap > 1:
+            self.batch_cap = max(1, int(self.batch_cap * 0.8))
+        elif self._batch_s < self.target_s / 8 and self.batch_cap < self.max_batch_size:
+            self.batch_cap += 1
+
+    def _correct(self, p99: float | None) -> None:
+        low, high = self.SAFETY
+        if p99 is None:
+            return
+        if p99 > self.target_s:
+            self.safety = min(high, self.safety * 1.1)
+        elif p99 < 0.7 * self.target_s:
+            self.safety = max(low, self.safety * 0.95)
+
+    def _p99(self) -> float | None:
+        if not self._latencies:
+            return None
+        ordered = sorted(self._latencies)
+        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+    # ------------------------------------------------------------------ deciding
+    def predicted_s(self, ahead: int, items: int) -> float | None:
+        """Seconds until a request of ``items`` behind ``ahead`` queued items
+        is answered (with the safety factor), or None while unmeasured."""
+        if self._batches < self.MIN_BATCHES:
+            return None
+        queued = ahead + items
+        rate = self._best_rate(min(queued, self.batch_cap))
+        return self.safety * (queued / (rate * self.instances) + self._batch_s)
+
+    def _best_rate(self, largest: int) -> float:
+        """The most items/s one instance was measured to serve in batches of
+        at most ``largest`` items (of any size, if none that small ran yet)."""
+        measured = [(i + 1) / s for i, s in enumerate(self._seconds_by_size) if s]
+        within = [(i + 1) / s for i, s in enumerate(self._seconds_by_size[:largest]) if s]
+        return max(within or measured)
+
+    def would_miss(self, ahead: int, items: int) -> float | None:
+        """The predicted seconds if they exceed the target (refuse), else None.
+        Nothing ahead: never refused. The model alone is then slower than
+        the target, and refusing would only turn a slow answer into none."""
+        if ahead == 0:
+            return None
+        predicted = self.predicted_s(ahead, items)
+        if predicted is None or predicted <= self.target_s:
+            return None
+        self.refused += 1
+        return predicted
+
+    # ------------------------------------------------------------------ reporting
+    def report(self) -> dict[str, Any]:
+        """For the stats and the metrics: the target, what is achieved, the settings."""
+        with self._lock:
+            p99 = self._p99()
+            return {
+                "target_p99_ms": round(1000 * self.target_s, 3),
+                "achieved_p99_ms": None if p99 is None else round(1000 * p99, 3),
+                "window_items": len(self._latencies),
+                "batch_cap": self.batch_cap,
+                "queue_delay_ms": self.queue_delay_ms,
+                "safety": round(self.safety, 3),
+                "batch_ms": round(1000 * self._batch_s, 3),
+                "refused": self.refused,
+            }

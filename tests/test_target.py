@@ -1,0 +1,161 @@
+"""The latency target's controller (batching/target.py) and admission by
+predicted wait, without threads or clocks: every cost and time is made up."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+
+from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
+from tensorserve.batching.target import LatencyTarget
+from tensorserve.errors import ServerBusy, WouldMissTarget
+
+
+def entry(priority: int = 0) -> Pending:
+    return Pending(item=1, volume=1, future=Future(), loop=None, enqueued=0.0, deadline=None,
+                   priority=priority)
+
+
+def measured(target: LatencyTarget, items: int, seconds: float, batches: int = 4) -> None:
+    """``batches`` batches of ``items`` that took ``seconds`` each, served on time."""
+    for _ in range(batches):
+        target.observe(items, seconds, [seconds] * items)
+
+
+def test_nothing_is_refused_until_batches_were_measured() -> None:
+    target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
+    assert target.predicted_s(10_000, 1) is None
+    assert target.would_miss(10_000, 1) is None
+    measured(target, 8, 0.010, batches=LatencyTarget.MIN_BATCHES - 1)
+    assert target.would_miss(10_000, 1) is None
+
+
+def test_the_predicted_wait_is_the_queue_ahead_at_the_measured_rate_plus_one_batch() -> None:
+    # Batches of 8 in 10 ms: 800 items/s an instance.
+    target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
+    measured(target, 8, 0.010)
+    assert target.predicted_s(79, 1) == pytest.approx(80 / 800 + 0.010)
+    two = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=2)
+    measured(two, 8, 0.010)
+    assert two.predicted_s(79, 1) == pytest.approx(80 / 1600 + 0.010)
+
+
+def test_a_long_queue_is_judged_by_the_rate_of_big_batches_not_of_the_last_small_ones() -> None:
+    target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
+    measured(target, 8, 0.010)  # 800 items/s in batches of 8
+    measured(target, 1, 0.005)  # 200 items/s alone, the latest
+    # 40 queued drain in batches of 8: at 800/s, not at 200/s.
+    assert target.predicted_s(39, 1) == pytest.approx(40 / 800 + target.report()["batch_ms"] / 1000)
+    # Two queued can only form a batch of 2 or less: the lone rate.
+    assert target.predicted_s(1, 1) == pytest.approx(2 / 200 + target.report()["batch_ms"] / 1000)
+
+
+def test_safety_is_bounded_so_latency_the_queue_does_not_cause_cannot_refuse_everything() -> None:
+    target = LatencyTarget(100, max_batch_size=10, max_queue_delay_ms=5, instances=1)
+    for _ in range(100):
+        target.observe(10, 0.010, [1.0] * 10)  # every caller a second late, whatever is refused
+    assert target.safety == LatencyTarget.SAFETY[1]
+    # Still admitted: what drains within the target at the measured rate over the bound.
+    assert target.would_miss(30, 1) is None
+
+
+def test_a_request_is_refused_only_when_its_predicted_wait_exceeds_the_target() -> None:
+    target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
+    measured(target, 8, 0.010)
+    # 0.1 s allows (0.1 - 0.01) * 800 = 72 items, its own included.
+    assert target.would_miss(71, 1) is None
+    assert target.would_miss(72, 1) == pytest.approx(73 / 800 + 0.010)
+    assert target.refused == 1
+
+
+def test_the_batch_cap_shrinks_while_batches_take_over_a_quarter_of_the_target() -> None:
+    target = LatencyTarget(40, max_batch_size=32, max_queue_delay_ms=5, instances=1)
+    measured(target, 32, 0.020, batches=1)  # 20 ms > 40 / 4
+    assert target.batch_cap == 25  # 32 x 0.8
+    measured(target, 25, 0.012, batches=1)  # the average is still over 10 ms
+    assert target.batch_cap == 20
+    for _ in range(30):  # fast batches: it grows back, one at a time, to the maximum
+        target.observe(4, 0.001, [0.001] * 4)
+    assert target.batch_cap == 32
+
+
+def test_the_queue_delay_is_at_most_a_tenth_of_the_target() -> None:
+    assert LatencyTarget(20, 8, max_queue_delay_ms=5, instances=1).queue_delay_ms == 2
+    assert LatencyTarget(200, 8, max_queue_delay_ms=5, instances=1).queue_delay_ms == 5
+
+
+def test_safety_grows_while_callers_get_a_p99_over_the_target_and_shrinks_when_well_under() -> None:
+    target = LatencyTarget(100, max_batch_size=10, max_queue_delay_ms=5, instances=1)
+    for _ in range(LatencyTarget.ADJUST_EVERY // 10):
+        target.observe(10, 0.010, [0.150] * 10)  # every caller late: p99 150 ms
+    assert target.safety == pytest.approx(1.1)
+    assert target.report()["achieved_p99_ms"] == pytest.approx(150)
+    target = LatencyTarget(100, max_batch_size=10, max_queue_delay_ms=5, instances=1)
+    for _ in range(LatencyTarget.ADJUST_EVERY // 10):
+        target.observe(10, 0.010, [0.020] * 10)  # all early
+    assert target.safety == pytest.approx(0.95)
+
+
+def test_the_achieved_p99_is_of_the_last_window_of_items() -> None:
+    target = LatencyTarget(100, max_batch_size=10, max_queue_delay_ms=5, instances=1)
+    target.observe(10, 0.010, [0.5] * 10)  # old and slow
+    for _ in range(LatencyTarget.WINDOW // 10):
+        target.observe(10, 0.010, [0.001 * i for i in range(1, 11)])
+    assert target.report()["achieved_p99_ms"] == pytest.approx(10)
+
+
+def test_a_request_with_nothing_ahead_is_never_refused_even_by_a_model_slower_than_the_target() -> None:
+    target = LatencyTarget(100, max_batch_size=1, max_queue_delay_ms=5, instances=1)
+    measured(target, 1, 0.300)  # one item takes 300 ms
+    assert target.would_miss(0, 1) is None
+    assert target.would_miss(1, 1) == pytest.approx(2 / (1 / 0.3) + 0.3)
+
+
+def test_a_target_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="target_p99_ms must be > 0"):
+        LatencyTarget(0, 8, 5, 1)
+
+
+# ---------------------------------------------------------------------- admission
+def queue_with_target(**options: object) -> tuple[AdmissionQueue, LatencyTarget]:
+    opts = BatcherOptions(target_p99_ms=100, **options)  # type: ignore[arg-type]
+    target = LatencyTarget(100, opts.max_batch_size, opts.max_queue_delay_ms, 1)
+    measured(target, 8, 0.010)  # 800 items/s: 72 items fit in the target
+    return AdmissionQueue(opts, lambda items: len(items), name="toy", target=target), target
+
+
+def test_admission_refuses_a_request_the_queue_ahead_would_make_late() -> None:
+    queue, _ = queue_with_target(max_batch_size=8)
+    queue.admit([entry() for _ in range(70)], 0.0)
+    queue.admit([entry()], 0.0)  # 70 ahead: 71 items, on time
+    with pytest.raises(WouldMissTarget) as refused:
+        queue.admit([entry(), entry()], 0.0)  # 71 ahead: 73 items, late
+    assert isinstance(refused.value, ServerBusy)  # retried later, as a full queue
+    assert refused.value.code == "would_miss_target"
+    assert "over its 100 ms latency target (71 items ahead)" in str(refused.value)
+    assert 1.0 <= refused.value.retry_after <= 60.0
+    assert len(queue) == 71  # nothing of the refused request got in
+    queue.admit([entry()], 0.0)  # a smaller one still fits
+
+
+def test_admission_counts_only_the_items_served_before_a_higher_priority_request() -> None:
+    queue, _ = queue_with_target(max_batch_size=8, priority_levels=2)
+    queue.admit([entry(priority=2) for _ in range(72)], 0.0)
+    with pytest.raises(WouldMissTarget):
+        queue.admit([entry(priority=2)], 0.0)
+    queue.admit([entry(priority=1)], 0.0)  # nothing of level 1 ahead: on time
+
+
+def test_the_target_caps_the_batch_the_policy_may_take() -> None:
+    queue, target = queue_with_target(max_batch_size=8)
+    queue.admit([entry() for _ in range(8)], 0.0)
+    target.batch_cap = 3
+    assert len(queue.take(0.0)) == 3
+    assert queue.batch_cap() == 3
+
+
+def test_without_a_target_admission_is_unchanged() -> None:
+    queue = AdmissionQueue(BatcherOptions(max_queue_size=10_000), lambda items: len(items))
+    queue.admit([entry() for _ in range(5_000)], 0.0)
+    assert queue.batch_cap() == 32

@@ -1,0 +1,88 @@
+"""A latency target against a real server process on loopback: a burst the
+model cannot serve within its target gets the rest refused at once (503
+would_miss_target with Retry-After) while every admitted caller gets its own
+row; the same burst to a model without a target is all queued and served;
+the stats and the metrics show the target and the refusals."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+
+from tests.conftest import ServerProcess
+from tests.helpers import MSGPACK, SLEEPY_IO, SLEEPY_MODEL, body, from_wire, write_toy_model
+
+pytestmark = pytest.mark.timeout(180)
+
+# Batches of up to 4 items of 20 ms each: 200 items/s. A 200 ms target then
+# holds ~36 items queued ahead; a burst of 100 cannot all be on time.
+SLOW = {**SLEEPY_IO, "max_batch_size": 4, "dynamic_batching": {"max_queue_delay_ms": 1.0}}
+BURST = 100
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    repo = tmp_path_factory.mktemp("targets")
+    write_toy_model(repo, "targeted", SLEEPY_MODEL,
+                    **{**SLOW, "dynamic_batching": {**SLOW["dynamic_batching"], "target_p99_ms": 200.0}})
+    write_toy_model(repo, "untargeted", SLEEPY_MODEL, **SLOW)
+    process = ServerProcess(repo)
+    yield process
+    process.stop()
+
+
+def _infer(url: str, model: str, value: float) -> tuple[int, object, str | None]:
+    item = {"ms": np.array([20.0, value], np.float32)}  # sleeps 20 ms: value < 20
+    reply = httpx.post(f"{url}/v2/models/{model}/infer", content=body([item]), headers=MSGPACK,
+                       timeout=120)
+    decoded = msgpack.unpackb(reply.content)
+    if reply.status_code != 200:
+        return reply.status_code, decoded, reply.headers.get("Retry-After")
+    return 200, from_wire(decoded["outputs"][0]["y"]).tolist(), None
+
+
+def _burst(url: str, model: str) -> list[tuple[int, object, str | None]]:
+    with ThreadPoolExecutor(BURST) as pool:
+        return list(pool.map(lambda v: _infer(url, model, float(v)), (i / 10 for i in range(BURST))))
+
+
+def test_a_burst_past_the_target_is_refused_at_once_and_the_admitted_get_their_rows(
+    server: ServerProcess,
+) -> None:
+    url = server.url
+    for value in range(8):  # the controller measures a few batches first
+        assert _infer(url, "targeted", float(value))[0] == 200
+    results = _burst(url, "targeted")
+    served = [(i, r) for i, r in enumerate(results) if r[0] == 200]
+    refused = [r for r in results if r[0] != 200]
+    assert served and refused, [r[0] for r in results]
+    for i, (_, rows, _) in served:  # every admitted caller got its own row
+        assert rows == [40.0, np.float32(2 * np.float32(i / 10))]
+    for status, error, retry_after in refused:
+        assert status == 503
+        assert error["code"] == "would_miss_target"  # type: ignore[index]
+        assert re.search(r"over its 200 ms latency target \(\d+ items ahead\); retry later",
+                         error["error"])  # type: ignore[index]
+        assert retry_after is not None and 1 <= int(retry_after) <= 60
+    stats = httpx.get(f"{url}/v2/models/targeted/stats").json()["batching"]["latency_target"]
+    assert stats["target_p99_ms"] == 200.0 and stats["refused"] == len(refused)
+    assert 1 <= stats["batch_cap"] <= 4 and stats["achieved_p99_ms"] > 0
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'tensorserve_latency_target_seconds{model="targeted",version="1"} 0.2' in metrics
+    rejected = re.search(r'tensorserve_rejections_total\{[^}]*model="targeted"[^}]*'
+                         r'reason="would_miss_target"[^}]*\} (\d+)', metrics)
+    assert rejected is not None and int(rejected.group(1)) == len(refused)
+
+
+def test_without_a_target_the_same_burst_is_all_queued_and_served(server: ServerProcess) -> None:
+    results = _burst(server.url, "untargeted")
+    assert [r[0] for r in results] == [200] * BURST
+    assert all(rows == [40.0, np.float32(2 * np.float32(i / 10))]
+               for i, (_, rows, _) in enumerate(results))
+    assert "latency_target" not in httpx.get(
+        f"{server.url}/v2/models/untargeted/stats").json()["batching"]
