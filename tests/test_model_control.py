@@ -16,6 +16,9 @@ import msgpack
 import numpy as np
 import pytest
 
+from tensorserve.cli import main
+from tensorserve.serving.poller import compare, fingerprint
+from tensorserve.settings import Settings
 from tests.conftest import ServerProcess
 from tests.helpers import ECHO, MSGPACK, body, from_wire, wait_until, write_toy_model
 
@@ -190,3 +193,47 @@ def test_poll_mode_reloads_changed_loads_new_and_unloads_removed_models(
         assert [model["name"] for model in index] == ["echo"]
     finally:
         assert server.stop().returncode == 0
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("trace:X-Key=v", (
+        "unknown API 'trace'; choose from health, metadata, inference, model-config, "
+        "model-repository, statistics"
+    )),
+    ("model-repository:X-Key", "the group for 'model-repository' is not API[,API...]:HEADER=VALUE"),
+    ("health:A=1;health:B=2", "API 'health' is restricted twice"),
+])
+def test_a_bad_restricted_api_is_a_usage_error_that_never_shows_the_value(
+    capsys: pytest.CaptureFixture[str], spec: str, message: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--restricted-api", spec])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--restricted-api / TENSORSERVE_RESTRICTED_API: Value error, " + message in err
+    assert "X-Key=v" not in err
+
+
+def test_restricted_apis_parse_with_case_insensitive_headers() -> None:
+    spec = "model-repository, statistics:X-Admin-Key=a=b; inference:Y=z"
+    settings = Settings(restricted_api=spec)
+    assert settings.restrictions() == {
+        "model-repository": ("x-admin-key", "a=b"),
+        "statistics": ("x-admin-key", "a=b"),
+        "inference": ("y", "z"),
+    }
+
+
+def test_a_fingerprint_sees_a_changed_file_and_not_the_bytecode_an_import_writes(
+    tmp_path: Path,
+) -> None:
+    folder = write_toy_model(tmp_path, "echo", FACTOR_MODEL.format(factor=2), **ECHO)
+    before = fingerprint(folder)
+    (folder / "1" / "__pycache__").mkdir()
+    (folder / "1" / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"\0" * 64)
+    assert fingerprint(folder) == before
+    replace_model_py(tmp_path, "echo", FACTOR_MODEL.format(factor=30))
+    after = fingerprint(folder)
+    assert after != before
+    changes = compare({"echo": before, "gone": ()}, {"echo": after, "new": ()})
+    assert (changes.added, changes.changed, changes.removed) == (["new"], ["echo"], ["gone"])

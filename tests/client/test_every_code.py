@@ -125,9 +125,8 @@ def test_every_code_the_server_sends_is_provoked_here() -> None:
 @pytest.mark.parametrize("code", sorted(PROVOKE))
 def test_the_client_raises_each_codes_own_class(codes: Codes, code: str) -> None:
     status, cls = tc.errors.CODES[code]
-    with Client(codes.url, retries=NO_RETRIES, headers={}) as client:
-        with pytest.raises(cls) as caught:
-            PROVOKE[code](client)
+    with Client(codes.url, retries=NO_RETRIES) as client, pytest.raises(cls) as caught:
+        PROVOKE[code](client)
     assert type(caught.value) is cls
     assert (caught.value.status, caught.value.code) == (status, code)
 

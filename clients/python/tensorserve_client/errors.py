@@ -10,7 +10,7 @@ feature at fault.
     │   ├── RequestTooLarge         413  request_too_large: more items than the queue holds
     │   ├── OutOfMemory             413  out_of_memory: one item too large for the model
     │   └── Forbidden               403  refused by the server's settings, whoever asks
-    │       ├── ModelControlDisabled 403 model_control_disabled: load/unload through the API is off
+    │       ├── ModelControlDisabled 403 model_control_disabled: the API may not load or unload
     │       └── ApiRestricted       403  api_restricted: the API's header is missing or wrong
     ├── ServerUnavailable           503  try again later; retried with backoff
     │   ├── ModelNotReady           503  model_not_ready: loading, failed or unloaded
