@@ -133,6 +133,7 @@ def test_a_restricted_api_refuses_a_request_without_its_header_or_with_another_v
     assert infer(url) == 2.0
     # APIs not named stay open; a header's name is case-insensitive.
     assert httpx.get(f"{url}/v2/models/echo/stats").status_code == 200
+    assert httpx.head(f"{url}/v2/health/ready").status_code == 200  # probes may send HEAD
     assert httpx.get(f"{url}/v2/models/echo/config", headers={"x-admin-key": "s3cret"}).json()[
         "name"
     ] == "echo"

@@ -89,7 +89,10 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
     app[METRICS] = Metrics(registry)
     app[LOG_LIMIT] = RateLimit()
     for method, path, handler, _ in ROUTES:
-        app.router.add_route(method, path, handler)
+        if method == "GET":
+            app.router.add_get(path, handler)  # HEAD too: some probes send it
+        else:
+            app.router.add_route(method, path, handler)
 
     async def models(app: web.Application) -> AsyncIterator[None]:
         poller = None
