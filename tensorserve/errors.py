@@ -22,7 +22,9 @@ from a response's code (``clients/python/tensorserve_client/errors.py``).
     ├── ModelFailure                 model_failure     the model (or batch function) raised
     │   ├── WorkerCrashed            model_failure     its worker process died (or the watchdog killed it)
     │   └── BatchOutOfMemory         model_failure     the padded batch did not fit (split and retried)
-    └── OutOfMemory                  out_of_memory     one item does not fit in memory even alone
+    ├── OutOfMemory                  out_of_memory     one item does not fit in memory even alone
+    ├── ModelControlDisabled         model_control_disabled  load/unload through the API is off
+    └── ApiRestricted                api_restricted    a restricted API without its header
 
 Retried later: ``ModelNotReady`` and ``ServerBusy``. Not rejections (errors
 of the model or the server): ``ModelFailure`` and ``internal``.
@@ -127,6 +129,23 @@ class OutOfMemory(TensorServeError):
     rejection = "too_large"
 
 
+class ModelControlDisabled(TensorServeError):
+    """Loading and unloading through the repository API is off
+    (``model_control_mode`` none, or poll, where the repository's files
+    decide): the model is left as it was."""
+
+    code = "model_control_disabled"
+    rejection = "forbidden"
+
+
+class ApiRestricted(TensorServeError):
+    """The endpoint belongs to an API restricted by ``restricted_api`` and the
+    request lacks its header, or carries another value."""
+
+    code = "api_restricted"
+    rejection = "forbidden"
+
+
 # The one table of error codes: each code and the class that owns it.
 CODES: dict[str, type[TensorServeError]] = {
     cls.code: cls
@@ -141,6 +160,8 @@ CODES: dict[str, type[TensorServeError]] = {
         DeadlineExceeded,
         ModelFailure,
         OutOfMemory,
+        ModelControlDisabled,
+        ApiRestricted,
     )
 }
 

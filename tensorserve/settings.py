@@ -11,6 +11,7 @@ which a model's own config.toml value overrides.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,6 +35,40 @@ MODEL_OVERRIDES = (
     "isolation",
     "target_p99_ms",  # a default: a model's own target_p99_ms wins (repository.config)
 )
+
+
+# The APIs ``restricted_api`` can restrict, by Triton's names; each is a group
+# of endpoints (tensorserve/http/app.py ROUTES). Triton's shared-memory, trace
+# and logging APIs do not exist here.
+RESTRICTABLE_APIS = (
+    "health", "metadata", "inference", "model-config", "model-repository", "statistics",
+)
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
+
+
+def parse_restricted_api(spec: str) -> dict[str, tuple[str, str]]:
+    """``"model-repository,statistics:X-Admin-Key=secret"`` -> ``{api: (header,
+    value)}``, Triton's ``--http-restricted-api`` syntax; several groups, each
+    with its own header, are separated by ``;``. Header names are compared
+    case-insensitively (HTTP's rule), so they are kept lower case."""
+    restrictions: dict[str, tuple[str, str]] = {}
+    for group in filter(None, (part.strip() for part in spec.split(";"))):
+        apis, colon, rule = group.partition(":")
+        header, equals, value = rule.partition("=")
+        header = header.strip()
+        if not colon or not equals or not value or not _HEADER_NAME.match(header):
+            # Names the APIs, never the rest: it may hold the secret value.
+            raise ValueError(
+                f"the group for {apis.strip()!r} is not API[,API...]:HEADER=VALUE (e.g. "
+                f"'model-repository:X-Admin-Key=secret'), with a header name and a value"
+            )
+        for api in (a.strip() for a in apis.split(",")):
+            if api not in RESTRICTABLE_APIS:
+                raise ValueError(f"unknown API {api!r}; choose from {', '.join(RESTRICTABLE_APIS)}")
+            if api in restrictions:
+                raise ValueError(f"API {api!r} is restricted twice")
+            restrictions[api] = (header.lower(), value)
+    return restrictions
 
 
 def check_batch_tokens(value: Any) -> int | str:
@@ -118,6 +153,28 @@ class Settings(BaseSettings):
         "repository API later); off: an empty repository is a start-up error.",
     )
 
+    # Who may change what is served (docs/operations.md, "Model control").
+    model_control_mode: Literal["none", "explicit", "poll"] = Field(
+        "none",
+        description="none: the models found at start-up serve, and the repository API's load "
+        "and unload answer 403; explicit: the repository API loads, reloads and unloads "
+        "models; poll: the server reloads models whose files change, loads new model "
+        "folders and unloads removed ones, every repository_poll_secs (the API's load and "
+        "unload answer 403).",
+    )
+    repository_poll_secs: float = Field(
+        15.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="In poll mode, how often the repository's files are looked at.",
+    )
+    restricted_api: str | None = Field(
+        None,
+        description="APIs answered only for requests carrying a header, as "
+        "API[,API...]:HEADER=VALUE (groups separated by ';'); APIs: "
+        + ", ".join(RESTRICTABLE_APIS) + " (unset: none restricted).",
+    )
+
     intra_op_threads: int | None = Field(
         None,
         ge=1,
@@ -171,6 +228,17 @@ class Settings(BaseSettings):
         if isinstance(value, str) and value.isdigit():  # a flag's or a variable's digits
             value = int(value)
         return None if value is None else check_batch_tokens(value)
+
+    @field_validator("restricted_api")
+    @classmethod
+    def _restrictions(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_restricted_api(value)  # a bad spec fails at start-up, not per request
+        return value
+
+    def restrictions(self) -> dict[str, tuple[str, str]]:
+        """``restricted_api`` parsed: API -> (lower-case header name, value)."""
+        return parse_restricted_api(self.restricted_api or "")
 
     def model_overrides(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in MODEL_OVERRIDES if getattr(self, key) is not None}

@@ -16,10 +16,16 @@ REPOSITORY = ROOT / "model_repository"
 
 class ServerProcess(BenchServerProcess):
     """``python -m tensorserve serve`` on a free loopback port, started (and
-    ready) on construction; ``stop()`` ends it."""
+    ready) on construction; ``stop()`` ends it. ``log``: a file for its output."""
 
-    def __init__(self, repository: Path = REPOSITORY, *args: str, env: dict[str, str] | None = None):
-        super().__init__(str(repository), args, env=env)
+    def __init__(
+        self,
+        repository: Path = REPOSITORY,
+        *args: str,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+    ):
+        super().__init__(str(repository), args, env=env, log=log)
         self.start()
 
 

@@ -6,6 +6,7 @@ compared with the server's, not built from it."""
 from __future__ import annotations
 
 import pytest
+import tensorserve_client
 import tensorserve_client.errors as client
 
 from tensorserve import errors
@@ -59,5 +60,14 @@ def test_the_client_rebuilds_every_code_into_its_own_class(code: str) -> None:
     assert isinstance(rebuilt, client.BadRequest) == (400 <= status < 500)
 
 
-def test_the_client_knows_no_code_the_server_does_not_send() -> None:
-    assert set(client.BY_CODE) == set(CODES)
+def test_the_clients_table_is_the_servers_code_for_code_and_status_for_status() -> None:
+    assert {code: status for code, (status, _) in client.CODES.items()} == {
+        code: STATUS[code] for code in CODES
+    }
+    assert client.BY_CODE == {code: cls for code, (_, cls) in client.CODES.items()}
+
+
+def test_every_code_has_a_client_class_of_its_own_that_the_package_exports() -> None:
+    classes = [cls for _, cls in client.CODES.values()]
+    assert len(set(classes)) == len(classes)
+    assert all(getattr(tensorserve_client, cls.__name__) is cls for cls in classes)

@@ -53,7 +53,7 @@ def faulty_server(tmp_path_factory: pytest.TempPathFactory):
     write_toy_model(repo, "crashy", CRASHY, **{**TOGETHER, "isolation": "process",
                                                "faults": {"watchdog_ms": 3000}})
     write_toy_model(repo, "spare", POISON_MODEL, **ECHO)
-    server = ServerProcess(repo)
+    server = ServerProcess(repo, "--model-control-mode", "explicit")  # unloads "spare"
     yield server
     server.stop()
 

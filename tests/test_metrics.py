@@ -67,7 +67,8 @@ async def app_client(aiohttp_client: Any, tmp_path: Path) -> Any:
     write_toy_model(tmp_path, "gated", GATED_MODEL, **GATED)
     write_toy_model(tmp_path, "broken", "raise ImportError('no such thing')\n", **ECHO)
     app = create_app(
-        Settings(model_repository=tmp_path, max_request_bytes=2048), wait_for_models=True
+        Settings(model_repository=tmp_path, max_request_bytes=2048, model_control_mode="explicit"),
+        wait_for_models=True,
     )
     # As `tensorserve serve` runs it: a caller that disconnects cancels its handler.
     return await aiohttp_client(app, server_kwargs={"handler_cancellation": True})

@@ -151,9 +151,10 @@ def test_an_empty_repository_is_an_error_unless_allowed(tmp_path: Path) -> None:
         1,
         f"tensorserve serve: error: model repository {str(tmp_path)!r} holds no model (a "
         f"folder with a config.toml); pass --allow-empty-repository to start without one and "
-        f"load models later through the repository API",
+        f"load models later through the repository API (--model-control-mode explicit) or from "
+        f"the repository's files (--model-control-mode poll)",
     )
-    server = ServerProcess(tmp_path, "--allow-empty-repository")
+    server = ServerProcess(tmp_path, "--allow-empty-repository", "--model-control-mode", "explicit")
     try:
         assert httpx.get(f"{server.url}/v2/models").json() == {"models": []}
         # Filled at run time, then loaded through the repository API.

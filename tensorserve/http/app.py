@@ -11,12 +11,14 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from tensorserve.http import handlers, infer, repository
-from tensorserve.http.errors import error_middleware
+from tensorserve.http.access import restricted_api_middleware
+from tensorserve.http.errors import Handler, error_middleware
 from tensorserve.http.keys import LIVENESS, LOG_LIMIT, METRICS, REGISTRY, SETTINGS
 from tensorserve.http.logs import RateLimit, install_request_ids
 from tensorserve.http.observe import observe_middleware
 from tensorserve.metrics import CONTENT_TYPE, Metrics
 from tensorserve.serving.liveness import Liveness
+from tensorserve.serving.poller import RepositoryPoller
 from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
 
@@ -27,25 +29,37 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE})
 
 
-def _routes(app: web.Application) -> None:
-    model = "/v2/models/{model}"
-    versioned = "/v2/models/{model}/versions/{version}"
-    r = app.router
-    r.add_get("/v2", handlers.server_metadata)
-    r.add_get("/v2/health/live", handlers.live)
-    r.add_get("/v2/health/ready", handlers.ready)
-    r.add_get("/v2/models", handlers.list_models)
-    r.add_get("/v2/models/stats", handlers.all_model_stats)  # before /v2/models/{model}
-    r.add_post("/v2/repository/index", repository.index)
-    r.add_post("/v2/repository/models/{model}/load", repository.load)
-    r.add_post("/v2/repository/models/{model}/unload", repository.unload)
-    r.add_get("/metrics", _metrics)
-    for base in (model, versioned):
-        r.add_get(base, handlers.metadata)
-        r.add_get(base + "/ready", handlers.model_ready)
-        r.add_get(base + "/config", handlers.model_config)
-        r.add_get(base + "/stats", handlers.model_stats)
-        r.add_post(base + "/infer", infer.infer)
+def _routes() -> list[tuple[str, str, Handler, str | None]]:
+    """Every endpoint: (method, path, handler, the API it belongs to, for
+    ``restricted_api``; None: never restricted). The APIs are Triton's."""
+    routes: list[tuple[str, str, Handler, str | None]] = [
+        ("GET", "/v2", handlers.server_metadata, "metadata"),
+        ("GET", "/v2/health/live", handlers.live, "health"),
+        ("GET", "/v2/health/ready", handlers.ready, "health"),
+        ("GET", "/v2/models", handlers.list_models, "metadata"),
+        # Before /v2/models/{model}, which would match it too.
+        ("GET", "/v2/models/stats", handlers.all_model_stats, "statistics"),
+        ("POST", "/v2/repository/index", repository.index, "model-repository"),
+        ("POST", "/v2/repository/models/{model}/load", repository.load, "model-repository"),
+        ("POST", "/v2/repository/models/{model}/unload", repository.unload, "model-repository"),
+        # Scraped by Prometheus, which Triton serves on a port of its own: keep
+        # it from untrusted callers with the network, not a header.
+        ("GET", "/metrics", _metrics, None),
+    ]
+    for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        routes += [
+            ("GET", base, handlers.metadata, "metadata"),
+            ("GET", base + "/ready", handlers.model_ready, "health"),
+            ("GET", base + "/config", handlers.model_config, "model-config"),
+            ("GET", base + "/stats", handlers.model_stats, "statistics"),
+            ("POST", base + "/infer", infer.infer, "inference"),
+        ]
+    return routes
+
+
+ROUTES = _routes()
+# Each route's path pattern -> its API (a restricted API's middleware reads it).
+API_OF_PATH = {path: api for _, path, _, api in ROUTES if api is not None}
 
 
 def create_app(settings: Settings | None = None, *, wait_for_models: bool = False) -> web.Application:
@@ -54,10 +68,15 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
     background and ``/v2/health/ready`` tells when it is done."""
     settings = settings or Settings()
     install_request_ids()  # every log record carries the request id (http/logs.py)
+    # observe (request id, metrics, access log) sees what error_middleware answered;
+    # error_middleware answers a restricted API's refusal.
+    middlewares = [observe_middleware, error_middleware]
+    restrictions = settings.restrictions()
+    if restrictions:
+        middlewares.append(restricted_api_middleware(restrictions, API_OF_PATH))
     app = web.Application(
         client_max_size=settings.max_request_bytes,
-        # observe (request id, metrics, access log) sees what error_middleware answered.
-        middlewares=[observe_middleware, error_middleware],
+        middlewares=middlewares,
         # Bodies are decompressed by http/bodies.py, bounded by max_request_bytes.
         handler_args={"auto_decompress": False},
     )
@@ -72,16 +91,27 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
     app[LIVENESS] = Liveness(registry, settings.liveness_stall_s)
     app[METRICS] = Metrics(registry, app[LIVENESS])
     app[LOG_LIMIT] = RateLimit()
-    _routes(app)
+    for method, path, handler, _ in ROUTES:
+        if method == "GET":
+            app.router.add_get(path, handler)  # HEAD too: some probes send it
+        else:
+            app.router.add_route(method, path, handler)
 
     async def models(app: web.Application) -> AsyncIterator[None]:
+        poller = None
+        if settings.model_control_mode == "poll":
+            poller = RepositoryPoller(registry, settings.repository_poll_secs)
+            poller.take_baseline()  # before loading: a file changed meanwhile is a change
         loading = asyncio.create_task(registry.load_all())
+        polling = asyncio.create_task(poller.run(loading)) if poller is not None else None
         if wait_for_models:
             await loading
         yield
-        if not loading.done():
-            loading.cancel()
-        await asyncio.gather(loading, return_exceptions=True)
+        tasks = [task for task in (polling, loading) if task is not None]
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await registry.close()
 
     app.cleanup_ctx.append(models)

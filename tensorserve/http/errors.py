@@ -40,6 +40,10 @@ STATUS = {
     errors.OutOfMemory.code: 413,
     # More items than the queue can ever hold: split the request.
     errors.RequestTooLarge.code: 413,
+    # Refused by the server's settings, whoever asks: model_control_mode,
+    # restricted_api. The message says which setting allows it.
+    errors.ModelControlDisabled.code: 403,
+    errors.ApiRestricted.code: 403,
     errors.TensorServeError.code: 500,  # internal
 }
 

@@ -127,7 +127,7 @@ class RateLimit:
 STARTUP_SETTINGS = (
     "host", "port", "model_repository", "log_level", "log_format", "access_log",
     "max_request_bytes", "max_items_per_request", "intra_op_threads", "device",
-    "liveness_stall_s",
+    "liveness_stall_s", "model_control_mode",
 )
 
 

@@ -6,6 +6,8 @@ models of the repository at run time, without restarting the server.
     POST /v2/repository/models/{model}/unload  queued and in-flight requests finish first
 
 Bodies are optional JSON objects (tritonclient sends ``{}`` or nothing).
+Load and unload run only with ``model_control_mode`` explicit (http/access.py);
+the index is always readable.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from tensorserve.errors import InvalidInput
+from tensorserve.http.access import require_model_control
 from tensorserve.http.bodies import read_json_object
-from tensorserve.http.keys import REGISTRY
+from tensorserve.http.keys import REGISTRY, SETTINGS
 from tensorserve.serving.registry import ModelState
 from tensorserve.wire import triton
 
@@ -29,6 +32,7 @@ async def index(request: web.Request) -> web.Response:
 
 async def load(request: web.Request) -> web.Response:
     name = request.match_info["model"]
+    require_model_control(request.app[SETTINGS], "load", name)
     body = await read_json_object(request, "load request")
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
@@ -56,6 +60,7 @@ async def load(request: web.Request) -> web.Response:
 
 async def unload(request: web.Request) -> web.Response:
     name = request.match_info["model"]
+    require_model_control(request.app[SETTINGS], "unload", name)
     body = await read_json_object(request, "unload request")
     if not isinstance(body.get("parameters", {}), dict):
         raise InvalidInput("'parameters' must be a JSON object")

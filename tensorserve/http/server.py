@@ -79,7 +79,8 @@ def check_repository(settings: Settings) -> None:
         raise StartupError(
             f"model repository {str(path)!r} holds no model (a folder with a config.toml); "
             f"pass --allow-empty-repository to start without one and load models later "
-            f"through the repository API"
+            f"through the repository API (--model-control-mode explicit) or from the "
+            f"repository's files (--model-control-mode poll)"
         )
 
 

@@ -204,6 +204,15 @@ class ModelRegistry:
             entry.state = ModelState.UNAVAILABLE
             log.info("model %s unloaded in %.2f s", name, time.monotonic() - started)
 
+    async def remove(self, name: str) -> None:
+        """A model whose folder left the repository (poll mode): unloaded, then
+        no longer listed."""
+        if name not in self.entries:
+            return
+        await self.unload(name)
+        async with self._lock(name):
+            self.entries.pop(name, None)
+
     async def close(self) -> None:
         await asyncio.gather(
             *(asyncio.to_thread(e.served.close) for e in self.entries.values() if e.served)

@@ -79,7 +79,9 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def own_server(repo: Path) -> Iterator[ServerProcess]:
-    process = ServerProcess(repo, "--max-request-bytes", str(LIMIT))
+    process = ServerProcess(
+        repo, "--max-request-bytes", str(LIMIT), "--model-control-mode", "explicit"
+    )
     yield process
     process.stop()
 

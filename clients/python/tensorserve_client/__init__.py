@@ -15,11 +15,14 @@ from tensorserve_client._retry import RetryPolicy
 from tensorserve_client._sync import Client
 from tensorserve_client._version import __version__
 from tensorserve_client.errors import (
+    ApiRestricted,
     BadRequest,
     ConnectionError,
     DeadlineExceeded,
+    Forbidden,
     InternalError,
     InvalidInput,
+    ModelControlDisabled,
     ModelFailure,
     ModelNotFound,
     ModelNotReady,
@@ -35,14 +38,17 @@ from tensorserve_client.errors import (
 )
 
 __all__ = [
+    "ApiRestricted",
     "AsyncClient",
     "BadRequest",
     "Client",
     "ConnectionError",
     "DeadlineExceeded",
+    "Forbidden",
     "InferResult",
     "InternalError",
     "InvalidInput",
+    "ModelControlDisabled",
     "ModelFailure",
     "ModelNotFound",
     "ModelNotReady",

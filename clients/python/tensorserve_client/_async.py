@@ -204,6 +204,14 @@ class AsyncClient:
         """The model's batching statistics."""
         return await self._call(_protocol.stats(model, version))
 
+    async def load(self, model: str) -> dict[str, Any]:
+        """Load or reload a model (see ``Client.load``)."""
+        return await self._call(_protocol.repository_action("load", model))
+
+    async def unload(self, model: str) -> dict[str, Any]:
+        """Unload a model once its queued requests have finished (see ``Client.load``)."""
+        return await self._call(_protocol.repository_action("unload", model))
+
     async def aclose(self) -> None:
         """Close the connection pool."""
         await self._transport.aclose()

@@ -293,3 +293,16 @@ def metadata(model: str, version: str | int | None = None) -> Call[dict[str, Any
 
 def stats(model: str, version: str | int | None = None) -> Call[dict[str, Any]]:
     return Call("GET", _model_path(model, version, "/stats"), _json)
+
+
+# ----------------------------------------------------------------- model control
+def repository_action(action: str, model: str) -> Call[dict[str, Any]]:
+    """Load (or reload) or unload a model: the server's answer is the model's
+    index entry. Not retried: a server that refuses (403 ModelControlDisabled,
+    ApiRestricted) or fails to load it answers the same the next time."""
+    if action not in ("load", "unload"):
+        raise ValueError(f"action must be 'load' or 'unload', got {action!r}")
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty model name, got {model!r}")
+    return Call("POST", f"/v2/repository/models/{quote(model, safe='')}/{action}", _json,
+                retry=False)

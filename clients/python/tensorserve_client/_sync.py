@@ -292,6 +292,17 @@ class Client:
         """The model's batching statistics (``stats["batching"]["avg_batch_size"]``...)."""
         return self._call(_protocol.stats(model, version))
 
+    def load(self, model: str) -> dict[str, Any]:
+        """Load a model of the server's repository, or reload it (its newest
+        version); returns its index entry. Needs a server started with
+        ``--model-control-mode explicit`` (else ``ModelControlDisabled``); a model
+        that fails to load raises ``InvalidInput`` with the reason."""
+        return self._call(_protocol.repository_action("load", model))
+
+    def unload(self, model: str) -> dict[str, Any]:
+        """Unload a model once its queued requests have finished (see ``load``)."""
+        return self._call(_protocol.repository_action("unload", model))
+
     # ----------------------------------------------------------------- lifetime
     def close(self) -> None:
         """Close the connection pool and stop the client's loop thread."""

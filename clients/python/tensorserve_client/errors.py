@@ -8,7 +8,10 @@ feature at fault.
     │   ├── InvalidInput            400  invalid_input: an item's dtype, shape or size
     │   ├── ModelNotFound           404  model_not_found: unknown model or version
     │   ├── RequestTooLarge         413  request_too_large: more items than the queue holds
-    │   └── OutOfMemory             413  out_of_memory: one item too large for the model
+    │   ├── OutOfMemory             413  out_of_memory: one item too large for the model
+    │   └── Forbidden               403  refused by the server's settings, whoever asks
+    │       ├── ModelControlDisabled 403 model_control_disabled: the API may not load or unload
+    │       └── ApiRestricted       403  api_restricted: the API's header is missing or wrong
     ├── ServerUnavailable           503  try again later; retried with backoff
     │   ├── ModelNotReady           503  model_not_ready: loading, failed or unloaded
     │   └── ServerBusy         503, 429  server_busy: a bounded queue is full
@@ -33,11 +36,14 @@ from __future__ import annotations
 import builtins
 
 __all__ = [
+    "ApiRestricted",
     "BadRequest",
     "ConnectionError",
     "DeadlineExceeded",
+    "Forbidden",
     "InternalError",
     "InvalidInput",
+    "ModelControlDisabled",
     "ModelFailure",
     "ModelNotFound",
     "ModelNotReady",
@@ -96,6 +102,22 @@ class OutOfMemory(BadRequest):
     """One item too large for the model's memory even alone: send a smaller one."""
 
 
+class Forbidden(BadRequest):
+    """The server's settings refuse this request, whoever sends it (403); the
+    message names the setting that would allow it."""
+
+
+class ModelControlDisabled(Forbidden):
+    """Loading and unloading through the API is off: the server runs with
+    ``--model-control-mode none`` (or ``poll``, where its repository's files
+    decide). The model is left as it was."""
+
+
+class ApiRestricted(Forbidden):
+    """The endpoint belongs to an API the server restricts (``--restricted-api``):
+    give the client its header (``Client(url, headers={name: value})``)."""
+
+
 class ServerUnavailable(TensorServeError):
     """The server cannot take the request now (503); retried with backoff."""
 
@@ -145,24 +167,30 @@ class ProtocolError(TensorServeError):
     """The answer could not be understood (not msgpack/JSON, wrong shape)."""
 
 
-# The server's stable codes (tensorserve/errors.py CODES) -> the class rebuilt
-# here; the server's tests/test_error_codes.py holds the two tables together
-# (this package never imports the server).
-BY_CODE: dict[str, type[TensorServeError]] = {
-    "invalid_input": InvalidInput,
-    "model_not_found": ModelNotFound,
-    "request_too_large": RequestTooLarge,
-    "out_of_memory": OutOfMemory,
-    "model_not_ready": ModelNotReady,
-    "server_busy": ServerBusy,
-    "would_miss_target": WouldMissTarget,
-    "deadline_exceeded": DeadlineExceeded,
-    "model_failure": ModelFailure,
-    "internal": InternalError,
+# The server's stable codes -> (the HTTP status it answers each with, the class
+# rebuilt here). A copy of the server's table (tensorserve/errors.py CODES and
+# tensorserve/http/errors.py STATUS): this package never imports the server, and
+# the server's tests/test_error_codes.py holds the two code for code and status
+# for status.
+CODES: dict[str, tuple[int, type[TensorServeError]]] = {
+    "invalid_input": (400, InvalidInput),
+    "model_not_found": (404, ModelNotFound),
+    "request_too_large": (413, RequestTooLarge),
+    "out_of_memory": (413, OutOfMemory),
+    "model_control_disabled": (403, ModelControlDisabled),
+    "api_restricted": (403, ApiRestricted),
+    "model_not_ready": (503, ModelNotReady),
+    "server_busy": (503, ServerBusy),
+    "would_miss_target": (503, WouldMissTarget),
+    "deadline_exceeded": (504, DeadlineExceeded),
+    "model_failure": (500, ModelFailure),
+    "internal": (500, InternalError),
 }
+BY_CODE: dict[str, type[TensorServeError]] = {code: cls for code, (_, cls) in CODES.items()}
 
 # When the body carries no known code (a proxy, or an HTTP-level refusal).
 BY_STATUS: dict[int, type[TensorServeError]] = {
+    403: Forbidden,
     429: ServerBusy,
     503: ServerUnavailable,
     504: Timeout,
