@@ -10,10 +10,11 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from tensorserve.dataplane import DataPlane
+from tensorserve.dataplane.logs import install_request_ids
 from tensorserve.http import handlers, infer, repository
 from tensorserve.http.errors import error_middleware
-from tensorserve.http.keys import LOG_LIMIT, METRICS, REGISTRY, SETTINGS
-from tensorserve.http.logs import RateLimit, install_request_ids
+from tensorserve.http.keys import METRICS, PLANE, REGISTRY, SETTINGS
 from tensorserve.http.observe import observe_middleware
 from tensorserve.metrics import CONTENT_TYPE, Metrics
 from tensorserve.serving.registry import ModelRegistry
@@ -48,11 +49,12 @@ def _routes(app: web.Application) -> None:
 
 
 def create_app(settings: Settings | None = None, *, wait_for_models: bool = False) -> web.Application:
-    """Build the server. With ``wait_for_models`` start-up returns only once
+    """Build the HTTP front end and its data plane (``app[PLANE]``), whose
+    models load and close with the app. With ``wait_for_models`` start-up returns only once
     every model has loaded (tests use this); otherwise loading runs in the
     background and ``/v2/health/ready`` tells when it is done."""
     settings = settings or Settings()
-    install_request_ids()  # every log record carries the request id (http/logs.py)
+    install_request_ids()  # every log record carries the request id (dataplane/logs.py)
     app = web.Application(
         client_max_size=settings.max_request_bytes,
         # observe (request id, metrics, access log) sees what error_middleware answered.
@@ -65,10 +67,9 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
         settings.model_overrides(),
         intra_op_threads=settings.intra_op_threads,
     )
-    app[SETTINGS] = settings
-    app[REGISTRY] = registry
-    app[METRICS] = Metrics(registry)
-    app[LOG_LIMIT] = RateLimit()
+    plane = DataPlane(settings, registry, Metrics(registry))
+    app[PLANE] = plane  # what the gRPC front end, when there is one, shares (tensorserve/server.py)
+    app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, plane.metrics
     _routes(app)
 
     async def models(app: web.Application) -> AsyncIterator[None]:

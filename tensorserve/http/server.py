@@ -16,7 +16,7 @@ model loads or any worker process starts:
 Each failure is a ``StartupError`` whose message is one sentence; the CLI
 prints it as one line and exits non-zero.
 
-Shutdown, on SIGTERM or SIGINT (the phases of ``http/lifecycle.py``):
+Shutdown, on SIGTERM or SIGINT (the phases of ``dataplane/lifecycle.py``):
 readiness turns 503 at once while requests are still served for
 ``drain_delay_s``, each response closing its connection; then the listening
 socket closes and requests in flight get ``shutdown_grace_s`` to finish;
@@ -40,9 +40,10 @@ import warnings
 from aiohttp import web
 
 from tensorserve.errors import ConfigError
-from tensorserve.http import logs
+from tensorserve.dataplane import logs
+from tensorserve.dataplane.lifecycle import Lifecycle, Phase
 from tensorserve.http.app import create_app
-from tensorserve.http.lifecycle import LIFECYCLE, Lifecycle, Phase
+from tensorserve.http.keys import PLANE
 from tensorserve.repository.loader import discover
 from tensorserve.settings import Settings
 
@@ -120,7 +121,7 @@ def run(settings: Settings) -> None:
     warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
     try:
         app = create_app(settings)
-        app[LIFECYCLE] = Lifecycle()
+        app[PLANE].lifecycle = Lifecycle()
         app.on_response_prepare.append(_close_when_draining)
         asyncio.run(_serve(app, sock, settings))
     finally:
@@ -132,7 +133,7 @@ async def _close_when_draining(request: web.Request, response: web.StreamRespons
     close``), so clients reconnect through their load balancer to another
     replica. Without it, closing an idle keep-alive connection later races
     with the client's next request on it, which it would see as a reset."""
-    if request.app[LIFECYCLE].draining:
+    if request.app[PLANE].draining:
         response.force_close()
         # aiohttp has already chosen the Connection header when this hook runs.
         response.headers["Connection"] = "close"
@@ -156,7 +157,8 @@ async def _serve(app: web.Application, sock: socket.socket, settings: Settings) 
         host, port = sock.getsockname()[:2]
         log.info("serving %s on http://%s:%s", settings.model_repository, host, port)
         await stop.wait()
-        await _shut_down(app[LIFECYCLE], runner, site, sock, settings)
+        assert app[PLANE].lifecycle is not None
+        await _shut_down(app[PLANE].lifecycle, runner, site, sock, settings)
     finally:
         await runner.cleanup()  # models close: queued items withdrawn, workers stopped
     log.info("shutdown: done")
