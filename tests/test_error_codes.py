@@ -61,3 +61,15 @@ def test_the_client_rebuilds_every_code_into_its_own_class(code: str) -> None:
 
 def test_the_client_knows_no_code_the_server_does_not_send() -> None:
     assert set(client.BY_CODE) == set(CODES)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_every_code_has_a_grpc_status_and_a_code_retried_later_is_unavailable(code: str) -> None:
+    import grpc
+
+    from tensorserve.grpc.errors import STATUS as GRPC_STATUS
+
+    cls = errors.CODES[code]
+    assert (GRPC_STATUS[code] is grpc.StatusCode.UNAVAILABLE) == cls.retry_later
+    # INTERNAL only for faults of the server or the model, never a caller's error.
+    assert (GRPC_STATUS[code] is grpc.StatusCode.INTERNAL) == (cls.rejection is None)

@@ -126,7 +126,7 @@ class RateLimit:
 
 # The settings an operator needs to read a server's log (the rest are defaults).
 STARTUP_SETTINGS = (
-    "host", "port", "model_repository", "log_level", "log_format", "access_log",
+    "host", "port", "grpc_port", "model_repository", "log_level", "log_format", "access_log",
     "max_request_bytes", "max_items_per_request", "intra_op_threads",
 )
 

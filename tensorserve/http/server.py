@@ -2,7 +2,10 @@
 and a shutdown in phases (docs/reliability.md, "Start-up" and "Shutdown").
 
 The command line calls ``run``; everything that needs aiohttp stays under
-``tensorserve/http/``.
+``tensorserve/http/``. Other front ends (gRPC) are given to ``run`` as
+factories of the data plane's ``FrontEnd``: they run on the same loop and
+data plane, and go through the same shutdown phases, and this module never
+imports them (the command line does).
 
 Start-up, in this order, so a start that cannot succeed fails before any
 model loads or any worker process starts:
@@ -36,11 +39,13 @@ import signal
 import socket
 import sys
 import warnings
+from collections.abc import Sequence
 
 from aiohttp import web
 
 from tensorserve.errors import ConfigError
 from tensorserve.dataplane import logs
+from tensorserve.dataplane.frontend import FrontEnd, FrontEndFactory, StartupError
 from tensorserve.dataplane.lifecycle import Lifecycle, Phase
 from tensorserve.http.app import create_app
 from tensorserve.http.keys import PLANE
@@ -57,10 +62,6 @@ CLOSE_TIMEOUT_S = 5.0
 # request (or close) before shutdown closes them; idle keep-alive
 # connections make a shutdown this much longer, at most.
 ARRIVAL_S = 1.0
-
-
-class StartupError(Exception):
-    """The server cannot start; the message says why, in one sentence."""
 
 
 def check_repository(settings: Settings) -> None:
@@ -105,7 +106,10 @@ def _install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-def run(settings: Settings) -> None:
+__all__ = ["StartupError", "run"]
+
+
+def run(settings: Settings, front_ends: Sequence[FrontEndFactory] = ()) -> None:
     """Serve until SIGTERM or SIGINT, then shut down in phases. Raises
     ``StartupError`` (before anything started) when the server cannot start."""
     logs.configure(settings.log_level, settings.log_format)  # text or JSON lines, request ids
@@ -123,7 +127,7 @@ def run(settings: Settings) -> None:
         app = create_app(settings)
         app[PLANE].lifecycle = Lifecycle()
         app.on_response_prepare.append(_close_when_draining)
-        asyncio.run(_serve(app, sock, settings))
+        asyncio.run(_serve(app, sock, settings, front_ends))
     finally:
         sock.close()
 
@@ -139,9 +143,17 @@ async def _close_when_draining(request: web.Request, response: web.StreamRespons
         response.headers["Connection"] = "close"
 
 
-async def _serve(app: web.Application, sock: socket.socket, settings: Settings) -> None:
+async def _serve(
+    app: web.Application, sock: socket.socket, settings: Settings,
+    factories: Sequence[FrontEndFactory],
+) -> None:
     stop = asyncio.Event()
     _handle_signals(stop)
+    others: list[FrontEnd] = []
+    for factory in factories:  # bound before any model loads: a port in use fails here
+        front_end = factory(app[PLANE])
+        await front_end.start()
+        others.append(front_end)
     runner = web.AppRunner(
         app,
         handle_signals=False,  # ours: a shutdown in phases
@@ -158,8 +170,10 @@ async def _serve(app: web.Application, sock: socket.socket, settings: Settings) 
         log.info("serving %s on http://%s:%s", settings.model_repository, host, port)
         await stop.wait()
         assert app[PLANE].lifecycle is not None
-        await _shut_down(app[PLANE].lifecycle, runner, site, sock, settings)
+        await _shut_down(app[PLANE].lifecycle, runner, site, sock, settings, others)
     finally:
+        for front_end in others:
+            await front_end.close()
         await runner.cleanup()  # models close: queued items withdrawn, workers stopped
     log.info("shutdown: done")
 
@@ -222,6 +236,7 @@ async def _shut_down(
     site: web.BaseSite,
     sock: socket.socket,
     settings: Settings,
+    others: Sequence[FrontEnd] = (),
 ) -> None:
     lifecycle.phase = Phase.DRAINING
     log.info(
@@ -235,6 +250,8 @@ async def _shut_down(
     # (closing it now would lose that request); every reply closes its
     # connection, and what is idle at the end closes with the runner.
     await _stop_listening(site, sock, runner)
+    for front_end in others:
+        await front_end.stop_accepting()
     log.info(
         "shutdown: no longer accepting; %d request(s) in flight get %.1f s to finish "
         "(shutdown_grace_s)",
