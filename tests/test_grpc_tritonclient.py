@@ -10,6 +10,7 @@ The reference for every padded result is each row computed alone.
 from __future__ import annotations
 
 import asyncio
+import signal
 import json
 import urllib.request
 from collections.abc import Iterator
@@ -275,7 +276,8 @@ def test_a_grpc_caller_and_an_http_caller_share_one_batch(
         tensor = triton_http.InferInput("x", list(x_http.shape), "FP32")
         tensor.set_data_from_numpy(x_http)
         pending = http_client.async_infer("gated", [tensor])
-        wait_until(lambda: _queue_depth(server) == 2, "both callers queued")
+        # >= 2: an item whose deadline passed may still be counted until a batch forms.
+        wait_until(lambda: _queue_depth(server) >= 2, "both callers queued")
         gate.touch()
         http_result = pending.get_result(timeout=30)
         wait_until(lambda: {"grpc", "held"} <= set(answers), "the gRPC answers", timeout=30)
@@ -290,3 +292,54 @@ def test_a_grpc_caller_and_an_http_caller_share_one_batch(
     assert grpc_result.as_numpy("n").tolist() == [[2.0]]
     assert http_result.as_numpy("n").tolist() == [[2.0]]
     close_gate(gate)
+
+
+# ---------------------------------------------------------------------- ids, metrics, drain
+def test_request_ids_trailing_codes_and_metrics_by_protocol(
+    served: tuple[ServerProcess, Path],
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    server = served[0]
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelInfer(service_pb2.ModelInferRequest(model_name="nope"),
+                            metadata=(("x-request-id", "trace-42"),))
+        error = caught.value
+        assert error.code() is grpc.StatusCode.NOT_FOUND
+        assert dict(error.initial_metadata())["x-request-id"] == "trace-42"
+        trailing = dict(error.trailing_metadata())
+        assert trailing["tensorserve-code"] == "model_not_found"
+        assert trailing["x-request-id"] == "trace-42"
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text) for s in family.samples
+    }
+
+    def requests(**labels: str) -> float:
+        return samples.get(("tensorserve_requests_total", frozenset(labels.items())), 0.0)
+
+    assert requests(model="_unknown", version="", code="model_not_found", protocol="grpc") >= 1
+    assert requests(model="cumsum", version="1", code="ok", protocol="grpc") >= 1
+
+
+def test_sigterm_turns_grpc_readiness_off_then_stops(tmp_path: Path) -> None:
+    write_toy_model(tmp_path, "cumsum", CUMSUM_MODEL, **CUMSUM)
+    server = ServerProcess(tmp_path, "--drain-delay-s", "3")
+    client = triton_grpc.InferenceServerClient(server.grpc_address)
+    try:
+        assert client.is_server_ready()
+        assert server.process is not None
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: not client.is_server_ready(), "readiness off while draining")
+        # Still serving while load balancers stop sending.
+        assert client.infer("cumsum", [x_input(rows(1, 2))]).as_numpy("y").shape == (1, 2, 4)
+        # Then it stops listening, and exits 0 on its own after the one signal.
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        client.close()
+        server.stop()
