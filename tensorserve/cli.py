@@ -71,8 +71,8 @@ def add_serve_parser(sub: Any) -> argparse.ArgumentParser:
     decide (``settings_from_args``)."""
     parser = sub.add_parser(
         "serve",
-        help="serve a model repository over HTTP",
-        description="Serve a model repository over HTTP. Flags override environment "
+        help="serve a model repository over HTTP and gRPC",
+        description="Serve a model repository over HTTP and KServe v2 gRPC. Flags override environment "
         f"variables ({ENV_PREFIX}*), which override the defaults.",
     )
     overrides = parser.add_argument_group("overrides applied to every model's config.toml")
@@ -127,8 +127,13 @@ def serve(settings: Settings) -> int:
     line and returns 1, having started nothing."""
     from tensorserve.http.server import StartupError, run  # aiohttp and torch: only to serve
 
+    front_ends = []
+    if settings.grpc_port >= 0:  # -1: HTTP only
+        from tensorserve.grpc.server import GrpcFrontEnd  # grpcio: only when serving gRPC
+
+        front_ends.append(GrpcFrontEnd)
     try:
-        run(settings)
+        run(settings, front_ends)
     except StartupError as exc:
         print(f"tensorserve serve: error: {exc}", file=sys.stderr)
         return 1

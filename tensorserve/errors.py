@@ -4,27 +4,31 @@ its error codes (``CODES``).
 Every error carries a stable ``code``, whether the same request may succeed
 if sent again later (``retry_later``), and the reason the metrics count it
 under when it is a rejection (``rejection``: refused or abandoned before a
-model answered, through no fault of the model). Nothing here knows about
-HTTP. The rest is generated from or tested against ``CODES``
-(tests/test_error_codes.py): the HTTP status of each code
-(``tensorserve/http/errors.py STATUS``), the metrics' rejection reasons
+model answered, through no fault of the model). Each class also declares
+what every front end answers with it: its HTTP status (``http_status``)
+and its gRPC status code, by name (``grpc_status``: a ``grpc.StatusCode``
+member's name, so nothing here imports a transport). The rest is generated
+from or tested against ``CODES`` (tests/test_error_codes.py): the HTTP
+statuses (``tensorserve/http/errors.py STATUS``), the gRPC statuses
+(``tensorserve/grpc/errors.py``), the metrics' rejection reasons
 (``tensorserve/metrics/requests.py``) and the classes the client rebuilds
 from a response's code (``clients/python/tensorserve_client/errors.py``).
 
-    TensorServeError                 internal          a bug in the server
-    ├── InvalidInput                 invalid_input     bad item: wrong dtype, shape, size
-    ├── ModelNotFound                model_not_found   unknown model or version
-    ├── ModelNotReady                model_not_ready   loading, failed to load, or unloading
-    ├── ServerBusy                   server_busy       a bounded queue is full
-    │   └── WouldMissTarget          would_miss_target the queue ahead would make it miss the latency target
-    ├── RequestTooLarge              request_too_large more items than the queue can ever hold
-    ├── DeadlineExceeded             deadline_exceeded the item waited longer than its timeout
-    ├── ModelFailure                 model_failure     the model (or batch function) raised
-    │   ├── WorkerCrashed            model_failure     its worker process died (or the watchdog killed it)
-    │   └── BatchOutOfMemory         model_failure     the padded batch did not fit (split and retried)
-    ├── OutOfMemory                  out_of_memory     one item does not fit in memory even alone
-    ├── ModelControlDisabled         model_control_disabled  load/unload through the API is off
-    └── ApiRestricted                api_restricted    a restricted API without its header
+    class                            code              HTTP gRPC                when
+    TensorServeError                 internal          500  INTERNAL            a bug in the server
+    ├── InvalidInput                 invalid_input     400  INVALID_ARGUMENT    bad item: wrong dtype, shape, size
+    ├── ModelNotFound                model_not_found   404  NOT_FOUND           unknown model or version
+    ├── ModelNotReady                model_not_ready   503  UNAVAILABLE         loading, failed to load, or unloading
+    ├── ServerBusy                   server_busy       503  UNAVAILABLE         a bounded queue is full
+    │   └── WouldMissTarget          would_miss_target 503  UNAVAILABLE         the queue ahead would make it miss the latency target
+    ├── RequestTooLarge              request_too_large 413  RESOURCE_EXHAUSTED  more items than the queue can ever hold
+    ├── DeadlineExceeded             deadline_exceeded 504  DEADLINE_EXCEEDED   the item waited longer than its timeout
+    ├── ModelFailure                 model_failure     500  INTERNAL            the model (or batch function) raised
+    │   ├── WorkerCrashed            model_failure                          its worker process died (or the watchdog killed it)
+    │   └── BatchOutOfMemory         model_failure                          the padded batch did not fit (split and retried)
+    ├── OutOfMemory                  out_of_memory     413  RESOURCE_EXHAUSTED  one item does not fit in memory even alone
+    ├── ModelControlDisabled         model_control_disabled 403 PERMISSION_DENIED load/unload through the API is off
+    └── ApiRestricted                api_restricted    403  PERMISSION_DENIED   a restricted API without its header
 
 Retried later: ``ModelNotReady`` and ``ServerBusy``. Not rejections (errors
 of the model or the server): ``ModelFailure`` and ``internal``.
@@ -45,6 +49,9 @@ class TensorServeError(Exception):
     # The metrics' reason when this is a rejection; None: an error of the server
     # or of the model.
     rejection: str | None = None
+    # What each front end answers: an HTTP status, a gRPC status code's name.
+    http_status = 500
+    grpc_status = "INTERNAL"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -52,16 +59,22 @@ class TensorServeError(Exception):
 
 
 class InvalidInput(TensorServeError):
+    http_status = 400
+    grpc_status = "INVALID_ARGUMENT"
     code = "invalid_input"
     rejection = "invalid_input"
 
 
 class ModelNotFound(TensorServeError):
+    http_status = 404
+    grpc_status = "NOT_FOUND"
     code = "model_not_found"
     rejection = "unknown_model"
 
 
 class ModelNotReady(TensorServeError):
+    http_status = 503
+    grpc_status = "UNAVAILABLE"
     code = "model_not_ready"
     retry_later = True
     rejection = "not_ready"
@@ -71,6 +84,8 @@ class ServerBusy(TensorServeError):
     """A bounded queue is full: retry after ``retry_after`` seconds (an
     estimate from the queue ahead and how fast it drains)."""
 
+    http_status = 503
+    grpc_status = "UNAVAILABLE"
     code = "server_busy"
     retry_later = True
     rejection = "queue_full"
@@ -94,11 +109,15 @@ class RequestTooLarge(TensorServeError):
     """A request that could never be admitted, however long it waited (more
     items than the model's queue holds): split it; retrying cannot help."""
 
+    http_status = 413
+    grpc_status = "RESOURCE_EXHAUSTED"
     code = "request_too_large"
     rejection = "too_large"
 
 
 class DeadlineExceeded(TensorServeError):
+    http_status = 504
+    grpc_status = "DEADLINE_EXCEEDED"
     code = "deadline_exceeded"
     rejection = "deadline"
 
@@ -125,6 +144,8 @@ class BatchOutOfMemory(ModelFailure):
 class OutOfMemory(TensorServeError):
     """One item that does not fit in memory even alone: a smaller item may."""
 
+    http_status = 413
+    grpc_status = "RESOURCE_EXHAUSTED"
     code = "out_of_memory"
     rejection = "too_large"
 
@@ -134,6 +155,8 @@ class ModelControlDisabled(TensorServeError):
     (``model_control_mode`` none, or poll, where the repository's files
     decide): the model is left as it was."""
 
+    http_status = 403
+    grpc_status = "PERMISSION_DENIED"
     code = "model_control_disabled"
     rejection = "forbidden"
 
@@ -142,6 +165,8 @@ class ApiRestricted(TensorServeError):
     """The endpoint belongs to an API restricted by ``restricted_api`` and the
     request lacks its header, or carries another value."""
 
+    http_status = 403
+    grpc_status = "PERMISSION_DENIED"
     code = "api_restricted"
     rejection = "forbidden"
 

@@ -86,6 +86,12 @@ class Settings(BaseSettings):
 
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    grpc_port: int = Field(
+        8001,
+        ge=-1,
+        le=65535,
+        description="Port of the KServe v2 gRPC front end (0: any free port; -1: no gRPC).",
+    )
     model_repository: Path = Field(Path("model_repository"), description="Model repository folder.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     access_log: bool = Field(False, description="Log every request (off: keeps the hot path lean).")

@@ -3,12 +3,17 @@ and an in-process app for pytest-aiohttp's ``aiohttp_client``."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tensorserve.bench.server import ServerProcess as BenchServerProcess
+
+# Every server a test starts (docs' examples, start-up tests) takes any free
+# gRPC port rather than 8001, which servers of other tests or engineers hold.
+os.environ.setdefault("TENSORSERVE_GRPC_PORT", "0")
 
 ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = ROOT / "model_repository"

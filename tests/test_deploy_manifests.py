@@ -264,11 +264,14 @@ def test_the_kserve_runtime_serves_the_inference_service() -> None:
     model = isvc["spec"]["predictor"]["model"]
     assert model["runtime"] == runtime["metadata"]["name"]
     assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
-    assert model["protocolVersion"] in runtime["spec"]["protocolVersions"] == ["v2"]
+    assert model["protocolVersion"] in runtime["spec"]["protocolVersions"] == ["v2", "grpc-v2"]
     container = runtime["spec"]["containers"][0]
     env = container_env(container)
     assert env["TENSORSERVE_MODEL_REPOSITORY"] == "/mnt/models"  # where KServe puts storageUri
     assert int(env["TENSORSERVE_PORT"]) == container["ports"][0]["containerPort"] == 8080
+    # gRPC on the port KServe knows by its name, h2c.
+    (grpc_port,) = [p for p in container["ports"] if p.get("name") == "h2c"]
+    assert int(env["TENSORSERVE_GRPC_PORT"]) == grpc_port["containerPort"] == 8001
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
 
 

@@ -71,3 +71,15 @@ def test_every_code_has_a_client_class_of_its_own_that_the_package_exports() -> 
     classes = [cls for _, cls in client.CODES.values()]
     assert len(set(classes)) == len(classes)
     assert all(getattr(tensorserve_client, cls.__name__) is cls for cls in classes)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_every_code_has_a_grpc_status_and_a_code_retried_later_is_unavailable(code: str) -> None:
+    import grpc
+
+    from tensorserve.grpc.errors import STATUS as GRPC_STATUS
+
+    cls = errors.CODES[code]
+    assert (GRPC_STATUS[code] is grpc.StatusCode.UNAVAILABLE) == cls.retry_later
+    # INTERNAL only for faults of the server or the model, never a caller's error.
+    assert (GRPC_STATUS[code] is grpc.StatusCode.INTERNAL) == (cls.rejection is None)

@@ -294,3 +294,115 @@ async def test_oip_bodies_never_get_a_5xx(
     if status == 400:  # a refusal says why, in the protocol's error shape
         assert json.loads(reply)["code"] == "invalid_input"
     await assert_still_serving(client)
+
+
+# ---------------------------------------------------------------------- gRPC
+# Hostile ModelInferRequests (every field the message allows, with hostile
+# values) to the gRPC front end, serving the same app's data plane: never
+# INTERNAL or UNKNOWN (a server fault), never a hang, and still serving after.
+INT64 = st.integers(-(2**63), 2**63 - 1)
+SHAPE_DIM = st.one_of(st.integers(-3, 70), INT64)
+
+
+@st.composite
+def grpc_parameter(draw: st.DrawFn) -> Any:
+    from tensorserve.grpc.generated import grpc_service_pb2 as pb
+
+    value = pb.InferParameter()
+    kind = draw(st.sampled_from(["bool", "int64", "uint64", "double", "string", "none"]))
+    if kind == "bool":
+        value.bool_param = draw(st.booleans())
+    elif kind == "int64":
+        value.int64_param = draw(INT64)
+    elif kind == "uint64":
+        value.uint64_param = draw(st.integers(0, 2**64 - 1))
+    elif kind == "double":
+        value.double_param = draw(st.floats())
+    elif kind == "string":
+        value.string_param = draw(st.text(max_size=20))
+    return value
+
+
+@st.composite
+def grpc_request(draw: st.DrawFn) -> Any:
+    from tensorserve.grpc.generated import grpc_service_pb2 as pb
+
+    request = pb.ModelInferRequest(
+        model_name=draw(st.sampled_from(["m", "m", "m", "", "nope"])),
+        model_version=draw(st.sampled_from(["", "", "1", "2", "x"])),
+        id=draw(st.text(max_size=10)),
+    )
+    keys = st.sampled_from(["timeout", "priority", "sequence_id", "binary_data_output", "junk"])
+    for key in draw(st.lists(keys, max_size=3)):
+        request.parameters[key].CopyFrom(draw(grpc_parameter()))
+    raw = draw(st.booleans())
+    for _ in range(draw(st.integers(0, 3))):
+        tensor = request.inputs.add(
+            name=draw(st.sampled_from(NAMES)),
+            datatype=draw(st.sampled_from(V2_NAMES)),
+            shape=draw(st.lists(SHAPE_DIM, max_size=4)),
+        )
+        if raw:
+            request.raw_input_contents.append(draw(st.binary(max_size=300)))
+        elif draw(st.booleans()):
+            tensor.contents.int64_contents.extend(draw(st.lists(INT64, max_size=70)))
+        else:
+            tensor.contents.fp32_contents.extend(
+                draw(st.lists(st.floats(width=32), max_size=70))
+            )
+    if raw and draw(st.booleans()):  # one more raw tensor than inputs
+        request.raw_input_contents.append(b"\0" * 8)
+    for name in draw(st.lists(st.sampled_from(NAMES), max_size=2)):
+        request.outputs.add(name=name)
+    return request
+
+
+@pytest.fixture
+async def grpc_stub(client: Any) -> Any:
+    import grpc
+
+    from tensorserve.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+    from tensorserve.grpc.server import GrpcFrontEnd
+    from tensorserve.http.keys import PLANE
+
+    plane = client.server.app[PLANE]
+    plane.settings = plane.settings.model_copy(update={"host": "127.0.0.1", "grpc_port": 0})
+    front_end = GrpcFrontEnd(plane)
+    await front_end.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{front_end.port}")
+    yield pb_grpc.GRPCInferenceServiceStub(channel)
+    await channel.close()
+    await front_end.stop_accepting()
+    await front_end.close()
+
+
+async def assert_grpc_still_serving(stub: Any) -> None:
+    from tensorserve.grpc.generated import grpc_service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="m")
+    request.inputs.add(name="ids", datatype="INT64", shape=[1, 3]).contents.int64_contents.extend(
+        [1, 2, 3]
+    )
+    request.inputs.add(name="real", datatype="FP32", shape=[1, 2]).contents.fp32_contents.extend(
+        [0.5, 0.25]
+    )
+    reply = await asyncio.wait_for(stub.ModelInfer(request), ANSWER_WITHIN_S)
+    got = np.frombuffer(reply.raw_output_contents[0], np.float32)
+    np.testing.assert_array_equal(got, np.array([10, 20, 30], np.float32) + np.float32(0.75))
+
+
+@FUZZ
+@given(request=grpc_request())
+async def test_grpc_requests_never_get_a_server_fault(grpc_stub: Any, request: Any) -> None:
+    import grpc
+
+    try:
+        await asyncio.wait_for(grpc_stub.ModelInfer(request), ANSWER_WITHIN_S)
+    except grpc.aio.AioRpcError as error:
+        status = error.code()
+        assert status not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (
+            f"{status} {error.details()!r} for {request!r}"[:600]
+        )
+        if status is grpc.StatusCode.INVALID_ARGUMENT:  # a refusal says why, with its code
+            assert dict(error.trailing_metadata())["tensorserve-code"] == "invalid_input"
+    await assert_grpc_still_serving(grpc_stub)

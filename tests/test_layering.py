@@ -19,7 +19,10 @@ PACKAGE = ROOT / "tensorserve"
 MAX_LINES = 400
 # Modules allowed past MAX_LINES, each with a one-line reason:
 # {"tensorserve/x.py": "why it cannot be split"}.
-LONG_MODULES: dict[str, str] = {}
+LONG_MODULES: dict[str, str] = {
+    "tensorserve/grpc/generated/grpc_service_pb2_grpc.py":
+        "generated from Triton's grpc_service.proto by scripts/regenerate_grpc_stubs.py",
+}
 
 
 def _contracts() -> list[dict]:

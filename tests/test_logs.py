@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tensorserve.http.app import create_app
-from tensorserve.http.logs import (
+from tensorserve.dataplane.logs import (
     REQUEST_ID,
     JsonFormatter,
     RateLimit,

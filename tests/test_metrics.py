@@ -135,15 +135,15 @@ async def test_metrics_count_every_outcome_exactly(app_client: Any) -> None:
     codes = {"ok": 8, "invalid_input": 1, "model_failure": 1, "server_busy": 1,
              "deadline_exceeded": 1, "disconnect": 1, "http_error": 1}
     for code, count in codes.items():
-        assert value(samples, "tensorserve_requests_total", **gated, code=code) == count, code
+        assert value(samples, "tensorserve_requests_total", **gated, code=code, protocol="http") == count, code
         assert value(samples, "tensorserve_request_duration_seconds_count", **gated,
-                     code=code) == count, code
+                     code=code, protocol="http") == count, code
     assert value(samples, "tensorserve_requests_total", model="_unknown", version="",
-                 code="model_not_found") == 1
+                 code="model_not_found", protocol="http") == 1
     assert value(samples, "tensorserve_requests_total", model="broken", version="",
-                 code="model_not_ready") == 1
-    assert value(samples, "tensorserve_items_total", **gated, code="ok") == 11
-    assert value(samples, "tensorserve_items_total", **gated, code="invalid_input") == 1
+                 code="model_not_ready", protocol="http") == 1
+    assert value(samples, "tensorserve_items_total", **gated, code="ok", protocol="http") == 11
+    assert value(samples, "tensorserve_items_total", **gated, code="invalid_input", protocol="http") == 1
     assert value(samples, "tensorserve_response_encode_seconds_count", model="gated") == 8
 
     reasons = {("gated", "invalid_input"): 1, ("gated", "queue_full"): 1, ("gated", "deadline"): 1,
@@ -218,8 +218,8 @@ async def test_counters_do_not_go_backwards_across_a_reload(app_client: Any) -> 
     for name in ("tensorserve_batches_total", "tensorserve_admitted_items_total",
                  "tensorserve_batch_size_count", "tensorserve_queue_wait_seconds_count"):
         assert value(after, name, **gated) == value(before, name, **gated) + 1, name
-    assert value(after, "tensorserve_requests_total", **gated, code="ok") == 4
-    assert value(after, "tensorserve_request_duration_seconds_count", **gated, code="ok") == 4
+    assert value(after, "tensorserve_requests_total", **gated, code="ok", protocol="http") == 4
+    assert value(after, "tensorserve_request_duration_seconds_count", **gated, code="ok", protocol="http") == 4
 
 
 async def test_a_killed_worker_counts_as_a_restart(aiohttp_client: Any, tmp_path: Path) -> None:

@@ -313,6 +313,8 @@ class ServerProcess(ChildServer):
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        env = {"TENSORSERVE_GRPC_PORT": str(free_port()), **(env or {})}  # older trees ignore it
+        self.grpc_address = f"127.0.0.1:{env['TENSORSERVE_GRPC_PORT']}"
         command = [
             sys.executable, "-m", "tensorserve", "serve",
             "--host", "127.0.0.1", "--port", str(self.port),
@@ -324,7 +326,7 @@ class ServerProcess(ChildServer):
         super().__init__(
             command,
             ready_url=f"{self.url}/v2/health/ready",
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **env},
             cwd=cwd,
             log=log,
             name="tensorserve",

@@ -7,9 +7,8 @@ without its header, or with another value, is refused with 403
 refusal does not tell how much of a guess was right. Without restrictions no
 middleware is installed: the hot path pays nothing.
 
-``model_control_mode``: the repository API's load and unload run only in
-``explicit`` mode; otherwise they answer 403 ``model_control_disabled`` and
-the model is left as it was.
+(``model_control_mode``, which both front ends obey, is the data plane's:
+``dataplane/models.py require_model_control``.)
 """
 
 from __future__ import annotations
@@ -19,9 +18,8 @@ import hmac
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from tensorserve.errors import ApiRestricted, ModelControlDisabled
+from tensorserve.errors import ApiRestricted
 from tensorserve.http.errors import Handler
-from tensorserve.settings import Settings
 
 
 def _raw(text: str) -> bytes:
@@ -55,23 +53,3 @@ def restricted_api_middleware(
         return await handler(request)
 
     return check
-
-
-def require_model_control(settings: Settings, action: str, model: str) -> None:
-    """Raise ``ModelControlDisabled`` unless the API may ``action`` (load,
-    unload) models: only in explicit mode."""
-    mode = settings.model_control_mode
-    if mode == "explicit":
-        return
-    if mode == "poll":
-        why = (
-            f"the server is in poll mode: it loads, reloads and unloads models from the "
-            f"repository's files every {settings.repository_poll_secs:g} s"
-        )
-    else:
-        why = "model control is disabled (--model-control-mode none)"
-    raise ModelControlDisabled(
-        f"cannot {action} model {model!r}: {why}; it is left as it was. Start the server "
-        f"with --model-control-mode explicit (TENSORSERVE_MODEL_CONTROL_MODE=explicit) to "
-        f"{action} models through the API"
-    )

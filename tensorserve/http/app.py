@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from tensorserve.dataplane import DataPlane
+from tensorserve.dataplane.logs import install_request_ids
 from tensorserve.http import handlers, infer, repository
 from tensorserve.http.access import restricted_api_middleware
 from tensorserve.http.errors import Handler, error_middleware
-from tensorserve.http.keys import LIVENESS, LOG_LIMIT, METRICS, REGISTRY, SETTINGS
-from tensorserve.http.logs import RateLimit, install_request_ids
+from tensorserve.http.keys import METRICS, PLANE, REGISTRY, SETTINGS
 from tensorserve.http.observe import observe_middleware
 from tensorserve.metrics import CONTENT_TYPE, Metrics
 from tensorserve.serving.liveness import Liveness
@@ -63,11 +64,12 @@ API_OF_PATH = {path: api for _, path, _, api in ROUTES if api is not None}
 
 
 def create_app(settings: Settings | None = None, *, wait_for_models: bool = False) -> web.Application:
-    """Build the server. With ``wait_for_models`` start-up returns only once
+    """Build the HTTP front end and its data plane (``app[PLANE]``), whose
+    models load and close with the app. With ``wait_for_models`` start-up returns only once
     every model has loaded (tests use this); otherwise loading runs in the
     background and ``/v2/health/ready`` tells when it is done."""
     settings = settings or Settings()
-    install_request_ids()  # every log record carries the request id (http/logs.py)
+    install_request_ids()  # every log record carries the request id (dataplane/logs.py)
     # observe (request id, metrics, access log) sees what error_middleware answered;
     # error_middleware answers a restricted API's refusal.
     middlewares = [observe_middleware, error_middleware]
@@ -86,11 +88,10 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
         intra_op_threads=settings.intra_op_threads,
         default_device=settings.device,
     )
-    app[SETTINGS] = settings
-    app[REGISTRY] = registry
-    app[LIVENESS] = Liveness(registry, settings.liveness_stall_s)
-    app[METRICS] = Metrics(registry, app[LIVENESS])
-    app[LOG_LIMIT] = RateLimit()
+    liveness = Liveness(registry, settings.liveness_stall_s)
+    plane = DataPlane(settings, registry, Metrics(registry, liveness), liveness)
+    app[PLANE] = plane  # what the gRPC front end, when there is one, shares (tensorserve/server.py)
+    app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, plane.metrics
     for method, path, handler, _ in ROUTES:
         if method == "GET":
             app.router.add_get(path, handler)  # HEAD too: some probes send it

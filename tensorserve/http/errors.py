@@ -4,48 +4,29 @@ Error bodies are ``{"error": message, "code": code, "request_id": id}`` in
 the request's content type (msgpack for the native protocol, JSON otherwise);
 every response also carries the id as X-Request-ID.
 
-Every error is logged here, with its request id: a 5xx that is the server's
-or the model's fault at ERROR with its traceback; a 4xx or a rejection
-(queue full, deadline, not ready) at WARNING, rate-limited per code so a
-flood of bad requests cannot flood the log.
+Every error is logged through the data plane (``DataPlane.log_failure``),
+with its request id: a 5xx that is the server's or the model's fault at
+ERROR with its traceback; a 4xx or a rejection (queue full, deadline, not
+ready) at WARNING, rate-limited per code so a flood of bad requests cannot
+flood the log.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from tensorserve import errors
-from tensorserve.http.keys import LOG_LIMIT, REQUEST_INFO, RequestInfo
-from tensorserve.metrics.requests import rejection_reason
+from tensorserve.dataplane.plane import is_server_fault
+from tensorserve.http.keys import PLANE, REQUEST_INFO, RequestInfo
 from tensorserve.wire import native
 
-log = logging.getLogger(__name__)
-
-# Error code (errors.CODES, the one table) -> HTTP status; tests/test_error_codes.py
-# holds every code to having one, and a code retried later to 503.
-STATUS = {
-    errors.InvalidInput.code: 400,
-    errors.ModelNotFound.code: 404,
-    errors.ModelNotReady.code: 503,
-    errors.ServerBusy.code: 503,
-    errors.WouldMissTarget.code: 503,
-    errors.DeadlineExceeded.code: 504,
-    errors.ModelFailure.code: 500,
-    # One item too large for the model's memory even alone: send a smaller one.
-    errors.OutOfMemory.code: 413,
-    # More items than the queue can ever hold: split the request.
-    errors.RequestTooLarge.code: 413,
-    # Refused by the server's settings, whoever asks: model_control_mode,
-    # restricted_api. The message says which setting allows it.
-    errors.ModelControlDisabled.code: 403,
-    errors.ApiRestricted.code: 403,
-    errors.TensorServeError.code: 500,  # internal
-}
+# Error code -> HTTP status, from the one table (errors.CODES: each class's
+# http_status); tests/test_error_codes.py holds a code retried later to 503.
+STATUS = {code: cls.http_status for code, cls in errors.CODES.items()}
 
 
 def error_response(
@@ -82,17 +63,10 @@ def log_error(
     request: web.Request, status: int, code: str, message: str, exc: BaseException
 ) -> None:
     """One line per failed request (see the module's docstring)."""
-    info: RequestInfo | None = request.get(REQUEST_INFO)
-    where = f"{request.method} {request.path}"
-    if info is not None and info.kserve_id is not None:
-        where += f" (id {info.kserve_id!r})"
-    if status >= 500 and rejection_reason(code, status) is None:
-        log.error("%s -> %d %s: %s", where, status, code, message, exc_info=exc)
-        return
-    allowed, dropped = request.app[LOG_LIMIT].allow(code)  # a few lines per code every 10 s
-    if allowed:
-        more = f" ({dropped} more since the last line)" if dropped else ""
-        log.warning("%s -> %d %s: %s%s", where, status, code, message, more)
+    request.app[PLANE].log_failure(
+        request.get(REQUEST_INFO), f"{request.method} {request.path}", status, code, message, exc,
+        is_server_fault(code, status),
+    )
 
 
 @web.middleware

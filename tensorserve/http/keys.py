@@ -1,45 +1,30 @@
-"""Typed application state (aiohttp ``AppKey``s), and what a request carries
-for the observing middleware (``REQUEST_INFO``)."""
+"""Typed application state (aiohttp ``AppKey``s), and the data plane's
+``Call`` of each request (``REQUEST_INFO``), set by the observing
+middleware."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from tensorserve.http.logs import RateLimit
+from tensorserve.dataplane import Call, DataPlane
 from tensorserve.metrics import Metrics
-from tensorserve.serving.liveness import Liveness
 from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
 
+# The data plane owns the registry, the settings and the metrics; the other
+# keys name the same objects, for handlers and tests that need only one.
+PLANE = web.AppKey("plane", DataPlane)
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", ModelRegistry)
 METRICS = web.AppKey("metrics", Metrics)
-LIVENESS = web.AppKey("liveness", Liveness)
-# Lines a client can cause (4xx, rejections, disconnects): per app, per code.
-LOG_LIMIT = web.AppKey("log_limit", RateLimit)
 
-
-@dataclass(slots=True)
-class RequestInfo:
-    """What the log lines and metrics of one request need, filled in as it
-    goes: the id by the middleware, the model and items by the handler,
-    the error code by the error middleware."""
-
-    request_id: str
-    model: str | None = None  # the served model's name, once the handler found it
-    version: str = ""
-    items: int = 0
-    kserve_id: str | None = None  # the OIP body's "id", when given
-    error_code: str | None = None
-    encode_seconds: float | None = None
-
+RequestInfo = Call  # what the handlers and middlewares know a request as
 
 # web.RequestKey since aiohttp 3.12 (a string key there warns); a string before.
 REQUEST_INFO: Any = (
-    web.RequestKey("request_info", RequestInfo)
+    web.RequestKey("request_info", Call)
     if hasattr(web, "RequestKey")
     else "tensorserve.request_info"
 )

@@ -2,9 +2,9 @@
 metrics of inference calls, and the access log.
 
     observe_middleware          X-Request-ID in (or a new id) and out on every
-      └─ error_middleware       response; REQUEST_ID set for the log lines;
-           └─ handler           in-flight gauge; outcome, rejection and latency
-                                metrics; one access-log line
+      └─ error_middleware       response; the id on every log line; in-flight
+           └─ handler           gauge; the data plane's outcome, rejection and
+                                latency metrics; one access-log line
 
 A caller that disconnects cancels its handler (``handler_cancellation``): the
 ``CancelledError`` passes here on its way out and is counted as a
@@ -20,12 +20,13 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from tensorserve.http.keys import LOG_LIMIT, METRICS, REGISTRY, REQUEST_INFO, SETTINGS, RequestInfo
-from tensorserve.http.logs import HEADER, REQUEST_ID, request_id_from
-from tensorserve.metrics.requests import DISCONNECT, OK, UNKNOWN_MODEL
+from tensorserve.dataplane import DataPlane
+from tensorserve.dataplane.calls import HTTP
+from tensorserve.dataplane.logs import HEADER
+from tensorserve.http.keys import PLANE, REQUEST_INFO, RequestInfo
+from tensorserve.metrics.requests import DISCONNECT, OK
 
 access_log = logging.getLogger("tensorserve.access")
-log = logging.getLogger("tensorserve.http")
 
 PROBES = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
 DISCONNECT_STATUS = 499  # nginx's "client closed request", for the access log only
@@ -37,67 +38,51 @@ def _is_infer(request: web.Request) -> bool:
     return request.method == "POST" and request.path.endswith("/infer")
 
 
-def _model_label(request: web.Request, info: RequestInfo) -> tuple[str, str]:
-    """(model, version) labels: the served model's, or the route's name when
-    the registry knows it (not ready), else ``_unknown``."""
-    if info.model is not None:
-        return info.model, info.version
-    name = request.match_info.get("model")
-    return (name, "") if name in request.app[REGISTRY].entries else (UNKNOWN_MODEL, "")
-
-
 def _finished(
-    request: web.Request, info: RequestInfo, status: int, code: str, nbytes: int, started: float
+    plane: DataPlane, request: web.Request, info: RequestInfo, status: int, code: str,
+    nbytes: int, started: float,
 ) -> None:
     """Metrics and the access-log line of one finished (or abandoned) request."""
     seconds = time.perf_counter() - started
     if _is_infer(request):
-        model, version = _model_label(request, info)
-        metrics = request.app[METRICS].requests
-        metrics.observe(model, version, code, status, info.items, seconds)
-        if info.encode_seconds is not None:
-            metrics.encode.labels(model).observe(info.encode_seconds)
-    settings = request.app[SETTINGS]
+        plane.observe_infer(info, request.match_info.get("model"), code, status, seconds)
+    settings = plane.settings
     if settings.access_log and (settings.log_probes or request.path not in PROBES):
         access_log.info(
             "%s %s %d %.2fms %dB", request.method, request.path, status, 1000 * seconds, nbytes,
             extra={
                 "method": request.method, "path": request.path, "status": status,
                 "latency_ms": round(1000 * seconds, 3), "bytes": nbytes, "code": code,
-                "kserve_id": info.kserve_id, "remote": request.remote,
+                "kserve_id": info.kserve_id, "remote": request.remote, "protocol": HTTP,
             },
         )
 
 
 @web.middleware
 async def observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    info = RequestInfo(request_id_from(request.headers.get(HEADER)))
+    plane = request.app[PLANE]
+    info, token = plane.begin(HTTP, request.headers.get(HEADER))
     request[REQUEST_INFO] = info
-    token = REQUEST_ID.set(info.request_id)
     started = time.perf_counter()
-    in_flight = request.app[METRICS].requests.in_flight if _is_infer(request) else None
+    in_flight = plane.metrics.requests.in_flight if _is_infer(request) else None
     if in_flight is not None:
         in_flight.inc()
     try:
         try:
             response = await handler(request)
         except asyncio.CancelledError:
-            allowed, dropped = request.app[LOG_LIMIT].allow(DISCONNECT)
-            if allowed:
-                more = f" ({dropped} more since the last line)" if dropped else ""
-                log.info("%s %s: the client disconnected before the answer%s",
-                         request.method, request.path, more)
-            _finished(request, info, DISCONNECT_STATUS, DISCONNECT, 0, started)
+            plane.log_disconnect(f"{request.method} {request.path}")
+            _finished(plane, request, info, DISCONNECT_STATUS, DISCONNECT, 0, started)
             raise
         except web.HTTPException as exc:  # below 400 (a redirect): passed on by error_middleware
             exc.headers[HEADER] = info.request_id
-            _finished(request, info, exc.status, OK, 0, started)
+            _finished(plane, request, info, exc.status, OK, 0, started)
             raise
         response.headers[HEADER] = info.request_id
         nbytes = response.content_length or 0
-        _finished(request, info, response.status, info.error_code or OK, nbytes, started)
+        _finished(plane, request, info, response.status, info.error_code or OK, nbytes, started)
         return response
     finally:
         if in_flight is not None:
             in_flight.dec()
-        REQUEST_ID.reset(token)
+        plane.end(token)

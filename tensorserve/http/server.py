@@ -2,7 +2,10 @@
 and a shutdown in phases (docs/reliability.md, "Start-up" and "Shutdown").
 
 The command line calls ``run``; everything that needs aiohttp stays under
-``tensorserve/http/``.
+``tensorserve/http/``. Other front ends (gRPC) are given to ``run`` as
+factories of the data plane's ``FrontEnd``: they run on the same loop and
+data plane, and go through the same shutdown phases, and this module never
+imports them (the command line does).
 
 Start-up, in this order, so a start that cannot succeed fails before any
 model loads or any worker process starts:
@@ -16,7 +19,7 @@ model loads or any worker process starts:
 Each failure is a ``StartupError`` whose message is one sentence; the CLI
 prints it as one line and exits non-zero.
 
-Shutdown, on SIGTERM or SIGINT (the phases of ``http/lifecycle.py``):
+Shutdown, on SIGTERM or SIGINT (the phases of ``dataplane/lifecycle.py``):
 readiness turns 503 at once while requests are still served for
 ``drain_delay_s``, each response closing its connection; then the listening
 socket closes and requests in flight get ``shutdown_grace_s`` to finish;
@@ -36,13 +39,16 @@ import signal
 import socket
 import sys
 import warnings
+from collections.abc import Sequence
 
 from aiohttp import web
 
 from tensorserve.errors import ConfigError
-from tensorserve.http import logs
+from tensorserve.dataplane import logs
+from tensorserve.dataplane.frontend import FrontEnd, FrontEndFactory, StartupError
+from tensorserve.dataplane.lifecycle import Lifecycle, Phase
 from tensorserve.http.app import create_app
-from tensorserve.http.lifecycle import LIFECYCLE, Lifecycle, Phase
+from tensorserve.http.keys import PLANE
 from tensorserve.repository.loader import discover
 from tensorserve.settings import Settings
 
@@ -56,10 +62,6 @@ CLOSE_TIMEOUT_S = 5.0
 # request (or close) before shutdown closes them; idle keep-alive
 # connections make a shutdown this much longer, at most.
 ARRIVAL_S = 1.0
-
-
-class StartupError(Exception):
-    """The server cannot start; the message says why, in one sentence."""
 
 
 def check_repository(settings: Settings) -> None:
@@ -105,7 +107,10 @@ def _install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-def run(settings: Settings) -> None:
+__all__ = ["StartupError", "run"]
+
+
+def run(settings: Settings, front_ends: Sequence[FrontEndFactory] = ()) -> None:
     """Serve until SIGTERM or SIGINT, then shut down in phases. Raises
     ``StartupError`` (before anything started) when the server cannot start."""
     logs.configure(settings.log_level, settings.log_format)  # text or JSON lines, request ids
@@ -121,9 +126,9 @@ def run(settings: Settings) -> None:
     warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
     try:
         app = create_app(settings)
-        app[LIFECYCLE] = Lifecycle()
+        app[PLANE].lifecycle = Lifecycle()
         app.on_response_prepare.append(_close_when_draining)
-        asyncio.run(_serve(app, sock, settings))
+        asyncio.run(_serve(app, sock, settings, front_ends))
     finally:
         sock.close()
 
@@ -133,15 +138,23 @@ async def _close_when_draining(request: web.Request, response: web.StreamRespons
     close``), so clients reconnect through their load balancer to another
     replica. Without it, closing an idle keep-alive connection later races
     with the client's next request on it, which it would see as a reset."""
-    if request.app[LIFECYCLE].draining:
+    if request.app[PLANE].draining:
         response.force_close()
         # aiohttp has already chosen the Connection header when this hook runs.
         response.headers["Connection"] = "close"
 
 
-async def _serve(app: web.Application, sock: socket.socket, settings: Settings) -> None:
+async def _serve(
+    app: web.Application, sock: socket.socket, settings: Settings,
+    factories: Sequence[FrontEndFactory],
+) -> None:
     stop = asyncio.Event()
     _handle_signals(stop)
+    others: list[FrontEnd] = []
+    for factory in factories:  # bound before any model loads: a port in use fails here
+        front_end = factory(app[PLANE])
+        await front_end.start()
+        others.append(front_end)
     runner = web.AppRunner(
         app,
         handle_signals=False,  # ours: a shutdown in phases
@@ -157,8 +170,11 @@ async def _serve(app: web.Application, sock: socket.socket, settings: Settings) 
         host, port = sock.getsockname()[:2]
         log.info("serving %s on http://%s:%s", settings.model_repository, host, port)
         await stop.wait()
-        await _shut_down(app[LIFECYCLE], runner, site, sock, settings)
+        assert app[PLANE].lifecycle is not None
+        await _shut_down(app[PLANE].lifecycle, runner, site, sock, settings, others)
     finally:
+        for front_end in others:
+            await front_end.close()
         await runner.cleanup()  # models close: queued items withdrawn, workers stopped
     log.info("shutdown: done")
 
@@ -221,6 +237,7 @@ async def _shut_down(
     site: web.BaseSite,
     sock: socket.socket,
     settings: Settings,
+    others: Sequence[FrontEnd] = (),
 ) -> None:
     lifecycle.phase = Phase.DRAINING
     log.info(
@@ -234,6 +251,8 @@ async def _shut_down(
     # (closing it now would lose that request); every reply closes its
     # connection, and what is idle at the end closes with the runner.
     await _stop_listening(site, sock, runner)
+    for front_end in others:
+        await front_end.stop_accepting()
     log.info(
         "shutdown: no longer accepting; %d request(s) in flight get %.1f s to finish "
         "(shutdown_grace_s)",

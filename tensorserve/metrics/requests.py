@@ -1,9 +1,10 @@
-"""Request metrics, observed once per inference request by the HTTP layer:
-outcome counters, rejections by reason, the end-to-end latency histogram and
+"""Request metrics, observed once per inference call by the data plane
+(``tensorserve/dataplane``), for either front end: outcome counters, rejections by reason, the end-to-end latency histogram and
 the in-flight gauge.
 
 Every outcome is counted, labelled by its stable error code (``ok`` for a
-success, ``disconnect`` for a caller that left). Rejections (the request never
+success, ``disconnect`` for a caller that left) and by ``protocol`` (``http``
+or ``grpc``). Rejections (the request never
 got a model's answer, through no fault of the model) are also counted by
 reason. Model names come from the route: a name the registry does not know
 is counted as ``_unknown``, so a scan of random names cannot add series.
@@ -42,7 +43,7 @@ def rejection_reason(code: str, status: int) -> str | None:
 
 class RequestMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        labels = ["model", "version", "code"]
+        labels = ["model", "version", "code", "protocol"]
         self.requests = Counter(
             "tensorserve_requests", "Inference requests by outcome code.", labels,
             registry=registry,
@@ -72,27 +73,32 @@ class RequestMetrics:
             registry=registry,
         )
 
-        # (model, version, code, status) -> the labelled children: one dict look-up
-        # per request instead of three or four ``labels()`` calls (~5 us each).
-        self._children: dict[tuple[str, str, str, int], tuple[Any, Any, Any, Any]] = {}
+        # (protocol, model, version, code, status) -> the labelled children: one dict
+        # look-up per request instead of three or four ``labels()`` calls (~5 us each).
+        self._children: dict[tuple[str, str, str, str, int], tuple[Any, Any, Any, Any]] = {}
 
-    def _labelled(self, model: str, version: str, code: str, status: int) -> tuple[Any, Any, Any, Any]:
-        key = (model, version, code, status)
+    def _labelled(
+        self, protocol: str, model: str, version: str, code: str, status: int
+    ) -> tuple[Any, Any, Any, Any]:
+        key = (protocol, model, version, code, status)
         children = self._children.get(key)
         if children is None:
             reason = rejection_reason(code, status)
             children = self._children[key] = (
-                self.requests.labels(model, version, code),
-                self.items.labels(model, version, code),
-                self.latency.labels(model, version, code),
+                self.requests.labels(model, version, code, protocol),
+                self.items.labels(model, version, code, protocol),
+                self.latency.labels(model, version, code, protocol),
                 self.rejections.labels(model, reason) if reason is not None else None,
             )
         return children
 
     def observe(
-        self, model: str, version: str, code: str, status: int, items: int, seconds: float
+        self, protocol: str, model: str, version: str, code: str, status: int, items: int,
+        seconds: float,
     ) -> None:
-        requests, counted_items, latency, rejections = self._labelled(model, version, code, status)
+        requests, counted_items, latency, rejections = self._labelled(
+            protocol, model, version, code, status
+        )
         requests.inc()
         if items:
             counted_items.inc(items)

@@ -261,7 +261,15 @@ def decode_request(
     the input and what is wrong. Per-item checks (lengths, fixed axes) are
     left to ``wire.validate`` like for every caller."""
     header, binary = split_body(body, headers.get(HEADER_LENGTH))
-    message = _parse_json(header)
+    return decode_message(_parse_json(header), binary, config, max_items)
+
+
+def decode_message(
+    message: dict[str, Any], binary: memoryview, config: ModelConfig, max_items: int
+) -> InferRequest:
+    """A request already parsed into the JSON header's shape, and its binary
+    section: the one OIP check both transports share (the gRPC front end
+    builds this from a ``ModelInferRequest``)."""
     request_id = message.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")

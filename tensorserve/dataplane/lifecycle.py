@@ -1,31 +1,30 @@
-"""Where the server is in its shutdown, as the handlers see it.
+"""Where the server is in its shutdown, as every front end sees it.
 
-``http/server.py`` owns the one ``Lifecycle`` of a running server (stored on
-the app under ``LIFECYCLE``) and moves it through its phases on SIGTERM or
-SIGINT (docs/reliability.md, "Shutdown"):
+``tensorserve/server.py`` owns the one ``Lifecycle`` of a running server (the
+``DataPlane``'s, shared by the HTTP and gRPC front ends) and moves it through
+its phases on SIGTERM or SIGINT (docs/reliability.md, "Shutdown"):
 
     SERVING    the normal state
     DRAINING   readiness answers 503; requests are still accepted and served
                (``drain_delay_s``), so load balancers stop sending
-    CLOSING    the listening socket is closed; queued and running requests
+    CLOSING    the listening sockets are closed; queued and running requests
                finish (``shutdown_grace_s``)
     ABORTING   the grace period is over: every request still waiting is
-               answered 503 (``ModelNotReady``), never a reset connection
+               answered 503 / UNAVAILABLE (``ModelNotReady``), never a reset
+               connection
 
-Readiness handlers ask ``draining(app)``; the infer handler runs inside
-``track(app)``, which is how the server knows what is still in flight and
-how it answers what is left. An app built without the server (tests'
-``create_app``) has no lifecycle: it is always SERVING.
+Readiness answers ask ``DataPlane.draining``; every infer call runs inside
+``DataPlane.track()``, which is how the server knows what is still in
+flight, whichever front end it came in on, and how it answers what is left.
+A data plane built without the server (tests' ``create_app``) has no
+lifecycle: it is always SERVING.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 from typing import Any
-
-from aiohttp import web
 
 from tensorserve.errors import ModelNotReady
 
@@ -40,7 +39,7 @@ class Phase(str, enum.Enum):
 
 
 class Lifecycle:
-    """The phase, and the infer requests in flight (their handlers' tasks).
+    """The phase, and the infer calls in flight (their handlers' tasks, HTTP or gRPC).
     Used on the event loop's thread only."""
 
     def __init__(self) -> None:
@@ -119,18 +118,3 @@ class Tracked:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self._lifecycle._untrack(self._task, exc)
-
-
-LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
-
-
-def draining(app: web.Application) -> bool:
-    """Whether readiness must answer 503 because the server is shutting down."""
-    lifecycle = app.get(LIFECYCLE)
-    return lifecycle is not None and lifecycle.draining
-
-
-def track(app: web.Application) -> contextlib.AbstractContextManager[None]:
-    """``Lifecycle.track`` of the app's lifecycle (nothing, for an app without one)."""
-    lifecycle = app.get(LIFECYCLE)
-    return lifecycle.track() if lifecycle is not None else contextlib.nullcontext()

@@ -1,14 +1,15 @@
 """Logging: request ids on every line, text or JSON lines, and a rate limit
 for lines a client can cause.
 
-A request's id lives in a ``ContextVar`` that the observing middleware sets
-(``http/observe.py``). A log-record factory copies it onto every record as
+A request's id lives in a ``ContextVar`` that each front end sets when a
+call arrives (``DataPlane.begin``): from the caller's ``X-Request-ID`` header
+(HTTP) or ``x-request-id`` metadata (gRPC), else a new one. A log-record factory copies it onto every record as
 ``record.request_id`` ("-" outside a request), so a line logged by any code
 the handler calls (a codec, the registry, a thread started with
 ``asyncio.to_thread``) carries the id of the request it is about.
 
-    2026-11-23 16:20:01,532 WARNING tensorserve.http [3f2a...]: 400 invalid_input ...
-    {"ts": "...", "level": "WARNING", "logger": "tensorserve.http", "request_id": "3f2a...", ...}
+    2026-11-23 16:20:01,532 WARNING tensorserve.dataplane [3f2a...]: POST /v2/models/m/infer -> 400 invalid_input ...
+    {"ts": "...", "level": "WARNING", "logger": "tensorserve.dataplane", "request_id": "3f2a...", ...}
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from contextvars import ContextVar
 from typing import Any
 
 REQUEST_ID: ContextVar[str] = ContextVar("tensorserve_request_id", default="-")
-HEADER = "X-Request-ID"
+HEADER = "X-Request-ID"  # gRPC: the same name, as metadata (lower case)
 MAX_ID_LENGTH = 128
 _SAFE_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_ID_LENGTH}}}")
 
@@ -125,7 +126,7 @@ class RateLimit:
 
 # The settings an operator needs to read a server's log (the rest are defaults).
 STARTUP_SETTINGS = (
-    "host", "port", "model_repository", "log_level", "log_format", "access_log",
+    "host", "port", "grpc_port", "model_repository", "log_level", "log_format", "access_log",
     "max_request_bytes", "max_items_per_request", "intra_op_threads", "device",
     "liveness_stall_s", "model_control_mode",
 )
@@ -134,7 +135,7 @@ STARTUP_SETTINGS = (
 def log_startup(settings: Any) -> None:
     """The first line of a server's log: version, Python, the settings that
     matter, and every per-model override given. (The listening address, with
-    the real port of ``--port 0``, follows once the socket is bound.)"""
+    the real ports of ``--port 0`` and ``--grpc-port 0``, follows once the socket is bound.)"""
     from tensorserve import __version__
 
     chosen = {name: getattr(settings, name) for name in STARTUP_SETTINGS}

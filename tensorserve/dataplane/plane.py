@@ -1,0 +1,187 @@
+"""``DataPlane``: the one data path every front end calls.
+
+    front end (HTTP, gRPC)        DataPlane
+    ──────────────────────        ─────────
+    a call arrives          ──▶   begin: its request id, on every log line
+    an infer call           ──▶   infer: track (in flight, for shutdown) ->
+                                  the model, ready -> receive -> decode ->
+                                  infer_many (validate, admit, wait, within
+                                  the deadline) -> encode
+    its outcome             ──▶   observe_infer: request metrics by protocol;
+                                  log_failure: one line per failed call
+    ◀── the reply, or a tensorserve error the front end maps with the one
+        table (errors.CODES: ``http_status``, ``grpc_status``)
+
+A caller that leaves (an HTTP client that disconnects, a gRPC call the
+client cancels) cancels its handler's task: its queued items are withdrawn
+by the batcher, and the ``CancelledError`` is counted as ``disconnect``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from contextvars import Token
+from typing import Any, TypeVar
+
+from tensorserve.dataplane.calls import Call, WireCall
+from tensorserve.dataplane.lifecycle import Lifecycle
+from tensorserve.dataplane.logs import REQUEST_ID, RateLimit, request_id_from
+from tensorserve.metrics import Metrics
+from tensorserve.metrics.requests import UNKNOWN_MODEL, rejection_reason
+from tensorserve.serving.liveness import Liveness
+from tensorserve.serving.registry import ModelRegistry
+from tensorserve.settings import Settings
+from tensorserve.wire.request import effective_timeout
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def _maybe_in_thread(costly: bool, fn: Callable[..., T], *args: Any) -> T:
+    return await asyncio.to_thread(fn, *args) if costly else fn(*args)
+
+
+class DataPlane:
+    """The state every front end shares, each piece with one owner: the
+    registry (its models' loading and closing are the app's start-up and
+    clean-up, ``http/app.py``), the metrics, the lifecycle (the server's,
+    ``tensorserve/server.py``; None outside a running server: always
+    serving) and the rate limit of lines a client can cause."""
+
+    def __init__(
+        self, settings: Settings, registry: ModelRegistry, metrics: Metrics, liveness: Liveness
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.metrics = metrics
+        self.liveness = liveness  # whether a model thread is stuck for good (serving/liveness.py)
+        self.lifecycle: Lifecycle | None = None
+        # Lines a client can cause (4xx, rejections, disconnects): per code.
+        self.log_limit = RateLimit()
+
+    # -- request ids, shutdown ------------------------------------------------
+
+    def begin(self, protocol: str, given_id: str | None) -> tuple[Call, Token[str]]:
+        """A new call: the caller's id when it is safe to echo, else a new one,
+        set for every log line until ``end``."""
+        call = Call(request_id_from(given_id), protocol)
+        return call, REQUEST_ID.set(call.request_id)
+
+    @staticmethod
+    def end(token: Token[str]) -> None:
+        REQUEST_ID.reset(token)
+
+    @property
+    def draining(self) -> bool:
+        """Whether readiness must say no because the server is shutting down."""
+        return self.lifecycle is not None and self.lifecycle.draining
+
+    def track(self) -> contextlib.AbstractContextManager[None]:
+        """``Lifecycle.track`` (nothing, for a plane without a lifecycle)."""
+        lifecycle = self.lifecycle
+        return lifecycle.track() if lifecycle is not None else contextlib.nullcontext()
+
+    # -- inference ------------------------------------------------------------
+
+    async def infer(
+        self,
+        call: Call,
+        model: str,
+        version: str | None,
+        wire: WireCall[T],
+        transport_timeout_s: float | None = None,
+    ) -> T:
+        """One infer call, decode -> ``ServedModel.infer_many`` -> encode.
+        ``transport_timeout_s`` is what the transport itself still allows (a
+        gRPC deadline): the call's deadline is never later."""
+        with self.track():  # in flight, for a shutdown's grace period
+            settings = self.settings
+            served = self.registry.ready(model, version)
+            call.model, call.version = served.name, str(served.version)
+            await wire.receive()
+            config = served.config
+            decoded = await _maybe_in_thread(
+                wire.decode_is_costly(), wire.decode, config, settings.max_items_per_request
+            )
+            call.items, call.kserve_id = len(decoded.items), decoded.id
+            timeout = effective_timeout(  # the request's, the model's or the server's
+                decoded.timeout, config.default_timeout_ms, settings.default_timeout_ms,
+                settings.max_timeout_ms,
+            )
+            if transport_timeout_s is not None:
+                timeout = max(0.0, min(timeout, transport_timeout_s))
+            results = await served.infer_many(
+                decoded.items,
+                timeout=timeout,
+                priority=decoded.parameters.get("priority"),
+                parameters=decoded.parameters,  # the model's declared ones reach its forward
+            )
+            encode_started = time.perf_counter()
+            encoded = await _maybe_in_thread(
+                wire.encode_is_costly(decoded, results),
+                wire.encode,
+                decoded,
+                results,
+                served.name,
+                str(served.version),
+                config,
+            )
+            call.encode_seconds = time.perf_counter() - encode_started
+            return encoded
+
+    # -- what a call leaves behind: metrics, log lines ---------------------------
+
+    def model_label(self, call: Call, route_name: str | None) -> tuple[str, str]:
+        """(model, version) labels: the served model's, or the name asked for
+        when the registry knows it (not ready), else ``_unknown`` (so a scan
+        of random names cannot add series)."""
+        if call.model is not None:
+            return call.model, call.version
+        if route_name is not None and route_name in self.registry.entries:
+            return route_name, ""
+        return UNKNOWN_MODEL, ""
+
+    def observe_infer(
+        self, call: Call, route_name: str | None, code: str, status: int, seconds: float
+    ) -> None:
+        """The request metrics of one finished (or abandoned) infer call;
+        ``status`` is its HTTP status, or its code's for a gRPC call."""
+        model, version = self.model_label(call, route_name)
+        requests = self.metrics.requests
+        requests.observe(call.protocol, model, version, code, status, call.items, seconds)
+        if call.encode_seconds is not None:
+            requests.encode.labels(model).observe(call.encode_seconds)
+
+    def log_failure(
+        self, call: Call | None, where: str, status: int | str, code: str, message: str,
+        exc: BaseException, server_fault: bool,
+    ) -> None:
+        """One line per failed call: a fault of the server or the model at
+        ERROR with its traceback; a caller's error or a rejection (queue full,
+        deadline, not ready) at WARNING, a few lines per code every 10 s, so a
+        flood of bad requests cannot flood the log."""
+        if call is not None and call.kserve_id is not None:
+            where += f" (id {call.kserve_id!r})"
+        if server_fault:
+            log.error("%s -> %s %s: %s", where, status, code, message, exc_info=exc)
+            return
+        allowed, dropped = self.log_limit.allow(code)
+        if allowed:
+            more = f" ({dropped} more since the last line)" if dropped else ""
+            log.warning("%s -> %s %s: %s%s", where, status, code, message, more)
+
+    def log_disconnect(self, where: str) -> None:
+        allowed, dropped = self.log_limit.allow("disconnect")
+        if allowed:
+            more = f" ({dropped} more since the last line)" if dropped else ""
+            log.info("%s: the client disconnected before the answer%s", where, more)
+
+
+def is_server_fault(code: str, status: int) -> bool:
+    """A failure that is the server's or the model's, not the caller's."""
+    return status >= 500 and rejection_reason(code, status) is None

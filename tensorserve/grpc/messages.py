@@ -1,0 +1,85 @@
+"""The data plane's plain answers (``dataplane/models.py``) as the KServe v2
+/ Triton gRPC messages. Fields the messages have no place for (tensorserve's
+``batching`` statistics, ``pad_value``) are left out: the HTTP answers
+carry them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorserve.grpc.generated import grpc_service_pb2 as pb
+from tensorserve.grpc.generated import model_config_pb2 as mc
+
+
+def model_metadata(data: dict[str, Any]) -> pb.ModelMetadataResponse:
+    def tensors(key: str) -> list[pb.ModelMetadataResponse.TensorMetadata]:
+        return [
+            pb.ModelMetadataResponse.TensorMetadata(
+                name=t["name"], datatype=t["datatype"], shape=t["shape"]
+            )
+            for t in data.get(key, [])
+        ]
+
+    return pb.ModelMetadataResponse(
+        name=data["name"], versions=data["versions"], platform=data["platform"],
+        inputs=tensors("inputs"), outputs=tensors("outputs"),
+    )
+
+
+def model_config(data: dict[str, Any]) -> pb.ModelConfigResponse:
+    """Triton's ``ModelConfig`` from ``wire/triton.py model_config``."""
+
+    def tensor(kind: Any, t: dict[str, Any]) -> Any:
+        return kind(name=t["name"], data_type=mc.DataType.Value(t["data_type"]), dims=t["dims"])
+
+    batching = data.get("dynamic_batching") or {}
+    config = mc.ModelConfig(
+        name=data["name"], platform=data["platform"], backend=data["backend"],
+        max_batch_size=data["max_batch_size"],
+        input=[tensor(mc.ModelInput, t) for t in data["input"]],
+        output=[tensor(mc.ModelOutput, t) for t in data["output"]],
+        instance_group=[
+            mc.ModelInstanceGroup(
+                count=g.get("count", 1),
+                kind=mc.ModelInstanceGroup.Kind.Value(g.get("kind", "KIND_AUTO")),
+            )
+            for g in data.get("instance_group", [])
+        ],
+    )
+    if data["max_batch_size"]:
+        config.dynamic_batching.max_queue_delay_microseconds = batching.get(
+            "max_queue_delay_microseconds", 0
+        )
+    return pb.ModelConfigResponse(config=config)
+
+
+def _duration(d: dict[str, int]) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d["count"], ns=d["ns"])
+
+
+def model_statistics(stats: list[dict[str, Any]]) -> pb.ModelStatisticsResponse:
+    reply = pb.ModelStatisticsResponse()
+    for stat in stats:
+        inference = stat.get("inference_stats", {})
+        entry = reply.model_stats.add(
+            name=stat["name"], version=stat["version"],
+            last_inference=stat.get("last_inference", 0),
+            inference_count=stat.get("inference_count", 0),
+            execution_count=stat.get("execution_count", 0),
+        )
+        for key, value in inference.items():
+            if hasattr(entry.inference_stats, key):
+                getattr(entry.inference_stats, key).CopyFrom(_duration(value))
+    return reply
+
+
+def repository_index(entries: list[dict[str, Any]]) -> pb.RepositoryIndexResponse:
+    return pb.RepositoryIndexResponse(
+        models=[
+            pb.RepositoryIndexResponse.ModelIndex(
+                name=e["name"], version=str(e.get("version", "")), state=e["state"],
+                reason=e.get("reason", ""),
+            )
+            for e in entries
+        ]
+    )

@@ -1,0 +1,218 @@
+"""The KServe v2 / Triton ``GRPCInferenceService``: thin handlers that ask
+the data plane and answer in messages.
+
+Each RPC runs in its own task on the server's event loop (grpc.aio). Every
+call gets a request id (the caller's ``x-request-id`` metadata when safe to
+echo, else a new one), sent back in the initial metadata and on every log
+line. ``ModelInfer`` goes through ``DataPlane.infer`` like an HTTP infer
+request, so its items join the same queues and batches; the call's gRPC
+deadline bounds its timeout, and a call the client cancels cancels its
+task, which withdraws its queued items. Failures end the call with the
+status from ``grpc/errors.py``. Shared memory, tracing and log settings are
+not served: their RPCs answer UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from tensorserve.dataplane import DataPlane, models
+from tensorserve.dataplane.calls import GRPC, Call
+from tensorserve.dataplane.plane import is_server_fault
+from tensorserve.errors import InvalidInput
+from tensorserve.grpc import codec, messages
+from tensorserve.grpc.errors import Failure
+from tensorserve.grpc.generated import grpc_service_pb2 as pb
+from tensorserve.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from tensorserve.metrics.requests import DISCONNECT, OK
+from tensorserve.repository.config import ModelConfig
+from tensorserve.wire.request import InferRequest, Results
+
+access_log = logging.getLogger("tensorserve.access")
+
+R = TypeVar("R")
+Handler = Callable[[Any, Any, aio.ServicerContext, Call], Awaitable[R]]
+INFER = "ModelInfer"
+
+
+class GrpcCall:
+    """A ``ModelInferRequest`` (the data plane's ``WireCall``)."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: pb.ModelInferRequest) -> None:
+        self.message = message
+
+    async def receive(self) -> None:
+        return None  # grpc has read the whole message, bounded by max_request_bytes
+
+    def decode(self, config: ModelConfig, max_items: int) -> InferRequest:
+        return codec.decode(self.message, config, max_items)
+
+    def decode_is_costly(self) -> bool:
+        return False  # the bytes stay bytes; the protobuf is parsed already
+
+    def encode(
+        self, request: InferRequest, results: Results, name: str, version: str, config: ModelConfig
+    ) -> pb.ModelInferResponse:
+        return codec.encode(request, results, name, version, config)
+
+    def encode_is_costly(self, request: InferRequest, results: Results) -> bool:
+        return False  # raw bytes, one copy per output
+
+
+def _given_id(context: aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and isinstance(value, str):
+            return value
+    return None
+
+
+def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """Request id, failure -> status, metrics (``ModelInfer``), access log."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handle(self: InferenceService, request: Any, context: aio.ServicerContext) -> R:
+        plane = self.plane
+        call, token = plane.begin(GRPC, _given_id(context))
+        started = time.perf_counter()
+        in_flight = plane.metrics.requests.in_flight if name == INFER else None
+        if in_flight is not None:
+            in_flight.inc()
+        code, status = OK, grpc.StatusCode.OK.name
+        try:
+            await context.send_initial_metadata((("x-request-id", call.request_id),))
+            try:
+                return await method(self, request, context, call)
+            except asyncio.CancelledError:
+                code, status = DISCONNECT, grpc.StatusCode.CANCELLED.name
+                plane.log_disconnect(f"gRPC {name}")
+                raise
+            except aio.AbortError:
+                raise
+            except Exception as exc:  # a tensorserve error, or a fault of the server
+                failure = Failure(exc)
+                code, status = failure.code, failure.status.name
+                call.error_code = code
+                plane.log_failure(
+                    call, f"gRPC {name}", status, code, failure.message, exc,
+                    is_server_fault(code, failure.http_status),
+                )
+                await context.abort(
+                    failure.status, failure.message, failure.trailing_metadata(call.request_id)
+                )
+                raise  # not reached: abort raises
+        finally:
+            if in_flight is not None:
+                in_flight.dec()
+                model = getattr(request, "model_name", None)
+                cls_status = Failure.http_status_of(code)
+                plane.observe_infer(call, model, code, cls_status, time.perf_counter() - started)
+            if plane.settings.access_log:
+                seconds = time.perf_counter() - started
+                access_log.info(
+                    "gRPC %s %s %.2fms", name, status, 1000 * seconds,
+                    extra={"method": "gRPC", "path": name, "status": status, "code": code,
+                           "latency_ms": round(1000 * seconds, 3), "protocol": GRPC,
+                           "kserve_id": call.kserve_id, "remote": context.peer()},
+                )
+            plane.end(token)
+
+    return handle
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    # -- health and metadata -----------------------------------------------------
+
+    @rpc
+    async def ServerLive(self, request: Any, context: Any, call: Call) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=models.server_live(self.plane)["live"])
+
+    @rpc
+    async def ServerReady(self, request: Any, context: Any, call: Call) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=models.server_ready(self.plane)["ready"])
+
+    @rpc
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: Any, call: Call
+    ) -> pb.ModelReadyResponse:
+        body = models.model_ready(self.plane, request.name, request.version or None)
+        return pb.ModelReadyResponse(ready=body["ready"])
+
+    @rpc
+    async def ServerMetadata(
+        self, request: Any, context: Any, call: Call
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(**models.server_metadata())
+
+    @rpc
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: Any, call: Call
+    ) -> pb.ModelMetadataResponse:
+        data = models.metadata(self.plane, request.name, request.version or None)
+        return messages.model_metadata(data)
+
+    @rpc
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: Any, call: Call
+    ) -> pb.ModelConfigResponse:
+        return messages.model_config(
+            models.config(self.plane, request.name, request.version or None)
+        )
+
+    @rpc
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Any, call: Call
+    ) -> pb.ModelStatisticsResponse:
+        if not request.name:
+            return messages.model_statistics(models.all_model_stats(self.plane))
+        stat = models.model_stats(self.plane, request.name, request.version or None)
+        return messages.model_statistics([stat])
+
+    # -- inference -----------------------------------------------------------------
+
+    @rpc
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: aio.ServicerContext, call: Call
+    ) -> pb.ModelInferResponse:
+        return await self.plane.infer(
+            call, request.model_name, request.model_version or None, GrpcCall(request),
+            transport_timeout_s=context.time_remaining(),
+        )
+
+    # -- the repository extension ------------------------------------------------
+
+    @rpc
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Any, call: Call
+    ) -> pb.RepositoryIndexResponse:
+        if request.repository_name:
+            raise InvalidInput("tensorserve serves one repository: leave repository_name empty")
+        return messages.repository_index(models.repository_index(self.plane, request.ready))
+
+    @rpc
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Any, call: Call
+    ) -> pb.RepositoryModelLoadResponse:
+        parameters = {k: codec.parameter_value(v) for k, v in request.parameters.items()}
+        await models.load(self.plane, request.model_name, parameters)
+        return pb.RepositoryModelLoadResponse()
+
+    @rpc
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Any, call: Call
+    ) -> pb.RepositoryModelUnloadResponse:
+        await models.unload(self.plane, request.model_name)
+        return pb.RepositoryModelUnloadResponse()
