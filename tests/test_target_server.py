@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 
 from tests.conftest import ServerProcess
-from tests.helpers import MSGPACK, SLEEPY_IO, SLEEPY_MODEL, body, from_wire, write_toy_model
+from tests.helpers import (
+    MSGPACK,
+    SLEEPY_IO,
+    SLEEPY_MODEL,
+    body,
+    from_wire,
+    wait_until,
+    write_toy_model,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,14 +44,18 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     process.stop()
 
 
-def _infer(url: str, model: str, value: float) -> tuple[int, object, str | None]:
-    item = {"ms": np.array([20.0, value], np.float32)}  # sleeps 20 ms: value < 20
+def _infer(url: str, model: str, value: float, ms: float = 20.0) -> tuple[int, object, str | None]:
+    item = {"ms": np.array([ms, value], np.float32)}  # sleeps ms (value < ms)
     reply = httpx.post(f"{url}/v2/models/{model}/infer", content=body([item]), headers=MSGPACK,
                        timeout=120)
     decoded = msgpack.unpackb(reply.content)
     if reply.status_code != 200:
         return reply.status_code, decoded, reply.headers.get("Retry-After")
     return 200, from_wire(decoded["outputs"][0]["y"]).tolist(), None
+
+
+def _stats(url: str, model: str) -> dict:
+    return httpx.get(f"{url}/v2/models/{model}/stats").json()["batching"]
 
 
 def _burst(url: str, model: str) -> list[tuple[int, object, str | None]]:
@@ -57,7 +69,13 @@ def test_a_burst_past_the_target_is_refused_at_once_and_the_admitted_get_their_r
     url = server.url
     for value in range(8):  # the controller measures a few batches first
         assert _infer(url, "targeted", float(value))[0] == 200
-    results = _burst(url, "targeted")
+    # A 3 s batch holds the instance, so the burst queues behind it however
+    # slowly a busy machine sends it.
+    with ThreadPoolExecutor(1) as holder:
+        held = holder.submit(_infer, url, "targeted", 1.0, 3000.0)
+        wait_until(lambda: _stats(url, "targeted")["total_requests"] == 9, "the long batch admitted")
+        results = _burst(url, "targeted")
+        assert held.result()[0] == 200
     served = [(i, r) for i, r in enumerate(results) if r[0] == 200]
     refused = [r for r in results if r[0] != 200]
     assert served and refused, [r[0] for r in results]
@@ -69,7 +87,7 @@ def test_a_burst_past_the_target_is_refused_at_once_and_the_admitted_get_their_r
         assert re.search(r"over its 200 ms latency target \(\d+ items ahead\); retry later",
                          error["error"])  # type: ignore[index]
         assert retry_after is not None and 1 <= int(retry_after) <= 60
-    stats = httpx.get(f"{url}/v2/models/targeted/stats").json()["batching"]["latency_target"]
+    stats = _stats(url, "targeted")["latency_target"]
     assert stats["target_p99_ms"] == 200.0 and stats["refused"] == len(refused)
     assert 1 <= stats["batch_cap"] <= 4 and stats["achieved_p99_ms"] > 0
     metrics = httpx.get(f"{url}/metrics").text
