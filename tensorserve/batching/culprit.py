@@ -18,7 +18,9 @@ seconds a worker restart costs (measured by the executor):
 
 Halves are chosen only when strictly cheaper: on a tie, singles kill fewer
 workers. A flat-cost model (a GPU: F(k) = 100 ms whatever k) with a 35 ms
-restart, n = 16: halves 4 * (0.2 + 0.035) = 0.94 s against singles 1.635 s.
+restart, n = 16: halves twice, then the crashed 4 one at a time,
+2 * (0.2 + 0.035) + (0.4 + 0.035) = 0.905 s against singles 1.635 s (at
+4 items, halves cost 0.4 s + 2R, singles 0.4 s + R).
 A model that costs per item (F(k) = k * f) never halves: the halves alone
 cost ~2n * f against n * f for singles, and log2(n) restarts against one.
 """
