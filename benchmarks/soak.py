@@ -48,7 +48,8 @@ def _print(results: list[dict[str, Any]]) -> None:
                   f"{run_['good_correct']:>7} {failed:>6} {run_['lost']:>4} {run_['hung']:>4} "
                   f"{run_['good_per_s']:>7.1f}  {bad}")
         print(f"{'':<14} good throughput with bad traffic: {100 * result['ratio']:.0f}% of without; "
-              f"ready afterwards: {result['ready_after']}; peak RSS {result['peak_rss_mb']:.0f} MB")
+              f"ready afterwards: {result['ready_after']}; peak RSS {result['peak_rss_mb']:.0f} MB; "
+              f"recoveries {result['recoveries']}")
 
 
 def main() -> int:

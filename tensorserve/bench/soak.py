@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import tempfile
 import time
 import urllib.error
@@ -233,13 +234,14 @@ def run(
             clean = asyncio.run(load(server.url, seconds, None, **options))
             mixed = asyncio.run(load(server.url, seconds, kinds, **options))
             ready = _ready(server.url)
+            recoveries = _recoveries(server.url)
             peak_rss = server.peak_rss_bytes
         finally:
             server.stop()
     return {
         "isolation": isolation, "cost": cost, "without_bad": clean, "with_bad": mixed,
         "ratio": mixed["good_per_s"] / clean["good_per_s"] if clean["good_per_s"] else 0.0,
-        "ready_after": ready, "peak_rss_mb": peak_rss / 2**20,
+        "ready_after": ready, "peak_rss_mb": peak_rss / 2**20, "recoveries": recoveries,
     }  # fmt: skip
 
 
@@ -253,6 +255,12 @@ def failures(result: dict[str, Any]) -> dict[str, Any]:
         if found:
             broken[load_name] = found
     return broken
+
+
+def _recoveries(url: str) -> dict[str, int]:
+    """The failed batches the server recovered, by kind (both loads)."""
+    with urllib.request.urlopen(f"{url}/v2/models/soak/stats", timeout=5) as response:
+        return dict(json.load(response)["batching"]["recoveries"])
 
 
 def _ready(url: str) -> int:
