@@ -28,7 +28,7 @@ cost ~2n * f against n * f for singles, and log2(n) restarts against one.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from typing import Literal
 
 Search = Literal["halves", "singles"]
@@ -55,7 +55,7 @@ def _plans(
 ) -> Callable[[int], tuple[float, float]]:
     """``plans(n) -> (best(n), halves(n))`` for one cost model."""
 
-    @lru_cache(maxsize=None)
+    @cache
     def plans(n: int) -> tuple[float, float]:
         if n <= 1:
             return 0.0, 0.0
