@@ -299,6 +299,7 @@ class OverlappingDevice:
         self.first_collect = threading.Event()
 
     restarts = 0
+    restart_seconds = None
 
     def start_instance(self, instance: int) -> None:
         pass

@@ -26,7 +26,7 @@ def members(protocol: type) -> set[str]:
 
 
 def test_the_contract_names_what_the_batcher_and_the_server_call() -> None:
-    assert {"launch", "collect", "abort", "repair", "health", "restarts", "close",
+    assert {"launch", "collect", "abort", "repair", "health", "restarts", "restart_seconds", "close",
             "pin_memory", "overlaps", "instance_count", "start_instance"} <= members(Executor)
 
 
@@ -42,6 +42,10 @@ def test_every_executor_implements_every_member(executor: type) -> None:
     defined |= {
         t.attr for node in ast.walk(init) if isinstance(node, ast.Assign)
         for t in node.targets if isinstance(t, ast.Attribute)
+    }
+    defined |= {  # and annotated ones (self.x: T = ...)
+        node.target.attr for node in ast.walk(init)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute)
     }
     missing = members(Executor) - defined
     assert not missing, f"{executor.__name__} lacks {sorted(missing)}"

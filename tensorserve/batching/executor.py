@@ -81,6 +81,11 @@ class Executor(Protocol):
     """Instances restored after a failure so far (worker processes replaced;
     0 for executors in this process): ``tensorserve_worker_restarts_total``."""
 
+    restart_seconds: float | None
+    """What restoring an instance after its worker died has cost lately, in
+    seconds (a moving average), or None (none yet, or nothing to restore):
+    recovery weighs it against forwards (batching.culprit)."""
+
     def abort(self, launched: Any, because: str) -> bool:
         """The watchdog's: stop a batch past its limit. True if it will end as
         a failure (its worker killed); False if it cannot be stopped (a

@@ -30,6 +30,7 @@ from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pendi
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.delivery import settle
 from tensorserve.batching.executor import BatchOutputs, Executor
+from tensorserve.batching.policy import BatchCostModel
 from tensorserve.batching.recovery import Recovery
 from tensorserve.batching.results import Batch, BatchResults
 from tensorserve.batching.stats import BatchStats
@@ -71,8 +72,13 @@ class Pipeline:
                                options.max_queue_delay_ms, instances)
         )  # fmt: skip
         self.queue = AdmissionQueue(options, collator.padded_elements, name, self.target)
-        self.results = BatchResults(collator, options.policy, stats, name, self.target)
-        self.recovery = Recovery(name, options.split_failed_batches, stats)
+        # The cost model the policy learns, or one of its own for a policy
+        # that needs none: recovery reads it to choose how to find a culprit.
+        cost = options.policy.cost or BatchCostModel()
+        self.results = BatchResults(collator, options.policy, stats, name, cost, self.target)
+        self.recovery = Recovery(
+            name, options.split_failed_batches, stats, cost, lambda: executor.restart_seconds
+        )
         self.watchdog = Watchdog(self, options.watchdog_s)
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)  # work for the model threads
@@ -162,6 +168,10 @@ class Pipeline:
                     self.cond.wait()  # an event loop runs a batch on this instance
                     continue
                 if self.retries:
+                    if ahead:
+                        # A part of a failed batch may fail again: one sent
+                        # behind it would only come back unrun.
+                        return []
                     self.states[instance] = InstanceState.BUSY
                     return self.retries.popleft()
                 now = time.monotonic()

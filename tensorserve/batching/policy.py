@@ -116,7 +116,8 @@ class BatchCostModel:
         except np.linalg.LinAlgError:
             return
         fixed, per_element, per_step = (max(0.0, float(v)) for v in solution)
-        if per_element + per_step > 0:
+        # A flat cost (a GPU) fits as ``fixed`` alone: that is learnt too.
+        if fixed + per_element + per_step > 0:
             self.coefficients = (fixed, per_element, per_step)
 
     def cost(self, size: int | np.ndarray, longest: np.ndarray) -> np.ndarray:

@@ -8,9 +8,10 @@ so that a fault stays with the items that cause it.
     out of memory                   the memory ceiling drops, the batch runs again
                                     in halves; an item that does not fit alone fails
                                     with OutOfMemory (its padded size, the ceiling)
-    the worker died running it      each item runs again alone (a crash costs a
-      (a crash, the watchdog)       worker, a run only a forward): only the item that
-                                    kills its worker alone fails (a lone item whose
+    the worker died running it      the items run again in halves or one at a time,
+      (a crash, the watchdog)       whichever the model's cost and the measured restart
+                                    time make cheaper (batching.culprit): only the item
+                                    that kills its worker alone fails (a lone item whose
                                     worker died runs once more: it may not be the cause)
     anything else: a poisoned item  the batch runs again in halves, until every
                                     failure is pinned on an item that fails alone
@@ -26,9 +27,12 @@ retries before any new batch (``Pipeline.retries``) and settles the outcomes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tensorserve.batching import culprit
 from tensorserve.batching.admission import Outcome, Pending
+from tensorserve.batching.policy import BatchCostModel
 from tensorserve.batching.results import Batch
 from tensorserve.batching.stats import BatchStats
 from tensorserve.errors import (
@@ -82,10 +86,23 @@ class MemoryCeiling:
 
 
 class Recovery:
-    def __init__(self, name: str, split: bool, stats: BatchStats) -> None:
+    """Plans what failed batches become. ``cost`` is the model's learnt cost
+    model (taught by ``BatchResults``, only read here); ``restart_s`` reads
+    the executor's measured seconds to restart a worker (None: none yet)."""
+
+    def __init__(
+        self,
+        name: str,
+        split: bool,
+        stats: BatchStats,
+        cost: BatchCostModel | None = None,
+        restart_s: Callable[[], float | None] = lambda: None,
+    ) -> None:
         self.name = name
         self.split = split
         self.stats = stats
+        self.cost = cost
+        self.restart_s = restart_s
         self.ceiling = MemoryCeiling()
 
     def plan(self, batch: Batch) -> Plan | None:
@@ -111,15 +128,29 @@ class Recovery:
             return None  # the model's own error, for this item alone
         if not self.split:
             return None
-        if isinstance(error, WorkerCrashed):
-            # A crash costs a worker (a standby swap, or a model load), a run
-            # costs a forward: one item at a time, so the item that kills its
-            # worker does so once more, alone, instead of log2(B) times.
-            self.stats.record_recovery("singles")
-            return Plan(retries=[[entry] for entry in entries])
         half = len(entries) // 2
-        self.stats.record_recovery("oom" if isinstance(error, BatchOutOfMemory) else "split")
+        if isinstance(error, WorkerCrashed):
+            search = self.crash_search(entries)
+            self.stats.record_recovery(search)
+            if search == "singles":
+                return Plan(retries=[[entry] for entry in entries])
+        else:
+            self.stats.record_recovery("oom" if isinstance(error, BatchOutOfMemory) else "split")
         return Plan(retries=[entries[:half], entries[half:]])
+
+    def crash_search(self, entries: list[Pending]) -> culprit.Search:
+        """Halves or singles for a crashed batch (batching.culprit): singles
+        until both the cost model and a restart's time have been measured, as
+        singles kill the fewest workers."""
+        restart_s = self.restart_s()
+        if self.cost is None or not self.cost.fitted or restart_s is None:
+            return "singles"
+        cost, longest = self.cost, max(entry.volume for entry in entries)
+
+        def forward_s(size: int) -> float:
+            return float(cost.cost(size, longest))
+
+        return culprit.choose(len(entries), forward_s, restart_s)
 
     def _rows(self, entries: list[Pending], error: RowErrors) -> Plan:
         bad = sorted(error.errors)

@@ -13,7 +13,7 @@ from typing import Any
 from tensorserve.batching.admission import Outcome, Pending
 from tensorserve.batching.collate import Collator, PaddedBatch
 from tensorserve.batching.executor import BatchOutputs
-from tensorserve.batching.policy import BatchPolicy
+from tensorserve.batching.policy import BatchCostModel, BatchPolicy
 from tensorserve.batching.stats import BatchStats
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import ModelFailure, as_model_failure
@@ -50,10 +50,13 @@ class BatchResults:
         policy: BatchPolicy,
         stats: BatchStats,
         name: str,
+        cost: BatchCostModel | None = None,
         target: LatencyTarget | None = None,
     ) -> None:
         self.collator = collator
         self.policy = policy
+        # The policy's cost model, or recovery's when the policy has none.
+        self.cost = cost if cost is not None else policy.cost
         self.stats = stats
         self.name = name
         self.target = target  # told what each batch cost and what its callers waited
@@ -106,7 +109,7 @@ class BatchResults:
     def _teach(self, entries: Sequence[Pending], seconds: float) -> None:
         """Tell the policy what a batch of this padded volume cost."""
         longest = max(e.volume for e in entries)
-        if (cost := self.policy.cost) is not None:
+        if (cost := self.cost) is not None:
             cost.observe(len(entries), longest, seconds)
         if (budget := self.policy.budget) is not None:
             budget.observe(len(entries) * longest, sum(e.volume for e in entries), seconds)

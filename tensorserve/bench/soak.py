@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import tempfile
 import time
 import urllib.error
@@ -56,9 +57,13 @@ class Model(torch.nn.Module):
             time.sleep(0.02)  # slow: the caller's 5 ms deadline passes
         if x.numel() > MEMORY_ELEMENTS:
             raise torch.OutOfMemoryError(f"tried to allocate {x.numel()} elements")
-        time.sleep(0.001 + 0.00002 * x.shape[0])  # a model that costs something
+        time.sleep({cost})
         return x * 2
 """
+# What a forward costs, by kind of model: "cpu" pays per row (a model on a
+# CPU), "flat" the same 100 ms whatever the batch (a GPU-like model: the
+# cost of a batch is its launch, not its rows).
+COSTS = {"cpu": "0.001 + 0.00002 * x.shape[0]", "flat": "0.1"}
 CONFIG = """
 max_batch_size = 16
 isolation = "{isolation}"
@@ -211,11 +216,14 @@ def run(
     *,
     callers: int = CALLERS,
     bad_every_s: float = 1.0,
+    cost: str = "cpu",
 ) -> dict[str, Any]:
-    """One server with the soak model in ``isolation``; the same load without,
-    then with, the bad requests (``only`` these kinds, if given)."""
+    """One server with the soak model in ``isolation`` whose forward costs
+    ``cost`` (a key of ``COSTS``); the same load without, then with, the bad
+    requests (``only`` these kinds, if given)."""
     with tempfile.TemporaryDirectory() as repo:
-        write_xy_model(repo, "soak", MODEL, CONFIG.format(isolation=isolation))
+        model = MODEL.replace("{cost}", COSTS[cost])
+        write_xy_model(repo, "soak", model, CONFIG.format(isolation=isolation))
         server = ServerProcess(repo, ("--log-level", "ERROR"), sample_interval=0.1).start()
         try:
             kinds = BAD_KINDS_PROCESS if isolation == "process" else BAD_KINDS_THREAD
@@ -226,13 +234,14 @@ def run(
             clean = asyncio.run(load(server.url, seconds, None, **options))
             mixed = asyncio.run(load(server.url, seconds, kinds, **options))
             ready = _ready(server.url)
+            recoveries = _recoveries(server.url)
             peak_rss = server.peak_rss_bytes
         finally:
             server.stop()
     return {
-        "isolation": isolation, "without_bad": clean, "with_bad": mixed,
+        "isolation": isolation, "cost": cost, "without_bad": clean, "with_bad": mixed,
         "ratio": mixed["good_per_s"] / clean["good_per_s"] if clean["good_per_s"] else 0.0,
-        "ready_after": ready, "peak_rss_mb": peak_rss / 2**20,
+        "ready_after": ready, "peak_rss_mb": peak_rss / 2**20, "recoveries": recoveries,
     }  # fmt: skip
 
 
@@ -246,6 +255,12 @@ def failures(result: dict[str, Any]) -> dict[str, Any]:
         if found:
             broken[load_name] = found
     return broken
+
+
+def _recoveries(url: str) -> dict[str, int]:
+    """The failed batches the server recovered, by kind (both loads)."""
+    with urllib.request.urlopen(f"{url}/v2/models/soak/stats", timeout=5) as response:
+        return dict(json.load(response)["batching"]["recoveries"])
 
 
 def _ready(url: str) -> int:

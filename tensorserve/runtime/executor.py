@@ -95,6 +95,7 @@ class ThreadExecutor:
         # direct path), started on first use: a worker process never needs one.
         self._runners: list[InstanceRunner | None] = [None] * instance_count
         self.restarts = 0  # a thread is never replaced
+        self.restart_seconds: float | None = None
 
     def abort(self, launched: Launched, because: str) -> bool:
         return False  # a forward in a thread of this process cannot be stopped

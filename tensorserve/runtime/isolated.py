@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,9 @@ from tensorserve.runtime.workers import Standby, WorkerProcess
 from tensorserve.tensors.dtypes import from_torch
 
 log = logging.getLogger(__name__)
+
+# The weight of the newest restart in ``restart_seconds``.
+RESTART_ALPHA = 0.3
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,9 @@ class ProcessExecutor:
         self.standby = Standby(self.hello, self.label, self.template) if faults.standby_worker else None
         self._replacing = [threading.Lock() for _ in self.workers]
         self.restarts = 0  # dead workers replaced (tensorserve_worker_restarts_total)
+        # A moving average of what replacing one cost: a swap when the standby
+        # was loaded, a wait for it or a model load when crashes came faster.
+        self.restart_seconds: float | None = None
 
     def start(self) -> None:
         try:
@@ -165,7 +172,16 @@ class ProcessExecutor:
         """An up worker for the instance: the standby if one is loaded (a
         swap), else a new one (a full model load, on this model thread)."""
         with self._replacing[instance]:  # a model thread and a loop's repair may race
-            return self._replace_locked(instance)
+            started = time.perf_counter()
+            restarts = self.restarts
+            worker = self._replace_locked(instance)
+            if self.restarts != restarts:
+                self._restarted_in(time.perf_counter() - started)
+            return worker
+
+    def _restarted_in(self, seconds: float) -> None:
+        last = self.restart_seconds
+        self.restart_seconds = seconds if last is None else last + RESTART_ALPHA * (seconds - last)
 
     def _replace_locked(self, instance: int) -> WorkerProcess:
         old = self.workers[instance]

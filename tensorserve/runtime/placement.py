@@ -114,6 +114,7 @@ class PlacedExecutor:
         self.overlaps = any(part.overlaps for part in self.parts)
         self.pin_memory = any(part.pin_memory for part in self.parts)
         self.restarts = 0  # threads are never replaced
+        self.restart_seconds: float | None = None
 
     def abort(self, routed: Routed, because: str) -> bool:
         return routed.part.abort(routed.launched, because)
