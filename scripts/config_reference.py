@@ -34,6 +34,7 @@ from tensorserve.repository.config import (
     Warmup,
 )
 from tensorserve.repository.parameters import RequestParameterSpec
+from tensorserve.repository.platforms import OnnxRuntimeOptions
 from tensorserve.settings import Settings
 
 PAGE = ROOT / "docs" / "configuration.md"
@@ -123,6 +124,8 @@ def reference() -> str:
         "### `[[output]]`\n\n" + model_table(OutputSpec),
         "### `[[request_parameter]]`\n\n" + model_table(RequestParameterSpec),
         "### `[warmup]`\n\n" + model_table(Warmup),
+        "### `[onnxruntime]` (`platform = \"onnxruntime_onnx\"`)\n\n"
+        + model_table(OnnxRuntimeOptions),
     ]
     for name, field in ModelConfig.model_fields.items():
         # Tables added to ModelConfig later get their section without an edit here.

@@ -7,6 +7,11 @@ For every model directory ``<repo>/<model>/`` that has ``config.toml`` and
 ``torch.manual_seed(seed)``, and writes ``1/model.safetensors`` (fp32) with
 ``safetensors.torch.save_file``.  Running it twice yields byte-identical files.
 
+It also exports ``tagger_onnx/1/model.onnx``: the tagger's own weights (the
+same seed) as an ONNX graph with dynamic batch and token axes, through
+``torch.onnx.export(dynamo=True)``, which needs ``onnxscript``
+(``pip install onnxscript``); without it that model is skipped, saying so.
+
 Usage::
 
     python scripts/generate_example_weights.py                 # all bundled models
@@ -184,6 +189,43 @@ def make_variant(
     return dst_dir
 
 
+class ExportableTagger(torch.nn.Module):
+    """The tagger's forward without its data-dependent branches, for export:
+    an exporter follows one path of an ``if`` on tensor values, so the mask
+    is always applied (a graph traced with no padding would drop it)."""
+
+    def __init__(self, tagger: torch.nn.Module) -> None:
+        super().__init__()
+        self.tagger = tagger
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        t = self.tagger
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = t.embed(input_ids) + t.pos_embed(positions)[None, :, :]
+        return t.head(t.encoder(x, src_key_padding_mask=attention_mask == 0))
+
+
+def export_tagger_onnx(repository: Path, seed: int = 0) -> Path:
+    """Write ``<repository>/tagger_onnx/1/model.onnx`` from the tagger's model.py
+    and seed: dynamic ``batch`` and ``tokens`` axes, the mask an input."""
+    import warnings
+
+    model = ExportableTagger(build_model(Path(repository) / "tagger", seed=seed)).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 9, 0, 0, 0]])
+    batch, tokens = torch.export.Dim("batch", max=4096), torch.export.Dim("tokens", max=512)
+    path = Path(repository) / "tagger_onnx" / VERSION / "model.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's notes on torchvision and the like
+        torch.onnx.export(
+            model, (ids, (ids != 0).long()), str(path),
+            input_names=["input_ids", "attention_mask"], output_names=["logits"],
+            dynamic_shapes={"input_ids": {0: batch, 1: tokens},
+                            "attention_mask": {0: batch, 1: tokens}},
+            dynamo=True, external_data=False, verbose=False,
+        )  # fmt: skip
+    return path
+
+
 def model_dirs(repository: Path) -> list[Path]:
     return sorted(
         p
@@ -200,15 +242,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     dirs = model_dirs(args.repo)
-    if args.models:
+    export_onnx = (args.repo / "tagger_onnx").is_dir() and (
+        not args.models or "tagger_onnx" in args.models
+    )
+    asked = [m for m in args.models if m != "tagger_onnx"]
+    if args.models and not asked:
+        dirs = []  # only the ONNX export was asked for
+    elif asked:
         by_name = {d.name: d for d in dirs}
-        missing = [m for m in args.models if m not in by_name]
+        missing = [m for m in asked if m not in by_name]
         if missing:
             parser.error(f"unknown model(s) in {args.repo}: {', '.join(missing)}")
-        dirs = [by_name[m] for m in args.models]
+        dirs = [by_name[m] for m in asked]
     for d in dirs:
         path = write_weights(d, seed=args.seed)
         print(f"{d.name}: {path.relative_to(args.repo)} ({path.stat().st_size} bytes)")
+    if export_onnx:
+        try:
+            import onnxscript  # noqa: F401  (torch.onnx's exporter)
+        except ImportError:
+            print("tagger_onnx: skipped: the ONNX export needs onnxscript (pip install onnxscript)")
+            return 0
+        path = export_tagger_onnx(args.repo, seed=args.seed)
+        print(f"tagger_onnx: {path.relative_to(args.repo)} ({path.stat().st_size} bytes)")
     return 0
 
 

@@ -161,3 +161,20 @@ def test_make_variant_rewrites_parameters_and_weights(tmp_path):
     first = (dst / "1" / "model.safetensors").read_bytes()
     gen.write_weights(dst)
     assert (dst / "1" / "model.safetensors").read_bytes() == first  # deterministic
+
+
+def test_tagger_onnx_is_the_tagger_exported(tmp_path):
+    """model_repository/tagger_onnx/1/model.onnx, run by ONNX Runtime on a padded
+    batch, gives each row what the tagger's model.py gives the item alone."""
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(str(REPO / "tagger_onnx" / "1" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    cfg, model = _config("tagger"), _load("tagger")
+    items = _make_items("tagger", cfg, torch.Generator().manual_seed(99))
+    batch = _pad_batch(_config("tagger_onnx"), items)
+    (logits,) = session.run(["logits"], {k: v.numpy() for k, v in batch.items()})
+    with torch.inference_mode():
+        for i, item in enumerate(items):
+            alone = model(**{k: v.unsqueeze(0) for k, v in item.items()})[0]
+            n = item["input_ids"].shape[0]
+            torch.testing.assert_close(torch.from_numpy(logits[i, :n]), alone, atol=1e-4, rtol=1e-4)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.parameters import RequestParameterSpec
+from tensorserve.repository.platforms import DEFAULT_PLATFORM, PLATFORMS, OnnxRuntimeOptions, Platform
 from tensorserve.settings import MAX_TIMEOUT_MS, check_batch_tokens
 from tensorserve.tensors.dtypes import DTYPES, DType
 
@@ -218,6 +219,15 @@ class InstanceGroup(_Strict):
 
 
 class ModelConfig(_Strict):
+    platform: Platform = Field(
+        DEFAULT_PLATFORM,
+        description="What a version folder holds (Triton's names): pytorch_tensorserve: "
+        "model.py (+ model.safetensors); onnxruntime_onnx: model.onnx; pytorch_libtorch: "
+        "model.pt (TorchScript) or model.pt2 (torch.export).",
+    )
+    onnxruntime: OnnxRuntimeOptions | None = Field(
+        None, description="Session options of an onnxruntime_onnx model."
+    )
     max_batch_size: int = Field(32, ge=0, le=65_536, description="0 or 1: no batching.")
     default_timeout_ms: float | None = Field(
         None,
@@ -276,6 +286,7 @@ class ModelConfig(_Strict):
             raise ValueError(
                 "instance_group places the instances itself: leave device and instance_count unset"
             )
+        self._platform_allows()
         kinds = (("input", self.input), ("output", self.output),
                  ("request_parameter", self.request_parameter))
         for kind, specs in kinds:
@@ -305,6 +316,20 @@ class ModelConfig(_Strict):
                     f"input {source!r} has only {len(inputs[source].variable_axes)}"
                 )
         return self
+
+    def _platform_allows(self) -> None:
+        if self.onnxruntime is not None and self.platform != "onnxruntime_onnx":
+            raise ValueError("[onnxruntime] is for platform = 'onnxruntime_onnx'")
+        if PLATFORMS[self.platform].python:
+            return
+        # A model file takes its inputs only, and is already compiled its own way.
+        if self.compile != "off":
+            raise ValueError(f"compile needs a model.py, not platform = {self.platform!r}")
+        if self.request_parameter:
+            raise ValueError(
+                f"request_parameter needs a model.py (forward's keyword arguments), not "
+                f"platform = {self.platform!r}"
+            )
 
     def unpad_source(self, out: OutputSpec) -> str | None:
         """The input whose true lengths un-pad ``out``."""

@@ -4,6 +4,11 @@
     <repository>/<model>/<version>/model.py          class Model(torch.nn.Module)
     <repository>/<model>/<version>/model.safetensors optional weights
 
+or, by the config's ``platform`` (``repository/platforms.py``), a model file
+in the version folder: ``model.onnx`` (``onnx_model.py``), ``model.pt`` or
+``model.pt2`` (``torchscript_model.py``). Each loads as a callable that takes
+the padded features as keyword arguments, as a model.py's forward does.
+
 The highest numeric version is served. Weights come from safetensors only;
 nothing is ever unpickled. Every failure raises ``ConfigError`` with a
 sentence naming the file and what is wrong.
@@ -15,6 +20,7 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +28,7 @@ from safetensors.torch import load_file
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.config import ModelConfig, load_config
+from tensorserve.repository.platforms import PLATFORMS
 
 MODULE_FILE = "model.py"
 WEIGHTS_FILE = "model.safetensors"
@@ -98,7 +105,7 @@ class LoadedModel:
     name: str
     version: int
     config: ModelConfig
-    module: torch.nn.Module
+    module: Callable[..., Any]  # an nn.Module, or a model file's session (onnx_model.py)
 
 
 def resolve_version(source: ModelSource, version: int | None) -> int:
@@ -109,13 +116,35 @@ def resolve_version(source: ModelSource, version: int | None) -> int:
     return version
 
 
-def load_model(source: ModelSource, version: int | None, config: ModelConfig) -> LoadedModel:
-    """Import, construct and load weights of one version (on the CPU)."""
+def load_model(source: ModelSource, version: int | None, config: ModelConfig,
+               intra_op_threads: int | None = None) -> LoadedModel:
+    """Load one version (on the CPU): import model.py, construct it and load
+    its weights, or open the platform's model file. ``intra_op_threads`` sizes
+    an ONNX Runtime session's pool (torch's is set on each model thread)."""
     version = resolve_version(source, version)
     folder = source.path / str(version)
+    files = PLATFORMS[config.platform].files
+    path = next((folder / name for name in files if (folder / name).is_file()), None)
+    if path is None:
+        raise ConfigError(f"{source.name}/{version}/{' or '.join(files)}: file not found "
+                          f"(platform = {config.platform!r})")
+    label = f"{source.name}/{version}/{path.name}"
+    if config.platform == "onnxruntime_onnx":
+        from tensorserve.repository.onnx_model import load_onnx  # onnxruntime: an extra
+
+        model: Callable[..., Any] = load_onnx(path, config, intra_op_threads, label)
+    elif config.platform == "pytorch_libtorch":
+        from tensorserve.repository.torchscript_model import load_torchscript
+
+        model = load_torchscript(path, config, label)
+    else:
+        model = _load_module(source, version, config)
+    return LoadedModel(source.name, version, config, model)
+
+
+def _load_module(source: ModelSource, version: int, config: ModelConfig) -> torch.nn.Module:
+    folder = source.path / str(version)
     module_file = folder / MODULE_FILE
-    if not module_file.is_file():
-        raise ConfigError(f"{source.name}/{version}/{MODULE_FILE}: file not found")
     cls = _import_model_class(module_file, f"tensorserve_models.{source.name}.v{version}")
     try:
         module = cls(**config.parameters)
@@ -128,7 +157,7 @@ def load_model(source: ModelSource, version: int | None, config: ModelConfig) ->
     if weights.is_file():
         load_weights(module, weights)
     module.eval()
-    return LoadedModel(source.name, version, config, module)
+    return module
 
 
 def read_config(

@@ -41,6 +41,7 @@ import torch
 from tensorserve.errors import BatchOutOfMemory, ConfigError, ModelFailure, RowErrors, WorkerCrashed
 from tensorserve.repository.config import ModelConfig
 from tensorserve.repository.loader import ModelSource
+from tensorserve.repository.platforms import PLATFORMS
 from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed
@@ -90,8 +91,10 @@ class ProcessExecutor:
             "config": config.model_dump(mode="json"),
             "intra_op_threads": intra_op_threads,
             # The worker template loads the weights before forking only on the
-            # CPU; it must never touch CUDA (runtime/template.py).
-            "template_loads": resolve_device(config.device).type == "cpu",
+            # CPU, and only a model that starts no threads of its own as it
+            # loads; it must never touch CUDA (runtime/template.py).
+            "template_loads": resolve_device(config.device).type == "cpu"
+            and PLATFORMS[config.platform].loads_before_fork,
             "log_level": logging.getLevelName(logging.getLogger("tensorserve").getEffectiveLevel()),
         }
         faults = config.faults

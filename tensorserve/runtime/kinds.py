@@ -52,7 +52,8 @@ def _thread(request: ExecutorRequest) -> BuiltExecutor:
     fn, version = request.fn, request.version or 1
     if fn is None:
         assert request.source is not None
-        loaded = load_model(request.source, request.version, request.config)
+        loaded = load_model(request.source, request.version, request.config,
+                            request.intra_op_threads)
         fn, version = loaded.module, loaded.version
     config = request.config
     if len(request.placements) > 1:

@@ -39,7 +39,7 @@ def _load(hello: dict[str, Any], *, enter: bool = True) -> tuple[ModelConfig, Th
     name, version = hello["name"], hello["version"]
     config = parse_config(hello["config"], f"{name} (worker)")
     source = ModelSource(name, Path(hello["path"]), (version,))
-    loaded = load_model(source, version, config)
+    loaded = load_model(source, version, config, hello["intra_op_threads"])
     device = resolve_device(config.device)
     executor = ThreadExecutor(
         on_device(loaded.module, config, device),

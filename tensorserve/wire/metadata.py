@@ -27,7 +27,7 @@ def model_metadata(
     metadata: dict[str, Any] = {
         "name": name,
         "versions": [str(version)] if version is not None else [],
-        "platform": "pytorch_tensorserve",
+        "platform": config.platform if config is not None else "pytorch_tensorserve",
         "state": state,
     }
     if reason:

@@ -1,0 +1,170 @@
+"""An ONNX file served as a batch function (``platform = "onnxruntime_onnx"``).
+
+``OnnxModel`` is called exactly as a model.py's forward is: the padded
+features as keyword arguments (torch tensors, batch first), and it returns
+output name -> tensor. So everything around it is the same for every
+platform: padding, co-batching, un-padding, warm-up, the poison and
+out-of-memory splits, worker processes.
+
+At load the graph's own signature is checked against config.toml (names,
+ranks, fixed and variable axes, dtypes), so a mismatch fails the model with
+one sentence instead of failing every batch. onnxruntime is an extra
+(``pip install 'tensorserve[onnx]'``, or ``onnxruntime-gpu``), imported only
+here, when such a model loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tensorserve.errors import BatchOutOfMemory, ConfigError
+from tensorserve.repository.config import VARIABLE, ModelConfig, TensorSpec
+from tensorserve.repository.platforms import OnnxRuntimeOptions
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'tensorserve[onnx]' (or onnxruntime-gpu on a CUDA machine)"
+# ONNX Runtime's element types, as config.toml names them (bfloat16 has no numpy type).
+ORT_DTYPES = {
+    "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",
+    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16",
+    "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(bool)": "bool",
+}  # fmt: skip
+LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+          "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+CUDA = "CUDAExecutionProvider"
+
+
+def import_onnxruntime(label: str) -> Any:
+    try:
+        import onnxruntime
+    except ImportError:
+        raise ConfigError(f"{label}: platform 'onnxruntime_onnx' needs onnxruntime: "
+                          f"{INSTALL_HINT}") from None
+    return onnxruntime
+
+
+class OnnxModel:
+    """One ONNX Runtime session; ``to(device)`` picks its execution provider."""
+
+    def __init__(self, path: Path, config: ModelConfig, intra_op_threads: int | None,
+                 label: str) -> None:
+        self.path, self.label = path, label
+        self.options = config.onnxruntime or OnnxRuntimeOptions()
+        self.threads = self.options.intra_op_threads or intra_op_threads or 1
+        self.device_asked = config.device
+        self.inputs = [spec.name for spec in config.input]
+        self.outputs = [spec.name for spec in config.output]
+        self.providers: list[Any] = ["CPUExecutionProvider"]
+        self.session = self._session()
+        check_signature(self.session, config, label)
+
+    def _session(self) -> Any:
+        ort = import_onnxruntime(self.label)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.threads
+        options.inter_op_num_threads = 1  # one batch at a time per instance: no parallel branches
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        level = LEVELS[self.options.graph_optimization_level]
+        options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        spin = "1" if self.options.spin_wait else "0"
+        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        try:
+            return ort.InferenceSession(str(self.path), options, providers=self.providers)
+        except Exception as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"{self.label}: ONNX Runtime cannot load it: {reason}") from None
+
+    def to(self, device: torch.device) -> OnnxModel:
+        """On CUDA, a session on the CUDA execution provider (onnxruntime-gpu);
+        ``device = "auto"`` without it stays on the CPU, saying so."""
+        if device.type != "cuda":
+            return self
+        ort = import_onnxruntime(self.label)
+        if CUDA not in ort.get_available_providers():
+            if self.device_asked != "auto":
+                raise ConfigError(
+                    f"{self.label}: device = {self.device_asked!r} needs ONNX Runtime's CUDA "
+                    f"execution provider: pip install onnxruntime-gpu (in place of onnxruntime)"
+                )
+            log.warning("%s: onnxruntime has no CUDA execution provider (install "
+                        "onnxruntime-gpu); the session runs on the CPU", self.label)
+            return self
+        self.providers = [(CUDA, {"device_id": device.index or 0}), "CPUExecutionProvider"]
+        self.session = self._session()
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OnnxModel:
+        """A session of its own (instance groups copy a model per device)."""
+        twin = copy.copy(self)
+        twin.session = twin._session()
+        return twin
+
+    def __call__(self, **features: torch.Tensor) -> dict[str, torch.Tensor]:
+        # On CUDA the inputs come back to the host: the session copies them to
+        # its own device buffers, and its outputs arrive on the host.
+        feed = {name: features[name].detach().cpu().numpy() for name in self.inputs}
+        try:
+            arrays = self.session.run(self.outputs, feed)
+        except Exception as exc:
+            text = str(exc)
+            if "Failed to allocate memory" in text or "out of memory" in text:
+                raise BatchOutOfMemory(f"{type(exc).__name__}: {text}") from None
+            raise
+        return {name: torch.from_numpy(array) for name, array in zip(self.outputs, arrays)}
+
+
+def check_signature(session: Any, config: ModelConfig, label: str) -> None:
+    """Every graph input declared, every declared tensor in the graph with
+    its dtype, rank and axes; ``ConfigError`` names the first mismatch. A
+    graph may have outputs the config does not declare (they are not run)."""
+    graph_inputs = {arg.name: arg for arg in session.get_inputs()}
+    graph_outputs = {arg.name: arg for arg in session.get_outputs()}
+    undeclared = [name for name in graph_inputs if name not in {s.name for s in config.input}]
+    if undeclared:
+        raise ConfigError(f"{label}: the graph's input(s) {', '.join(undeclared)} are not "
+                          f"declared in config.toml")
+    for kind, specs, graph in (("input", config.input, graph_inputs),
+                               ("output", config.output, graph_outputs)):
+        for spec in specs:
+            _check_tensor(f"{label}: {kind} {spec.name!r}", spec, graph, config.batching)
+
+
+def _check_tensor(what: str, spec: TensorSpec, graph: dict[str, Any], batching: bool) -> None:
+    arg = graph.get(spec.name)
+    if arg is None:
+        raise ConfigError(f"{what} is not in the graph, whose names are: {', '.join(graph)}")
+    dtype = ORT_DTYPES.get(arg.type, arg.type)
+    if dtype != spec.dtype:
+        raise ConfigError(f"{what} is {dtype} in the graph, {spec.dtype} in config.toml")
+    shape: Sequence[Any] | None = arg.shape
+    if shape is None:
+        return  # the graph does not say its rank
+    if len(shape) != 1 + len(spec.shape):
+        raise ConfigError(
+            f"{what} has rank {len(shape)} in the graph (batch axis included), "
+            f"{1 + len(spec.shape)} in config.toml (shape {spec.shape} per item)"
+        )
+    if isinstance(shape[0], int) and (batching or shape[0] != 1):
+        raise ConfigError(f"{what}: the batch axis is fixed at {shape[0]} in the graph; "
+                          f"export it as a dynamic axis")
+    for axis, (exported, declared) in enumerate(zip(shape[1:], spec.shape), start=1):
+        if not isinstance(exported, int):
+            continue  # a named (dynamic) axis takes any length
+        if declared == VARIABLE:
+            raise ConfigError(f"{what}: axis {axis} is fixed at {exported} in the graph but "
+                              f"variable (-1) in config.toml; export it as a dynamic axis")
+        if exported != declared:
+            raise ConfigError(f"{what}: axis {axis} is {exported} in the graph, "
+                              f"{declared} in config.toml")
+
+
+def load_onnx(path: Path, config: ModelConfig, intra_op_threads: int | None,
+              label: str) -> OnnxModel:
+    return OnnxModel(path, config, intra_op_threads, label)

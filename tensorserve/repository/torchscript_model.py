@@ -1,0 +1,154 @@
+"""A TorchScript or torch.export file served as a batch function
+(``platform = "pytorch_libtorch"``).
+
+    model.pt    TorchScript (torch.jit.save of a scripted or traced module),
+                read by torch.jit.load: it holds code and tensors, never a
+                pickle of arbitrary Python objects (torch.load is never used)
+    model.pt2   a torch.export program (torch.export.save), read by
+                torch.export.load
+
+``FileModel`` is called as a model.py's forward is (padded features as
+keyword arguments) and returns output name -> tensor: a tuple maps to the
+declared outputs by position, a dict by name. What the file exposes is
+checked at load against config.toml: TorchScript gives forward's argument
+names and types and the arity of its return; a torch.export program also
+gives every tensor's dtype and rank, and which axes are dynamic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tensorserve.errors import ConfigError, ModelFailure
+from tensorserve.repository.config import VARIABLE, ModelConfig, TensorSpec
+
+
+class FileModel(torch.nn.Module):
+    """The loaded program, called with keyword arguments (TorchScript) or
+    positionally in the program's own order (torch.export)."""
+
+    def __init__(self, program: torch.nn.Module, arguments: Sequence[str] | None,
+                 outputs: Sequence[str]) -> None:
+        super().__init__()
+        self.program = program
+        self.arguments = list(arguments) if arguments is not None else None
+        self.outputs = list(outputs)
+
+    def forward(self, **features: torch.Tensor) -> Mapping[str, torch.Tensor]:
+        if self.arguments is None:
+            result = self.program(**features)
+        else:
+            result = self.program(*(features[name] for name in self.arguments))
+        if isinstance(result, Mapping):
+            return result
+        if isinstance(result, torch.Tensor):
+            result = (result,)
+        if not isinstance(result, (tuple, list)) or len(result) != len(self.outputs):
+            raise ModelFailure(f"the program returned {type(result).__name__} of "
+                               f"{len(result) if isinstance(result, (tuple, list)) else 1}; "
+                               f"config.toml declares {len(self.outputs)} output(s)")
+        return dict(zip(self.outputs, result))
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def load_torchscript(path: Path, config: ModelConfig, label: str) -> FileModel:
+    if path.suffix == ".pt2":
+        return _load_exported(path, config, label)
+    try:
+        program = torch.jit.load(str(path), map_location="cpu")
+    except Exception as exc:
+        raise ConfigError(f"{label}: not a TorchScript file torch.jit.load can read: "
+                          f"{_reason(exc)}") from None
+    schema = program.forward.schema
+    arguments = schema.arguments[1:]  # after self
+    names = [argument.name for argument in arguments]
+    declared = [spec.name for spec in config.input]
+    signature = f"forward({', '.join(names)})"
+    unknown = [name for name in declared if name not in names]
+    if unknown:
+        raise ConfigError(f"{label}: input(s) {', '.join(unknown)} of config.toml are not "
+                          f"arguments of {signature}")
+    required = [a.name for a in arguments if not a.has_default_value() and a.name not in declared]
+    if required:
+        raise ConfigError(f"{label}: {signature} needs {', '.join(required)}, which "
+                          f"config.toml does not declare as inputs")
+    for argument in arguments:
+        if argument.name in declared and str(argument.type) not in ("Tensor", "Optional[Tensor]"):
+            raise ConfigError(f"{label}: {signature} takes {argument.name} as "
+                              f"{argument.type}, not a Tensor")
+    _check_returns(schema.returns, config, label, signature)
+    return FileModel(program, None, [spec.name for spec in config.output])
+
+
+def _check_returns(returns: Sequence[Any], config: ModelConfig, label: str, signature: str) -> None:
+    returned = returns[0].type if len(returns) == 1 else None
+    count = len(config.output)
+    if isinstance(returned, torch.TensorType):
+        arity = 1
+    elif isinstance(returned, torch.TupleType):
+        arity = len(returned.elements())
+    elif isinstance(returned, torch.DictType):
+        return  # outputs by name: known only when it runs
+    else:
+        raise ConfigError(f"{label}: {signature} returns {returned}; expected a Tensor, a "
+                          f"tuple of Tensors or a Dict[str, Tensor]")
+    if arity != count:
+        raise ConfigError(f"{label}: {signature} returns {arity} tensor(s); config.toml "
+                          f"declares {count} output(s) (a tuple maps to them by position)")
+
+
+def _load_exported(path: Path, config: ModelConfig, label: str) -> FileModel:
+    try:
+        program = torch.export.load(str(path))
+    except Exception as exc:
+        raise ConfigError(f"{label}: not a torch.export program torch.export.load can read: "
+                          f"{_reason(exc)}") from None
+    signature = program.graph_signature
+    placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    arguments = list(signature.user_inputs)
+    declared = {spec.name: spec for spec in config.input}
+    if sorted(arguments) != sorted(declared):
+        raise ConfigError(f"{label}: the program takes ({', '.join(map(str, arguments))}); "
+                          f"config.toml declares inputs ({', '.join(declared)})")
+    for name in arguments:
+        _check_fake(f"{label}: input {name!r}", declared[str(name)],
+                    placeholders[str(name)].meta.get("val"))
+    output_node = next(node for node in program.graph.nodes if node.op == "output")
+    returned = list(output_node.args[0])
+    if len(returned) != len(config.output):
+        raise ConfigError(f"{label}: the program returns {len(returned)} tensor(s); config.toml "
+                          f"declares {len(config.output)} output(s) (mapped by position)")
+    for spec, node in zip(config.output, returned):
+        _check_fake(f"{label}: output {spec.name!r}", spec, getattr(node, "meta", {}).get("val"))
+    return FileModel(program.module(), [str(name) for name in arguments],
+                     [spec.name for spec in config.output])
+
+
+def _check_fake(what: str, spec: TensorSpec, value: Any) -> None:
+    """dtype, rank and fixed axes from the program's example value (dynamic
+    axes are symbols, not ints)."""
+    if not isinstance(value, torch.Tensor):
+        return
+    if value.dtype != spec.dt.torch:
+        raise ConfigError(f"{what} is {str(value.dtype).removeprefix('torch.')} in the "
+                          f"program, {spec.dtype} in config.toml")
+    if value.dim() != 1 + len(spec.shape):
+        raise ConfigError(f"{what} has rank {value.dim()} in the program (batch axis "
+                          f"included), {1 + len(spec.shape)} in config.toml")
+    for axis, (exported, declared) in enumerate(zip(value.shape, [0, *spec.shape])):
+        if not isinstance(exported, int):
+            continue
+        if axis == 0 or declared == VARIABLE:
+            raise ConfigError(f"{what}: axis {axis} is fixed at {exported} in the program; "
+                              f"export it as dynamic (torch.export.Dim)")
+        if exported != declared:
+            raise ConfigError(f"{what}: axis {axis} is {exported} in the program, "
+                              f"{declared} in config.toml")
