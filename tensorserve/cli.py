@@ -129,8 +129,13 @@ def serve(settings: Settings) -> int:
 
     front_ends = []
     if settings.grpc_port >= 0:  # -1: HTTP only
-        from tensorserve.grpc.server import GrpcFrontEnd  # grpcio: only when serving gRPC
-
+        try:
+            from tensorserve.grpc.server import GrpcFrontEnd  # grpcio: only when serving gRPC
+        except ImportError as exc:
+            print(f"tensorserve serve: error: the gRPC front end needs grpcio and protobuf "
+                  f"({exc}): pip install 'tensorserve[grpc]', or serve HTTP only with "
+                  f"--grpc-port -1 (TENSORSERVE_GRPC_PORT=-1)", file=sys.stderr)
+            return 1
         front_ends.append(GrpcFrontEnd)
     try:
         run(settings, front_ends)
