@@ -539,6 +539,8 @@ def test_the_autoscaler_metrics_come_from_adapter_rules_over_real_series(server_
         exposition = reply.read().decode()
     for series in served.values():
         assert f"\n{series}" in exposition or exposition.startswith(series), series
+    # In flight is one series per pod, with no model label (docs/operations.md).
+    assert "\ntensorserve_requests_in_flight " in exposition
 
 
 # kube-prometheus's adapter config: the resource rules behind `kubectl top`.
