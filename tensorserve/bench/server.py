@@ -40,13 +40,21 @@ def free_port() -> int:
 
 
 def override_flags(overrides: Mapping[str, Any]) -> list[str]:
-    """``{"max_batch_size": 32}`` -> ``["--max-batch-size", "32"]`` (serve's flags)."""
+    """``{"max_batch_size": 32}`` -> ``["--max-batch-size", "32"]`` (serve's flags).
+
+    A boolean setting is a switch, not a value: serve's parser
+    (``argparse.BooleanOptionalAction``) takes ``--access-log`` or
+    ``--no-access-log`` and refuses ``--access-log true``. None leaves the
+    setting to the environment and its default, as an absent flag does."""
     flags = []
     for key, value in overrides.items():
-        flags += [
-            f"--{key.replace('_', '-')}",
-            str(value).lower() if isinstance(value, bool) else str(value),
-        ]
+        flag = key.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        else:
+            flags += [f"--{flag}", str(value)]
     return flags
 
 
