@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import math
 import shutil
 import subprocess
 import tarfile
@@ -125,7 +124,7 @@ def test_each_variant_renders_the_shared_objects_and_its_deployment(variant: str
             [kubectl, "kustomize", str(KUBERNETES / variant)],
             capture_output=True, text=True, timeout=60, check=True,
         ).stdout
-        by_key = lambda docs: {(d["kind"], d["metadata"]["name"]): d for d in docs}  # noqa: E731
+        by_key = lambda docs: {(d["kind"], d["metadata"]["name"]): d for d in docs}
         assert by_key(yaml.safe_load_all(out)) == by_key(rendered)
 
 

@@ -40,20 +40,14 @@ def free_port() -> int:
 
 
 def override_flags(overrides: Mapping[str, Any]) -> list[str]:
-    """``{"max_batch_size": 32}`` -> ``["--max-batch-size", "32"]`` (serve's flags).
-
-    A boolean setting is a switch, not a value: serve's parser
-    (``argparse.BooleanOptionalAction``) takes ``--access-log`` or
-    ``--no-access-log`` and refuses ``--access-log true``. None leaves the
-    setting to the environment and its default, as an absent flag does."""
+    """``{"max_batch_size": 32, "access_log": False}`` -> ``["--max-batch-size", "32",
+    "--no-access-log"]``: serve refuses ``--access-log false``; None is left out."""
     flags = []
     for key, value in overrides.items():
         flag = key.replace("_", "-")
-        if value is None:
-            continue
         if isinstance(value, bool):
             flags.append(f"--{flag}" if value else f"--no-{flag}")
-        else:
+        elif value is not None:
             flags += [f"--{flag}", str(value)]
     return flags
 
