@@ -25,6 +25,29 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 MAX_TIMEOUT_S = 3600
 MAX_TIMEOUT_MS = MAX_TIMEOUT_S * 1000
 
+# The bounds of every number a model's config.toml declares that a server-wide
+# setting also overrides, in one table: config.toml's fields
+# (repository/config.py) and the settings, so their flags and environment
+# variables, take them from here. A bound only config.toml knew let
+# `--instance-count 99` start a server whose every model then failed to load;
+# now the flag is refused as the config would be (one line, exit status 2).
+BOUNDS: dict[str, dict[str, float]] = {
+    "max_batch_size": {"ge": 0, "le": 65_536},
+    "max_queue_delay_ms": {"ge": 0, "le": 60_000},
+    "instance_count": {"ge": 1, "le": 16},
+    "default_timeout_ms": {"gt": 0, "le": MAX_TIMEOUT_MS},
+    "target_p99_ms": {"gt": 0, "le": MAX_TIMEOUT_MS},
+}
+
+
+def check_device(value: str) -> str:
+    """The one check of a device name, for the settings and for config.toml."""
+    ok = value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+    if not ok:
+        raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
+    return value
+
+
 MODEL_OVERRIDES = (
     "max_batch_size",
     "max_queue_delay_ms",
@@ -109,8 +132,7 @@ class Settings(BaseSettings):
     # Deadlines, slow clients, start-up and shutdown (docs/reliability.md).
     default_timeout_ms: float | None = Field(
         None,
-        gt=0,
-        le=MAX_TIMEOUT_MS,
+        **BOUNDS["default_timeout_ms"],
         description="Deadline of a request that asks for none, for models whose config.toml "
         "sets no default_timeout_ms (unset: none, up to max_timeout_ms).",
     )
@@ -205,15 +227,22 @@ class Settings(BaseSettings):
     )
 
     # Overrides applied to every model's config.toml (None: keep the model's own).
-    max_batch_size: int | None = Field(None, ge=0, description="Most items in one batch (0, 1: no batching).")
-    max_queue_delay_ms: float | None = Field(None, ge=0, description="Longest an item waits for company.")
+    max_batch_size: int | None = Field(
+        None, **BOUNDS["max_batch_size"],
+        description="Most items in one batch (0: no batch dimension, no batching).",
+    )
+    max_queue_delay_ms: float | None = Field(
+        None, **BOUNDS["max_queue_delay_ms"], description="Longest an item waits for company."
+    )
     dispatch: Literal["eager", "timer"] | None = Field(
         None, description="eager: run as soon as the model is idle; timer: wait for a full batch or the delay."
     )
     policy: Literal["fifo", "length_aware"] | None = Field(
         None, description="Which waiting items form the next batch."
     )
-    instance_count: int | None = Field(None, ge=1, description="Model copies executing in parallel.")
+    instance_count: int | None = Field(
+        None, **BOUNDS["instance_count"], description="Model copies executing in parallel."
+    )
     max_batch_tokens: int | Literal["auto"] | None = Field(
         None,
         description="Padded-volume budget per batch (batch x padded item size), >= 0; auto: learnt; "
@@ -223,7 +252,7 @@ class Settings(BaseSettings):
         None, description="Run each model instance in a thread of the server or its own process."
     )
     target_p99_ms: float | None = Field(
-        None, gt=0, le=MAX_TIMEOUT_MS,
+        None, **BOUNDS["target_p99_ms"],
         description="Default p99 latency target for models whose config.toml sets none "
         "(batching adapts and late requests are refused with 503 would_miss_target).",
     )

@@ -4,14 +4,18 @@ help costs no torch."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tensorserve.bench.server import override_flags
 from tensorserve.cli import add_serve_parser, main, settings_from_args
-from tensorserve.settings import MODEL_OVERRIDES, Settings
+from tensorserve.repository.config import DynamicBatching, ModelConfig
+from tensorserve.settings import BOUNDS, MAX_TIMEOUT_MS, MODEL_OVERRIDES, Settings
 
 # The flags the docs and the tests use: generated, they must keep these names.
 DOCUMENTED_FLAGS = {
@@ -139,3 +143,74 @@ def test_the_real_help_command_does_not_import_torch(argv: list[str]) -> None:
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
     assert "tensorserve.cli" in imported
     assert not {"torch", "numpy", "aiohttp"} & imported
+
+
+# ------------------------------------------------------------------ one bounds table
+def field_bounds(field: Any) -> dict[str, float]:
+    """The numeric bounds pydantic enforces on a field (ge, gt, le, lt)."""
+    return {
+        name: getattr(rule, name)
+        for rule in field.metadata
+        for name in ("ge", "gt", "le", "lt")
+        if getattr(rule, name, None) is not None
+    }
+
+
+def config_field(name: str) -> Any:
+    for schema in (ModelConfig, DynamicBatching):
+        if name in schema.model_fields:
+            return schema.model_fields[name]
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_a_setting_and_its_config_toml_field_have_the_bounds_of_one_table(name: str) -> None:
+    assert field_bounds(Settings.model_fields[name]) == BOUNDS[name]
+    assert field_bounds(config_field(name)) == BOUNDS[name]
+
+
+def test_every_numeric_model_override_is_in_the_bounds_table() -> None:
+    numeric = [n for n in MODEL_OVERRIDES if field_bounds(config_field(n)) and n != "max_batch_tokens"]
+    assert numeric and set(numeric) <= set(BOUNDS)
+
+
+SERVE = [sys.executable, "-m", "tensorserve", "serve"]
+
+
+@pytest.mark.parametrize(
+    "flag, value, env",
+    [
+        ("--instance-count", "99", {}),
+        ("--instance-count", "0", {}),
+        ("--max-queue-delay-ms", "60001", {}),
+        ("--default-timeout-ms", str(MAX_TIMEOUT_MS * 2), {}),
+        ("--device", "tpu", {}),
+        (None, None, {"TENSORSERVE_INSTANCE_COUNT": "99"}),
+        (None, None, {"TENSORSERVE_MAX_QUEUE_DELAY_MS": "60001"}),
+        (None, None, {"TENSORSERVE_DEFAULT_TIMEOUT_MS": str(MAX_TIMEOUT_MS * 2)}),
+    ],
+)
+def test_a_bound_of_config_toml_is_a_usage_error_for_its_flag_and_variable(
+    flag: str | None, value: str | None, env: dict[str, str], tmp_path: Path
+) -> None:
+    # The real command: one line on stderr, exit status 2, before any model is
+    # loaded (an empty folder as the repository: it never gets that far).
+    argv = [*SERVE, "--model-repository", str(tmp_path)] + ([flag, value] if flag and value else [])
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TENSORSERVE_")}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                         env={**environ, **env}, check=False)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tensorserve serve: error: "), out.stderr
+    name = (flag or "--" + next(iter(env)).removeprefix("TENSORSERVE_").lower().replace("_", "-"))
+    assert name in lines[0]
+
+
+def test_the_bench_starts_a_server_with_flags_serve_accepts() -> None:
+    # Booleans become switches (argparse refuses "--access-log true").
+    overrides = {"access_log": True, "log_probes": False, "max_batch_size": 8, "device": None}
+    flags = override_flags(overrides)
+    assert flags == ["--access-log", "--no-log-probes", "--max-batch-size", "8"]
+    args = serve_parser().parse_args(flags)
+    settings = settings_from_args(args)
+    assert (settings.access_log, settings.log_probes, settings.max_batch_size) == (True, False, 8)

@@ -43,8 +43,13 @@ X, Y, BATCHING = ECHO["inputs"]["x"], ECHO["outputs"]["y"], ECHO["dynamic_batchi
         (echo(outputs={"y": {**Y, "unpad_like": "z"}}), "m/config.toml: output 'y': unpad_like names unknown input 'z'"),
         (echo(dynamic_batching={**BATCHING, "policy": "random"}), "m/config.toml: dynamic_batching.policy: Input should be 'fifo' or 'length_aware'"),
         (echo().replace("max_batch_size = 8", "max_batch_size = [8", 1), "m/config.toml: invalid TOML"),
+        # The bounds of tensorserve.settings.BOUNDS, which the flags and variables share (tests/test_cli.py).
+        (echo(instance_count=99), "m/config.toml: instance_count: Input should be less than or equal to 16"),
+        (echo(default_timeout_ms=7_200_000.0), "m/config.toml: default_timeout_ms: Input should be less than or equal to 3600000"),
+        (echo(dynamic_batching={**BATCHING, "max_queue_delay_ms": 60_001}), "m/config.toml: dynamic_batching.max_queue_delay_ms: Input should be less than or equal to 60000"),
     ],
-    ids=["typo", "negative", "device", "zero-dim", "unpad_like", "policy", "toml"],
+    ids=["typo", "negative", "device", "zero-dim", "unpad_like", "policy", "toml",
+         "instance_count", "default_timeout_ms", "max_queue_delay_ms"],
 )
 def test_config_errors_name_the_file_and_the_field(tmp_path: Path, text: str, message: str) -> None:
     assert config_error(tmp_path, text).startswith(message)

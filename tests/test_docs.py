@@ -155,6 +155,20 @@ def test_every_page_is_linked_from_the_readme_and_mkdocs() -> None:
         assert (ROOT / "docs" / target).exists(), target
 
 
+@pytest.mark.timeout(300)
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    # mkdocs.yml makes a link to a missing page or anchor a warning, and
+    # --strict makes a warning fail the build.
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False,
+    )
+    warnings = [line for line in result.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
+    assert result.returncode == 0, "\n".join(warnings) or result.stderr[-3000:]
+    assert (tmp_path / "site" / "deployment" / "index.html").is_file()
+
+
 def test_relative_links_resolve() -> None:
     for page in PAGES:
         folder = (ROOT / page).parent

@@ -53,7 +53,7 @@ def specs_from_metadata(metadata: Mapping[str, Any]) -> list[FeatureSpec]:
     the model batches."""
     from tensorserve.tensors.dtypes import BY_V2
 
-    batching = int(metadata.get("max_batch_size", 0)) > 1
+    batching = int(metadata.get("max_batch_size", 0)) >= 1  # Triton: only 0 has no batch dim
     specs = []
     for s in metadata["inputs"]:
         shape = tuple(s["shape"][1:] if batching else s["shape"])

@@ -10,9 +10,9 @@ of one ``POST /v2/models/{m}/infer`` and its headers out.
              saying where the JSON ends (what ``tritonclient`` sends)
 
 In both KServe spellings the items are the rows of a leading batch dimension:
-for a model that batches (``max_batch_size`` > 1) every input is
+for a model with a batch dimension (``max_batch_size`` >= 1) every input is
 ``[k, *item_shape]``, so one item of ``n`` tokens is ``shape [1, n]``; a model
-that does not batch takes exactly one item, without that dimension. The rows
+with ``max_batch_size`` 0 takes exactly one item, without that dimension. The rows
 of one request share their shape, so items of different lengths cannot travel
 in one KServe request (send them one per request). ``wire/oip.py`` reads both.
 

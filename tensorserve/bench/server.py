@@ -40,13 +40,15 @@ def free_port() -> int:
 
 
 def override_flags(overrides: Mapping[str, Any]) -> list[str]:
-    """``{"max_batch_size": 32}`` -> ``["--max-batch-size", "32"]`` (serve's flags)."""
+    """``{"max_batch_size": 32, "access_log": False}`` -> ``["--max-batch-size", "32",
+    "--no-access-log"]``: serve refuses ``--access-log false``; None is left out."""
     flags = []
     for key, value in overrides.items():
-        flags += [
-            f"--{key.replace('_', '-')}",
-            str(value).lower() if isinstance(value, bool) else str(value),
-        ]
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            flags += [f"--{flag}", str(value)]
     return flags
 
 

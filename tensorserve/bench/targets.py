@@ -177,7 +177,7 @@ class HttpTarget:
         self.protocol = protocol
         self.content_type = CONTENT_TYPES[protocol]
         # KServe v2: whether the model's inputs lead with a batch dimension
-        # (max_batch_size > 1), until discover() reads its config.
+        # (max_batch_size >= 1, as in Triton), until discover() reads its config.
         self.batched = True
         self.specs: list[FeatureSpec] = []
         self.parameters: dict[str, Any] = {}
@@ -204,7 +204,7 @@ class HttpTarget:
             config = await self._get_json(f"/v2/models/{self.model}")  # KServe v2 metadata
             self.specs = specs_from_metadata(config)
         if "max_batch_size" in config:
-            self.batched = int(config["max_batch_size"]) > 1
+            self.batched = int(config["max_batch_size"]) >= 1
 
     async def _get_json(self, path: str, missing_ok: bool = False) -> Any:
         assert self._raw is not None, "open() first"

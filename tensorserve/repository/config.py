@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tensorserve.errors import ConfigError
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.repository.platforms import DEFAULT_PLATFORM, PLATFORMS, OnnxRuntimeOptions, Platform
-from tensorserve.settings import MAX_TIMEOUT_MS, check_batch_tokens
+from tensorserve.settings import BOUNDS, MAX_TIMEOUT_MS, check_batch_tokens, check_device
 from tensorserve.tensors.dtypes import DTYPES, DType
 
 if sys.version_info >= (3, 11):
@@ -82,7 +82,9 @@ DEFAULTS_ONLY = frozenset({"target_p99_ms"})
 
 
 class DynamicBatching(_Strict):
-    max_queue_delay_ms: float = Field(5.0, ge=0, le=60_000, description="Longest an item waits for company.")
+    max_queue_delay_ms: float = Field(
+        5.0, **BOUNDS["max_queue_delay_ms"], description="Longest an item waits for company."
+    )
     dispatch: Literal["eager", "timer"] = Field(
         "eager",
         description="eager: dispatch as soon as the model is idle; timer: wait until the batch "
@@ -119,7 +121,7 @@ class DynamicBatching(_Strict):
     )
 
     target_p99_ms: float | None = Field(
-        None, gt=0, le=MAX_TIMEOUT_MS,
+        None, **BOUNDS["target_p99_ms"],
         description="The p99 latency (admission to batch end) to keep: batch size and queue "
         "delay adapt to it, and a request the queue ahead would make late is refused at "
         "once (503 would_miss_target). Unset: no target.",
@@ -198,7 +200,9 @@ class InstanceGroup(_Strict):
     of the group. Instances on one device share one copy of the model (one
     model thread each); every device gets its own copy."""
 
-    count: int = Field(1, ge=1, le=16, description="Instances on each device of this group.")
+    count: int = Field(
+        1, **BOUNDS["instance_count"], description="Instances on each device of this group."
+    )
     kind: Literal["KIND_AUTO", "KIND_GPU", "KIND_CPU"] = Field(
         "KIND_AUTO",
         description="KIND_GPU: on GPUs; KIND_CPU: on the CPU; KIND_AUTO: every visible GPU, "
@@ -228,18 +232,24 @@ class ModelConfig(_Strict):
     onnxruntime: OnnxRuntimeOptions | None = Field(
         None, description="Session options of an onnxruntime_onnx model."
     )
-    max_batch_size: int = Field(32, ge=0, le=65_536, description="0 or 1: no batching.")
+    max_batch_size: int = Field(
+        32,
+        **BOUNDS["max_batch_size"],
+        description="Most items in one batch. 0: requests carry no batch dimension; "
+        ">= 1: a leading batch dimension, as in Triton.",
+    )
     default_timeout_ms: float | None = Field(
         None,
-        gt=0,
-        le=MAX_TIMEOUT_MS,
+        **BOUNDS["default_timeout_ms"],
         strict=True,  # a number: not true (1 ms), not a string
         description="Deadline of a request that asks for none (queue and run); a request may "
         "ask for less, or more up to the server's max_timeout_ms. Unset: the server's "
         "default_timeout_ms.",
     )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
-    instance_count: int = Field(1, ge=1, le=16, description="Model copies executing in parallel.")
+    instance_count: int = Field(
+        1, **BOUNDS["instance_count"], description="Model copies executing in parallel."
+    )
     isolation: Literal["auto", "thread", "process"] = Field(
         "auto",
         description="thread: each instance runs in a thread of the server process. process: "
@@ -273,12 +283,7 @@ class ModelConfig(_Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        ok = value in ("auto", "cpu", "cuda") or (
-            value.startswith("cuda:") and value[5:].isdigit()
-        )
-        if not ok:
-            raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {value!r}")
-        return value
+        return check_device(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
@@ -339,7 +344,10 @@ class ModelConfig(_Strict):
 
     @property
     def batching(self) -> bool:
-        return self.max_batch_size > 1
+        """Whether requests carry a leading batch dimension: Triton's rule,
+        ``max_batch_size`` >= 1 (only 0 means none). With 1 a request still
+        has one, of at most one row per batch the model runs."""
+        return self.max_batch_size >= 1
 
     def with_overrides(self, **overrides: Any) -> ModelConfig:
         """A copy with server-wide overrides (env/CLI) applied; ``None`` means keep."""

@@ -110,7 +110,7 @@ class ServedModel:
         self.executor = executor
         batching = config.dynamic_batching
         options = BatcherOptions(
-            max_batch_size=config.max_batch_size if config.batching else 1,
+            max_batch_size=max(1, config.max_batch_size),  # 0: one item per batch
             max_queue_delay_ms=batching.max_queue_delay_ms,
             dispatch=batching.dispatch,
             policy=make_policy(batching.policy, batching.max_batch_tokens),

@@ -17,8 +17,8 @@ leading batch dimension, ``[k, *item_shape]``; row ``i`` of every input forms
 item ``i``, so one request is ``k`` items for the batcher, padded together
 with other requests' rows of other lengths. The rows of one request share
 their shape, so its un-padded outputs stack back into dense ``[k, ...]``
-tensors. A model with ``max_batch_size`` 0 or 1 has no batch dimension: a
-request is exactly one item.
+tensors. As in Triton, only ``max_batch_size`` 0 means no batch dimension
+(a request is exactly one item); 1 has one, like any other size.
 
 Response: ``{"model_name", "model_version", "id"?, "outputs": [...], "parameters"?}``;
 outputs asked for as binary carry ``parameters.binary_data_size`` and their bytes

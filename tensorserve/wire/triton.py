@@ -25,9 +25,6 @@ def model_config(name: str, config: ModelConfig) -> dict[str, Any]:
     fields (``data_type``, ``dims``, ``max_queue_delay_microseconds``...)."""
     data: dict[str, Any] = {"name": name, "platform": PLATFORM, "backend": "tensorserve"}
     data.update(config.model_dump(mode="json"))
-    if not config.batching:
-        # Triton's "no batch dimension"; tensorserve treats 0 and 1 alike.
-        data["max_batch_size"] = 0
     for key, specs in (("input", config.input), ("output", config.output)):
         for tensor, spec in zip(data[key], specs):
             tensor["data_type"] = f"TYPE_{spec.dt.v2}"

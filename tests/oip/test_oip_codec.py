@@ -16,7 +16,8 @@ import tritonclient.http as triton_http
 from tensorserve.errors import InvalidInput, ModelFailure
 from tensorserve.repository.config import ModelConfig, parse_config
 from tensorserve.tensors.dtypes import BY_V2
-from tensorserve.wire import oip
+from tensorserve.wire import oip, triton
+from tensorserve.wire.metadata import model_metadata
 from tensorserve.wire.request import InferRequest, RequestedOutput
 
 TAGGER = parse_config(
@@ -121,6 +122,25 @@ def test_an_unbatched_model_takes_one_item_without_batch_dimension() -> None:
     request = decode(*triton_body({"image": image}), config=UNBATCHED)
     assert len(request.items) == 1
     np.testing.assert_array_equal(request.items[0]["image"].array, image)
+
+
+def test_max_batch_size_1_has_a_batch_dimension_as_in_triton() -> None:
+    # Triton: max_batch_size >= 1 means a leading batch dimension; only 0 means
+    # none. A Triton client's [1, ...] request for such a model must decode.
+    one = UNBATCHED.with_overrides(max_batch_size=1)
+    image = np.arange(12, dtype=np.float32).reshape(3, 4)
+    request = decode(*triton_body({"image": image[None]}), config=one)
+    assert len(request.items) == 1
+    np.testing.assert_array_equal(request.items[0]["image"].array, image)
+    with pytest.raises(InvalidInput, match="batch dimension first"):
+        decode(*triton_body({"image": image}), config=one)
+    # Two rows are two items (each batch the model runs still holds one).
+    assert len(decode(*triton_body({"image": np.stack([image, image])}), config=one).items) == 2
+    metadata = model_metadata("filter", 1, "READY", "", one)
+    assert metadata["max_batch_size"] == 1 and metadata["inputs"][0]["shape"] == [-1, -1, -1]
+    assert triton.model_config("filter", one)["max_batch_size"] == 1
+    assert triton.model_config("filter", UNBATCHED)["max_batch_size"] == 0
+    assert model_metadata("filter", 1, "READY", "", UNBATCHED)["inputs"][0]["shape"] == [-1, -1]
 
 
 def test_parameters_timeout_is_microseconds_and_priority_is_accepted() -> None:

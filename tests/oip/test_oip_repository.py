@@ -38,9 +38,10 @@ TWOHEAD_MODEL = """
         def forward(self, x):
             return {{"doubled": x * {factor}, "total": x.sum(dim=1, keepdim=True)}}
 """
-# max_batch_size 1: no batching, so no batch dimension on the wire either.
+# max_batch_size 0: no batch dimension on the wire (Triton's rule: only 0;
+# 1 has one, tests/oip/test_oip_codec.py).
 SLOW: dict[str, Any] = {
-    "max_batch_size": 1,
+    "max_batch_size": 0,
     "inputs": {"x": {"dtype": "float32", "shape": [-1]}},
     "outputs": {"y": {"dtype": "float32", "shape": [-1]}},
 }
