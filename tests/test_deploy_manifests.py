@@ -444,8 +444,12 @@ def test_a_repository_archived_as_documented_unpacks_as_kserve_does_into_the_sam
     served = discover(mnt_models)
     expected = discover(ROOT / "model_repository")
     assert served and {n: s.versions for n, s in served.items()} == {n: s.versions for n, s in expected.items()}
-    for source in served.values():
-        assert (source.path / str(source.latest) / "model.py").is_file()
+    for source in served.values():  # the same files, byte for byte
+        version = source.path / str(source.latest)
+        original = ROOT / "model_repository" / source.name / str(source.latest)
+        files = sorted(p.name for p in version.iterdir() if p.name != "__pycache__")
+        assert files and files == sorted(p.name for p in original.iterdir() if p.name != "__pycache__")
+        assert all((version / f).read_bytes() == (original / f).read_bytes() for f in files)
     # Archiving the folder itself instead adds a level: no model is found.
     wrong = tmp_path / "wrong.tar.gz"
     subprocess.run(["tar", "-C", str(ROOT), "-czf", str(wrong), "model_repository"], check=True)
