@@ -12,12 +12,13 @@ from aiohttp import web
 
 from tensorserve.http import handlers, infer, repository
 from tensorserve.http.errors import error_middleware
-from tensorserve.http.keys import LOG_LIMIT, METRICS, REGISTRY, SETTINGS
+from tensorserve.http.keys import LOG_LIMIT, METRICS, REGISTRY, SETTINGS, TRACING
 from tensorserve.http.logs import RateLimit, install_request_ids
 from tensorserve.http.observe import observe_middleware
 from tensorserve.metrics import CONTENT_TYPE, Metrics
 from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
+from tensorserve.tracing import configure as configure_tracing
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +61,18 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
         # Bodies are decompressed by http/bodies.py, bounded by max_request_bytes.
         handler_args={"auto_decompress": False},
     )
+    tracer = configure_tracing(settings)  # None unless an OTLP endpoint is set
     registry = ModelRegistry(
         settings.model_repository,
         settings.model_overrides(),
         intra_op_threads=settings.intra_op_threads,
+        batch_tracer=tracer.batch_tracer if tracer is not None else None,
     )
     app[SETTINGS] = settings
     app[REGISTRY] = registry
     app[METRICS] = Metrics(registry)
     app[LOG_LIMIT] = RateLimit()
+    app[TRACING] = tracer
     _routes(app)
 
     async def models(app: web.Application) -> AsyncIterator[None]:
@@ -80,6 +84,8 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
             loading.cancel()
         await asyncio.gather(loading, return_exceptions=True)
         await registry.close()
+        if tracer is not None:  # the last batches' spans are exported before exit
+            await asyncio.to_thread(tracer.shutdown)
 
     app.cleanup_ctx.append(models)
     return app

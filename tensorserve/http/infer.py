@@ -78,7 +78,7 @@ async def _infer(request: web.Request) -> web.Response:
         str(served.version),
         config,
     )
-    info.encode_seconds = time.perf_counter() - encode_started
+    info.encode_started, info.encode_seconds = encode_started, time.perf_counter() - encode_started
     return web.Response(
         body=encoded.body, content_type=encoded.content_type, headers=encoded.headers
     )

@@ -12,12 +12,15 @@ from tensorserve.http.logs import RateLimit
 from tensorserve.metrics import Metrics
 from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
+from tensorserve.tracing import RequestTracer
 
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", ModelRegistry)
 METRICS = web.AppKey("metrics", Metrics)
 # Lines a client can cause (4xx, rejections, disconnects): per app, per code.
 LOG_LIMIT = web.AppKey("log_limit", RateLimit)
+# None unless tracing is configured (tensorserve/tracing/).
+TRACING: web.AppKey[RequestTracer | None] = web.AppKey("tracing")
 
 
 @dataclass(slots=True)
@@ -33,6 +36,7 @@ class RequestInfo:
     kserve_id: str | None = None  # the OIP body's "id", when given
     error_code: str | None = None
     encode_seconds: float | None = None
+    encode_started: float = 0.0  # perf_counter(), for the encode span
 
 
 # web.RequestKey since aiohttp 3.12 (a string key there warns); a string before.

@@ -17,12 +17,23 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
-from tensorserve.http.keys import LOG_LIMIT, METRICS, REGISTRY, REQUEST_INFO, SETTINGS, RequestInfo
+from tensorserve.http.keys import (
+    LOG_LIMIT,
+    METRICS,
+    REGISTRY,
+    REQUEST_INFO,
+    SETTINGS,
+    TRACING,
+    RequestInfo,
+)
 from tensorserve.http.logs import HEADER, REQUEST_ID, request_id_from
 from tensorserve.metrics.requests import DISCONNECT, OK, UNKNOWN_MODEL
+from tensorserve.tracing import RequestTracer
+from tensorserve.tracing.http import outcome_attributes, request_attributes, span_name
 
 access_log = logging.getLogger("tensorserve.access")
 log = logging.getLogger("tensorserve.http")
@@ -46,11 +57,30 @@ def _model_label(request: web.Request, info: RequestInfo) -> tuple[str, str]:
     return (name, "") if name in request.app[REGISTRY].entries else (UNKNOWN_MODEL, "")
 
 
+def _start_span(tracer: RequestTracer, request: web.Request, info: RequestInfo) -> Any:
+    """The inference request's span (tensorserve/tracing/), current while it runs."""
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else None
+    return tracer.start_request(
+        request.headers, span_name(request, route), request_attributes(request, route, info.request_id)
+    )
+
+
+def _end_span(tracer: RequestTracer, span: Any, info: RequestInfo, status: int, code: str) -> None:
+    if info.encode_seconds is not None:
+        tracer.stage(span, "encode", info.encode_started, info.encode_seconds)
+    attributes = outcome_attributes(status, code, info.model, info.version, info.items)
+    tracer.finish_request(span, attributes, failed=status >= 500)
+
+
 def _finished(
-    request: web.Request, info: RequestInfo, status: int, code: str, nbytes: int, started: float
+    request: web.Request, info: RequestInfo, status: int, code: str, nbytes: int, started: float,
+    span: Any = None,
 ) -> None:
-    """Metrics and the access-log line of one finished (or abandoned) request."""
+    """Metrics, the access-log line and the span of one finished (or abandoned) request."""
     seconds = time.perf_counter() - started
+    if span is not None:
+        _end_span(request.app[TRACING], span, info, status, code)  # type: ignore[arg-type]
     if _is_infer(request):
         model, version = _model_label(request, info)
         metrics = request.app[METRICS].requests
@@ -76,6 +106,8 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
     token = REQUEST_ID.set(info.request_id)
     started = time.perf_counter()
     in_flight = request.app[METRICS].requests.in_flight if _is_infer(request) else None
+    tracer = request.app[TRACING]
+    span = _start_span(tracer, request, info) if tracer is not None and in_flight is not None else None
     if in_flight is not None:
         in_flight.inc()
     try:
@@ -87,15 +119,17 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
                 more = f" ({dropped} more since the last line)" if dropped else ""
                 log.info("%s %s: the client disconnected before the answer%s",
                          request.method, request.path, more)
-            _finished(request, info, DISCONNECT_STATUS, DISCONNECT, 0, started)
+            _finished(request, info, DISCONNECT_STATUS, DISCONNECT, 0, started, span)
             raise
         except web.HTTPException as exc:  # below 400 (a redirect): passed on by error_middleware
             exc.headers[HEADER] = info.request_id
-            _finished(request, info, exc.status, OK, 0, started)
+            _finished(request, info, exc.status, OK, 0, started, span)
             raise
         response.headers[HEADER] = info.request_id
+        if span is not None:
+            tracer.inject(span, response.headers)  # type: ignore[union-attr]
         nbytes = response.content_length or 0
-        _finished(request, info, response.status, info.error_code or OK, nbytes, started)
+        _finished(request, info, response.status, info.error_code or OK, nbytes, started, span)
         return response
     finally:
         if in_flight is not None:
