@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 import urllib.request
@@ -23,6 +24,7 @@ import yaml
 
 from tensorserve.settings import Settings
 from tests.conftest import ROOT
+from tests.test_observability_docs import checker
 
 DEPLOY = ROOT / "deploy"
 KUBERNETES_VERSIONS = ["1.29", "1.37"]  # the oldest and newest the checks pin
@@ -30,6 +32,7 @@ CRD_SCHEMAS = {  # (apiVersion, kind) -> the file in deploy/schemas/
     ("serving.kserve.io/v1alpha1", "ServingRuntime"): "kserve-servingruntime-v1alpha1.json",
     ("serving.kserve.io/v1beta1", "InferenceService"): "kserve-inferenceservice-v1beta1.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring-podmonitor-v1.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda-scaledobject-v1alpha1.json",
 }
 
 
@@ -98,6 +101,7 @@ def test_the_manifests_cover_what_a_deployment_needs() -> None:
         "HorizontalPodAutoscaler",
         "InferenceService",
         "PodMonitor",
+        "ScaledObject",
         "Service",
         "ServingRuntime",
     ]
@@ -114,6 +118,8 @@ def test_the_manifests_cover_what_a_deployment_needs() -> None:
         ("kubernetes/base/podmonitor.yaml", ["spec", "podMetricsEndpoints", 0, "interval"], 15),
         ("kubernetes/base/hpa.yaml", ["spec", "maxReplicas"], "eight"),
         ("kubernetes/prometheus-adapter/rules.yaml", ["data", "config.yaml"], {"rules": []}),
+        ("kubernetes/keda/scaledobject.yaml", ["spec", "triggers", 0, "metadata", "threshold"], 32),
+        ("kubernetes/keda/scaledobject.yaml", ["spec", "scaleTargetRef", "nmae"], "tensorserve"),
     ],
 )
 def test_a_mistake_fails_validation(where: str, path: list[Any], value: Any) -> None:
@@ -246,6 +252,20 @@ def test_the_autoscaler_metrics_come_from_adapter_rules_over_real_series(server_
         exposition = reply.read().decode()
     for series in served.values():
         assert f"\n{series}" in exposition or exposition.startswith(series), series
+
+
+def test_the_keda_scaler_queries_are_checked_ones_over_real_series(server_url: str) -> None:
+    (scaler,) = documents(DEPLOY / "kubernetes" / "keda" / "scaledobject.yaml")
+    target = scaler["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", deployment("gpu")["metadata"]["name"])
+    queries = [t["metadata"]["query"] for t in scaler["spec"]["triggers"]]
+    # Each is one of the docs' PromQL, which a real Prometheus evaluates in CI.
+    documented = {q.expr for q in checker().docs_queries()}
+    assert queries and set(queries) <= documented, set(queries) - documented
+    with urllib.request.urlopen(server_url + "/metrics", timeout=10) as reply:
+        exposition = reply.read().decode()
+    for name in {n for q in queries for n in re.findall(r"\bnv_[a-z_]+", q)}:
+        assert f"\n{name}{{" in exposition, name
 
 
 def test_the_kserve_runtime_serves_the_inference_service() -> None:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from tensorserve.batching.tracer import BatchTracer
     from tensorserve.settings import Settings
 
-INSTALL = "pip install 'tensorserve[otel]'"
+INSTALL = "pip install 'tensorserve[otel]' (in a checkout: pip install -e '.[otel]')"
 Attributes = Mapping[str, "str | int | float | bool"]
 
 
