@@ -74,6 +74,8 @@ class OtelTracer:
         RESPONSE_PROPAGATOR.inject(headers, trace.set_span_in_context(span.span))
 
     def stage(self, span: RequestSpan, name: str, started: float, seconds: float) -> None:
+        if not span.span.is_recording():  # unsampled: its children would be dropped anyway
+            return
         clock = WallClock()
         parent = trace.set_span_in_context(span.span)
         child = self.tracer.start_span(name, parent, start_time=clock.from_perf(started))
@@ -81,6 +83,8 @@ class OtelTracer:
 
     def finish_request(self, span: RequestSpan, attributes: Attributes, failed: bool) -> None:
         try:
+            if not span.span.is_recording():
+                return
             span.span.set_attributes(attributes)
             if failed:  # a server span is an error for the server's faults only (5xx)
                 span.span.set_status(Status(StatusCode.ERROR))
