@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tensorserve.repository.config import ModelConfig
 from tensorserve.wire.request import InferRequest, Results
@@ -28,6 +28,11 @@ class Call:
     kserve_id: str | None = None  # the request's own "id", when given
     error_code: str | None = None
     encode_seconds: float | None = None
+    encode_started: float = 0.0  # perf_counter(), for the encode span
+    # Its request span (tensorserve/tracing/) while it runs: None unless tracing
+    # is on and its front end described it (DataPlane.begin's origin).
+    span: Any = None
+    origin: Any = None  # that description (tracing's CallOrigin)
 
 
 class WireCall(Protocol[T_co]):

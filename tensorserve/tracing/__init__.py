@@ -10,9 +10,12 @@ OpenTelemetry SDK (the ``otel`` extra) and nothing else ever does, so
                   request span (``OtelTracer``)
     batches.py    the spans of a finished batch (``ModelBatchTracer``, the
                   ``batching/tracer.py`` contract)
-    http.py       the HTTP semantic-convention attributes of a request
+    http.py       an HTTP request as OpenTelemetry's conventions name it
+                  (``HttpOrigin``)
+    grpc.py       a gRPC call as they name it (``GrpcOrigin``)
 
-A front end (HTTP today, gRPC next) calls, per request:
+The data plane (``dataplane/plane.py``) calls, per traced infer call, given
+the ``CallOrigin`` its front end describes it with:
 
     span = tracer.start_request(carrier, name, attributes)  # headers or metadata
     ... the request is served; its items carry the span's context ...
@@ -34,6 +37,45 @@ INSTALL = "pip install 'tensorserve[otel]' (in a checkout: pip install -e '.[ote
 Attributes = Mapping[str, "str | int | float | bool"]
 
 
+class CallOrigin(Protocol):
+    """A traced call in its transport's terms, built by a front end only when
+    tracing is on: where its trace context comes from, and what its span is
+    called and says (``http.py``, ``grpc.py``)."""
+
+    @property
+    def carrier(self) -> Mapping[str, str]:
+        """The caller's HTTP headers or gRPC metadata (``traceparent``)."""
+        ...
+
+    def span_name(self) -> str:
+        ...
+
+    def attributes(self, request_id: str) -> Attributes:
+        """The span's attributes when the call starts."""
+        ...
+
+    def outcome(self, code: str, status: int) -> Attributes:
+        """The transport's own attributes of the outcome: ``code`` is the
+        tensorserve code (``ok``, ``disconnect``, an error's), ``status`` the
+        HTTP status the outcome has (for gRPC: the one its code has)."""
+        ...
+
+
+def outcome_attributes(
+    code: str, failed: bool, model: str | None, version: str, items: int
+) -> dict[str, Any]:
+    """Every call's outcome, whatever its transport: ``error.type`` when it
+    failed on the server's side (a 5xx, as the conventions ask of a server
+    span), the error code for every outcome."""
+    attributes: dict[str, Any] = {"tensorserve.outcome": code, "tensorserve.items": items}
+    if model is not None:
+        attributes["tensorserve.model"] = model
+        attributes["tensorserve.model.version"] = version
+    if failed:
+        attributes["error.type"] = code
+    return attributes
+
+
 class RequestTracer(Protocol):
     """What a front end calls; the span objects are opaque to it."""
 
@@ -50,6 +92,10 @@ class RequestTracer(Protocol):
     def stage(self, span: Any, name: str, started: float, seconds: float) -> None:
         """A child span of the request for a stage the front end timed
         (``time.perf_counter()`` start, seconds)."""
+        ...
+
+    def recording(self, span: Any) -> bool:
+        """Whether the span is sampled (else its outcome need not be built)."""
         ...
 
     def finish_request(self, span: Any, attributes: Attributes, failed: bool) -> None:

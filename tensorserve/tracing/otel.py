@@ -81,6 +81,9 @@ class OtelTracer:
         child = self.tracer.start_span(name, parent, start_time=clock.from_perf(started))
         child.end(clock.from_perf(started + seconds))
 
+    def recording(self, span: RequestSpan) -> bool:
+        return span.span.is_recording()
+
     def finish_request(self, span: RequestSpan, attributes: Attributes, failed: bool) -> None:
         try:
             if not span.span.is_recording():
