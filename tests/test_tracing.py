@@ -1,8 +1,9 @@
 """Traces, end to end: a real server process sends its spans by OTLP/HTTP to a
 real receiver on loopback, which parses each ``ExportTraceServiceRequest``.
-A request with a known ``traceparent`` continues that trace through every
-stage; with the sampling ratio at 0, a request without one records nothing;
-the response carries the request span's context back."""
+A request with a known ``traceparent`` (an HTTP header, or gRPC metadata)
+continues that trace through every stage; with the sampling ratio at 0, a
+request without one records nothing; the response (its headers, or the
+call's initial metadata) carries the request span's context back."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import pytest
@@ -36,8 +38,10 @@ TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
 def sampled(flags: str) -> bool:
     return bool(int(flags, 16) & 1)  # the other bits: W3C level 2's "random" flag
+
 STAGES = {"queue", "pad", "compute", "unpad", "encode"}
 INFER = "POST /v2/models/{model}/infer"
+GRPC_INFER = "inference.GRPCInferenceService/ModelInfer"
 
 
 def _value(value: AnyValue) -> Any:
@@ -212,6 +216,70 @@ def test_one_batch_of_two_traced_requests_links_to_both(
     (compute,) = computes()  # one batch, one compute span, in the first request's trace
     assert compute["attributes"]["tensorserve.batch.size"] == 4
     assert sorted(compute["links"]) == sorted(request_spans)
+
+
+def grpc_infer(address: str, model: str, traceparent: str) -> tuple[Any, dict[str, str]]:
+    """A ModelInfer of two items of length 3 with ``traceparent`` in its
+    metadata: (the reply or the grpc.RpcError, the initial metadata)."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.inputs.add(name="ms", datatype="FP32", shape=[2, 3])
+    request.raw_input_contents.append(np.zeros((2, 3), np.float32).tobytes())
+    with grpc.insecure_channel(address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            reply, call = stub.ModelInfer.with_call(
+                request, metadata=[("traceparent", traceparent)], timeout=30
+            )
+        except grpc.RpcError as failed:
+            reply, call = failed, failed
+        return reply, dict(call.initial_metadata())
+
+
+def test_a_traced_grpc_call_continues_its_trace_through_every_stage(
+    traced: ServerProcess, receiver: Receiver
+) -> None:
+    traceparent, trace_id, caller_span = new_traceparent()
+    reply, metadata = grpc_infer(traced.grpc_address, "sleepy", traceparent)
+    assert list(reply.outputs[0].shape) == [2, 3]
+    back = TRACEPARENT.fullmatch(metadata["traceparent"])
+    assert back is not None and back[1] == trace_id and sampled(back[3])
+    assert back[2] != caller_span
+
+    spans = wait_for_stages(receiver, trace_id, {GRPC_INFER, *STAGES})
+    (request,) = [s for s in spans if s["name"] == GRPC_INFER]
+    assert request["span_id"] == back[2] and request["parent"] == caller_span
+    assert request["kind"] == 2  # SPAN_KIND_SERVER: the gRPC call is the server span
+    attributes = request["attributes"]
+    assert attributes["rpc.system"] == "grpc"
+    assert attributes["rpc.service"] == "inference.GRPCInferenceService"
+    assert attributes["rpc.method"] == "ModelInfer"
+    assert attributes["rpc.grpc.status_code"] == 0  # OK
+    assert attributes["network.peer.address"] == "127.0.0.1"
+    assert attributes["tensorserve.model"] == "sleepy"
+    assert attributes["tensorserve.items"] == 2
+    assert attributes["tensorserve.outcome"] == "ok"
+    assert attributes["tensorserve.request_id"] == metadata["x-request-id"]
+
+    by_name = {s["name"]: s for s in spans}
+    for name in STAGES:
+        assert by_name[name]["parent"] == request["span_id"], name
+        assert request["start"] <= by_name[name]["start"] <= by_name[name]["end"] <= request["end"]
+    compute = by_name["compute"]
+    assert compute["attributes"]["tensorserve.batch.size"] == 2
+    assert compute["links"] == [(trace_id, request["span_id"])]  # the batch links the call
+
+
+def test_a_failed_grpc_call_carries_its_status(traced: ServerProcess, receiver: Receiver) -> None:
+    traceparent, trace_id, _ = new_traceparent()
+    failed, metadata = grpc_infer(traced.grpc_address, "nope", traceparent)
+    assert failed.code() == grpc.StatusCode.NOT_FOUND
+    assert TRACEPARENT.fullmatch(metadata["traceparent"])[1] == trace_id  # type: ignore[index]
+    (span,) = wait_for_stages(receiver, trace_id, {GRPC_INFER})
+    assert span["attributes"]["tensorserve.outcome"] == "model_not_found"
+    assert span["attributes"]["rpc.grpc.status_code"] == 5  # NOT_FOUND
+    assert span["status"] != 2  # the caller's mistake, not the server's
 
 
 def _stats(url: str) -> dict[str, Any]:
