@@ -8,17 +8,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from tensorserve.batching.stats import BatchStats
 from tensorserve.http.app import create_app
 from tensorserve.http.keys import METRICS, REGISTRY
+from tensorserve.metrics.requests import RequestMetrics
+from tensorserve.metrics.triton import TritonCollector
 from tensorserve.settings import Settings
 from tests.helpers import ECHO, MSGPACK, body, wait_until_async, write_toy_model
 
@@ -213,8 +217,9 @@ async def test_metrics_count_every_outcome_exactly(app_client: Any) -> None:
     assert value(samples, "nv_inference_count", **gated) == 12
     assert value(samples, "nv_inference_exec_count", **gated) == batches
     microseconds = {
+        # Triton's have no protocol label: every protocol's sum (only HTTP calls here).
         "nv_inference_request_duration_us": ("tensorserve_request_duration_seconds_sum",
-                                             {"code": "ok"}),
+                                             {"code": "ok", "protocol": "http"}),
         "nv_inference_queue_duration_us": ("tensorserve_queue_wait_seconds_sum", {}),
         # Batches of one item: each item's share of its batch is the whole batch.
         "nv_inference_compute_input_duration_us": ("tensorserve_batch_pad_seconds_sum", {}),
@@ -225,6 +230,26 @@ async def test_metrics_count_every_outcome_exactly(app_client: Any) -> None:
         seconds = value(samples, ours, **gated, **extra)
         assert seconds > 0 and value(samples, triton, **gated) == pytest.approx(1e6 * seconds), triton
     assert value(samples, "nv_inference_pending_request_count", **gated) == 0
+
+
+def test_triton_request_counts_sum_every_protocol() -> None:
+    # Triton's names have no protocol label: an HTTP and a gRPC call count alike.
+    requests = RequestMetrics(CollectorRegistry())
+    requests.observe("http", "m", "1", "ok", 200, 1, 0.5)
+    requests.observe("grpc", "m", "1", "ok", 200, 2, 0.25)
+    requests.observe("grpc", "m", "1", "server_busy", 503, 1, 0.1)
+
+    class NoBatches:
+        def per_model(self) -> Iterator[Any]:
+            return iter(())
+
+    collector = TritonCollector(NoBatches(), requests)  # type: ignore[arg-type]
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in collector.collect() for s in family.samples}
+    m = {"model": "m", "version": "1"}
+    assert value(samples, "nv_inference_request_success", **m) == 2
+    assert value(samples, "nv_inference_request_failure", **m) == 1
+    assert value(samples, "nv_inference_request_duration_us", **m) == pytest.approx(750_000)
 
 
 def test_each_item_is_charged_its_whole_batchs_compute_time_as_triton_charges_requests() -> None:
