@@ -90,7 +90,7 @@ async def model_stats(request: web.Request) -> web.Response:
     """tensorserve's ``batching`` object at top level, and Triton's
     ``model_stats`` list (which repeats it) for Triton clients."""
     entry = request.app[REGISTRY].get(*_model(request))
-    stat = _stat(request.app[REGISTRY].ready(entry.name))
+    stat = _stat(request.app[REGISTRY].ready_model(entry.name))
     body = {"name": entry.name, "version": stat["version"], "batching": stat["batching"]}
     return web.json_response({**body, "model_stats": [stat]})
 

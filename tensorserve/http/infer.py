@@ -43,7 +43,7 @@ async def infer(request: web.Request) -> web.Response:
 
 async def _infer(request: web.Request) -> web.Response:
     registry, settings = request.app[REGISTRY], request.app[SETTINGS]
-    served = registry.ready(request.match_info["model"], request.match_info.get("version"))
+    served = registry.ready_model(request.match_info["model"], request.match_info.get("version"))
     info: RequestInfo = request[REQUEST_INFO]  # for the metrics and log lines (observe.py)
     info.model, info.version = served.name, str(served.version)
     body = await read_body(request)

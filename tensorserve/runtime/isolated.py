@@ -9,7 +9,7 @@ through a socketpair per batch.
 
 The batcher does not know the difference: ``ProcessExecutor`` is an
 executor whose ``launch`` sends the padded batch to the instance's worker
-(``tensorserve/runtime/worker.py``) and whose ``collect`` waits for the reply
+(``tensorserve/runtime/worker_main.py``) and whose ``collect`` waits for the reply
 with the GIL released; like CUDA, it ``overlaps``, so a full next batch can
 be sent while the worker runs this one. Padding and un-padding stay in the
 server, so the worker only ever sees whole padded batches. It is also a
@@ -44,7 +44,7 @@ from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed
 from tensorserve.runtime.template import Template
-from tensorserve.runtime.workers import Standby, WorkerProcess
+from tensorserve.runtime.worker_process import Standby, WorkerProcess
 from tensorserve.tensors.dtypes import from_torch
 
 log = logging.getLogger(__name__)

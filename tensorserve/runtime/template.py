@@ -56,7 +56,7 @@ class Template:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tensorserve.runtime.worker", "--template",
+                [sys.executable, "-m", "tensorserve.runtime.worker_main", "--template",
                  str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
             )

@@ -2,7 +2,7 @@
 per instance (start, send a batch, read its reply, notice its death, kill it
 for the watchdog) and the ``Standby``, a spare one kept loaded so that a
 crash costs a swap instead of a model load. ``isolated.ProcessExecutor``
-drives them; ``worker.py`` is the other end of the socket.
+drives them; ``worker_main.py`` is the other end of the socket.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class WorkerProcess:
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         with theirs:
             process = self._fork(theirs) or subprocess.Popen(
-                [sys.executable, "-m", "tensorserve.runtime.worker", str(theirs.fileno())],
+                [sys.executable, "-m", "tensorserve.runtime.worker_main", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
             )
         self.process, self.sock = process, ours
