@@ -120,24 +120,34 @@ class Template:
 class ForkedProcess:
     """A worker forked by the template, with the part of ``subprocess.Popen``
     that ``WorkerProcess`` uses. It is the template's child, not ours: its
-    exit is seen through a pidfd, and its status asked of the template."""
+    exit is seen through a pidfd, and its status asked of the template.
+
+    Safe from several threads, as ``Popen`` is (readiness polls it while its
+    owner may wait for it): the status is collected, and the pidfd closed,
+    once, under a lock."""
 
     def __init__(self, pid: int, template: Template) -> None:
         self.pid = pid
         self.template = template
         self.returncode: int | None = None
         self._pidfd = os.pidfd_open(pid)
+        self._collecting = threading.Lock()
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._exited(0):
-            self._collect()
+        with self._collecting:
+            if self.returncode is None and self._exited(0):
+                self._collect()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            if not self._exited(timeout):
+        if self.poll() is None:
+            try:
+                exited = self._exited(timeout)
+            except (OSError, ValueError):  # another thread collected it and closed the pidfd
+                exited = True
+            if not exited:
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
-            self._collect()
+            self.poll()
         assert self.returncode is not None
         return self.returncode
 
