@@ -28,7 +28,7 @@ class NotOwner(RuntimeError):
 class Owner:
     def __init__(self, what: str) -> None:
         self.what = what
-        self._lock = threading.Lock()  # guards only the two fields below
+        self._lock = threading.Lock()  # two threads that acquire at once: one is refused
         self._thread: int | None = None
         self._holds = 0
 
@@ -47,13 +47,14 @@ class Owner:
             self._holds += 1
 
     def release(self) -> None:
+        # No lock: only the holder writes here, and it gives the state back
+        # before the hand-over that lets another thread ``acquire`` it.
         me = threading.get_ident()
-        with self._lock:
-            if self._thread != me:
-                raise self._refused(me)
-            self._holds -= 1
-            if not self._holds:
-                self._thread = None
+        if self._thread != me:
+            raise self._refused(me)
+        self._holds -= 1
+        if not self._holds:
+            self._thread = None
 
     def check(self) -> None:
         """``NotOwner`` unless the calling thread holds it."""
