@@ -42,8 +42,8 @@ from tensorserve.repository.loader import ModelSource
 from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed
-from tensorserve.runtime.template import Template
 from tensorserve.runtime.standby import Standby
+from tensorserve.runtime.template import Template
 from tensorserve.runtime.worker_process import WorkerProcess
 from tensorserve.tensors.dtypes import from_torch
 

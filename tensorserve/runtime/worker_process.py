@@ -286,7 +286,11 @@ class WorkerProcess:
                     self._reply(on_reply, message, None)
                     return
 
-        loop.add_reader(sock, readable)
+        try:
+            loop.add_reader(sock, readable)
+        except BaseException:  # the caller fails the batch: the worker is free again
+            self.owner.release()
+            raise
         return finish_now
 
     def _reply(self, on_reply: OnReply, message: ipc.Message | None, error: BaseException | None) -> None:
