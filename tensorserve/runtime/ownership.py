@@ -28,7 +28,10 @@ class NotOwner(RuntimeError):
 class Owner:
     def __init__(self, what: str) -> None:
         self.what = what
-        self._lock = threading.Lock()  # two threads that acquire at once: one is refused
+        # Held (never waited for) while a thread owns the state: taking it is
+        # one atomic test-and-set, so of two threads that reach at once, one
+        # is refused.
+        self._held = threading.Lock()
         self._thread: int | None = None
         self._holds = 0
 
@@ -40,21 +43,22 @@ class Owner:
     def acquire(self) -> None:
         """This thread owns it until a matching ``release``."""
         me = threading.get_ident()
-        with self._lock:
-            if self._thread not in (None, me):
-                raise self._refused(me)
-            self._thread = me
+        if self._thread == me:  # only this thread could have set it to itself
             self._holds += 1
+            return
+        if not self._held.acquire(blocking=False):
+            raise self._refused(me)
+        self._thread = me
+        self._holds = 1
 
     def release(self) -> None:
-        # No lock: only the holder writes here, and it gives the state back
-        # before the hand-over that lets another thread ``acquire`` it.
         me = threading.get_ident()
         if self._thread != me:
             raise self._refused(me)
         self._holds -= 1
         if not self._holds:
             self._thread = None
+            self._held.release()
 
     def check(self) -> None:
         """``NotOwner`` unless the calling thread holds it."""

@@ -134,16 +134,22 @@ class ForkedProcess:
         self._collecting = threading.Lock()
 
     def poll(self) -> int | None:
-        with self._collecting:
-            if self.returncode is None and self._exited(0):
-                self._collect()
+        if self.returncode is None:
+            try:
+                exited = self._exited(0)
+            except (OSError, ValueError):  # another thread collected it and closed the pidfd
+                exited = True
+            if exited:
+                with self._collecting:
+                    if self.returncode is None:
+                        self._collect()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.poll() is None:
             try:
                 exited = self._exited(timeout)
-            except (OSError, ValueError):  # another thread collected it and closed the pidfd
+            except (OSError, ValueError):  # collected meanwhile (see poll)
                 exited = True
             if not exited:
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
