@@ -12,7 +12,9 @@ and launched while the current one runs.
 
 Each instance is in one ``InstanceState``, changed under ``lock``; a device
 or worker socket has one owner at a time: its model thread, or (DRIVEN) the
-event loop running the batcher's direct path.
+event loop running the batcher's direct path. Restoring an instance after a
+failed batch (``Executor.repair``: a dead worker replaced) is always its
+model thread's job; the loop asks for it through ``repairs``.
 """
 
 from __future__ import annotations
