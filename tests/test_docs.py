@@ -210,6 +210,8 @@ def run_bash(code: str, server_url: str, cwd: Path, timeout: float = 170) -> str
     if re.search(r"\btensorserve serve\b", code):
         port = str(free_port())
         env["TENSORSERVE_PORT"] = port
+        # Its gRPC port too: blocks and other servers run at once, and 8001 is one port.
+        env["TENSORSERVE_GRPC_PORT"] = str(free_port())
     code = re.sub(r"(localhost|127\.0\.0\.1):8000", rf"\g<1>:{port}", shortened(code))
     env["TENSORSERVE_URL"] = f"http://127.0.0.1:{port}"
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")

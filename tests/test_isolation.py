@@ -490,7 +490,7 @@ def _workers_of(pid: int) -> list[psutil.Process]:
     workers it forked (its grandchildren)."""
     return [
         child for child in psutil.Process(pid).children(recursive=True)
-        if "tensorserve.runtime.worker" in child.cmdline()
+        if "tensorserve.runtime.worker_main" in child.cmdline()
     ]
 
 

@@ -86,7 +86,7 @@ def workers(server: BenchServerProcess) -> list[psutil.Process]:
     return [
         child
         for child in psutil.Process(server.process.pid).children()
-        if "tensorserve.runtime.worker" in child.cmdline()
+        if "tensorserve.runtime.worker_main" in child.cmdline()
     ]
 
 

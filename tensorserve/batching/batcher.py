@@ -249,7 +249,11 @@ class Batcher:
             return None
         executor: DirectExecutor = p.executor  # type: ignore[assignment]
         for instance, state in enumerate(p.states):
-            if state is InstanceState.PARKED and executor.can_run_direct(instance):
+            if (
+                state is InstanceState.PARKED
+                and instance not in p.repairs
+                and executor.can_run_direct(instance)
+            ):
                 entries = p.queue.take(now)
                 backlog = unless_backlog and len(p.queue) > 0
                 if backlog or (
@@ -314,6 +318,10 @@ class Batcher:
         loop = batch.loop if batch is not None else None
         with p.cond:
             p.states[instance] = InstanceState.PARKED
+            if batch is not None and batch.error is not None:
+                # Restoring the instance (a dead worker replaced) may block:
+                # its model thread does it, right away (notified below).
+                p.repairs.add(instance)
             p.parked.notify_all()
             direct = None
             if loop is not None and not p.closing and len(p.queue):
@@ -321,7 +329,7 @@ class Batcher:
             # Whatever the model threads would take now (parts of a failed batch
             # to run again included: finish woke them while this instance was
             # still DRIVEN, and they went back to waiting).
-            if direct is None and (len(p.queue) or p.retries or p.closing):
+            if direct is None and (len(p.queue) or p.retries or p.repairs or p.closing):
                 p.cond.notify_all()
         if direct is not None:
             assert loop is not None

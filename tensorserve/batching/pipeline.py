@@ -12,7 +12,9 @@ and launched while the current one runs.
 
 Each instance is in one ``InstanceState``, changed under ``lock``; a device
 or worker socket has one owner at a time: its model thread, or (DRIVEN) the
-event loop running the batcher's direct path.
+event loop running the batcher's direct path. Restoring an instance after a
+failed batch (``Executor.repair``: a dead worker replaced) is always its
+model thread's job; the loop asks for it through ``repairs``.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ class Pipeline:
         self.free_at = [0.0] * instances  # perf_counter() when each last finished a batch
         self.slowest_s = 0.0  # the longest batch so far (the watchdog's "auto")
         self.hung: list[Batch | None] = [None] * instances  # a thread the watchdog gave up on
+        # Instances whose driven batch failed: their model thread restores them
+        # (``Executor.repair``: a dead worker replaced), never the event loop.
+        self.repairs: set[int] = set()
         self._to_finisher: queue.Queue[Batch | None] = queue.Queue(maxsize=instances + 1)
         self._threads: list[threading.Thread] = []
         self.tracer: BatchTracer | None = None  # set before start when tracing is on
@@ -132,6 +137,7 @@ class Pipeline:
             return self.parked.wait_for(
                 lambda: not len(self.queue)
                 and not self.retries
+                and not self.repairs
                 and not self.in_flight
                 and all(state is InstanceState.PARKED for state in self.states),
                 timeout,
@@ -169,6 +175,11 @@ class Pipeline:
                 if self.states[instance] is InstanceState.DRIVEN:
                     self.cond.wait()  # an event loop runs a batch on this instance
                     continue
+                if instance in self.repairs and not ahead and not self.closing:
+                    self.repairs.discard(instance)
+                    self.states[instance] = InstanceState.BUSY
+                    self._repair_unlocked(instance)
+                    continue
                 if self.retries:
                     if ahead:
                         # A part of a failed batch may fail again: one sent
@@ -189,6 +200,15 @@ class Pipeline:
                     continue
                 self.states[instance] = InstanceState.BUSY
                 return self.queue.take(now)
+
+    def _repair_unlocked(self, instance: int) -> None:
+        """``Executor.repair`` with the lock released (it may load a model);
+        the instance is BUSY meanwhile, so no loop drives it."""
+        self.lock.release()
+        try:
+            self.executor.repair(instance)
+        finally:
+            self.lock.acquire()
 
     def wake(self) -> None:
         """Wake a model thread for the queue (the lock held). A thread whose

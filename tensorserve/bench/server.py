@@ -293,13 +293,11 @@ def _command_line(process: psutil.Process) -> str:
 
 
 class ServerProcess(ChildServer):
-    """A ``python -m tensorserve serve`` child on a free loopback port;
-    ``start`` waits until it is ready. ``env`` adds to this process's environment.
-
-    Every benchmark that needs a server starts it with this. To serve another
-    source tree (a git worktree of an older commit, say), give
-    ``env={"PYTHONPATH": tree}`` and ``cwd=tree``: that tree's package is the
-    one imported."""
+    """A ``python -m tensorserve serve`` child on free loopback ports (HTTP and
+    gRPC); ``start`` waits until it is ready. ``env`` adds to this process's
+    environment. Every benchmark that needs a server starts it with this; to
+    serve another source tree (a worktree of an older commit), give
+    ``env={"PYTHONPATH": tree}`` and ``cwd=tree``."""
 
     def __init__(
         self,

@@ -88,7 +88,7 @@ def _stat(served: ServedModel) -> dict[str, Any]:
 def model_stats(plane: DataPlane, name: str, version: str | None) -> dict[str, Any]:
     """One served model's Triton statistics (with tensorserve's ``batching``)."""
     entry = plane.registry.get(name, version)
-    return _stat(plane.registry.ready(entry.name))
+    return _stat(plane.registry.ready_model(entry.name))
 
 
 def all_model_stats(plane: DataPlane) -> list[dict[str, Any]]:

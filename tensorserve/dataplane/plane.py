@@ -127,7 +127,7 @@ class DataPlane:
         gRPC deadline): the call's deadline is never later."""
         with self.track():  # in flight, for a shutdown's grace period
             settings = self.settings
-            served = self.registry.ready(model, version)
+            served = self.registry.ready_model(model, version)
             call.model, call.version = served.name, str(served.version)
             await wire.receive()
             config = served.config

@@ -9,7 +9,7 @@ through a socketpair per batch.
 
 The batcher does not know the difference: ``ProcessExecutor`` is an
 executor whose ``launch`` sends the padded batch to the instance's worker
-(``tensorserve/runtime/worker.py``) and whose ``collect`` waits for the reply
+(``tensorserve/runtime/worker_main.py``) and whose ``collect`` waits for the reply
 with the GIL released; like CUDA, it ``overlaps``, so a full next batch can
 be sent while the worker runs this one. Padding and un-padding stay in the
 server, so the worker only ever sees whole padded batches. It is also a
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,15 +37,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorserve.errors import BatchOutOfMemory, ConfigError, ModelFailure, RowErrors, WorkerCrashed
+from tensorserve.errors import BatchOutOfMemory, ConfigError, ModelFailure, RowErrors
 from tensorserve.repository.config import ModelConfig
 from tensorserve.repository.loader import ModelSource
 from tensorserve.repository.platforms import PLATFORMS
 from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed
+from tensorserve.runtime.standby import Standby
 from tensorserve.runtime.template import Template
-from tensorserve.runtime.workers import Standby, WorkerProcess
+from tensorserve.runtime.worker_process import WorkerProcess
 from tensorserve.tensors.dtypes import from_torch
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,6 @@ class ProcessExecutor:
             for i in range(config.instance_count)
         ]
         self.standby = Standby(self.hello, self.label, self.template) if faults.standby_worker else None
-        self._replacing = [threading.Lock() for _ in self.workers]
         self.restarts = 0  # dead workers replaced (tensorserve_worker_restarts_total)
         # A moving average of what replacing one cost: a swap when the standby
         # was loaded, a wait for it or a model load when crashes came faster.
@@ -126,7 +125,7 @@ class ProcessExecutor:
         if self.standby is not None:
             self.standby.close()
         for worker in self.workers:
-            worker.stop()
+            worker.close()
         if self.template is not None:
             self.template.stop()
 
@@ -158,7 +157,8 @@ class ProcessExecutor:
 
     def repair(self, instance: int) -> None:
         """After a failed batch: a dead worker is replaced at once (not at the
-        next batch), so the model is ready again without waiting for traffic."""
+        next batch), so the model is ready again without waiting for traffic.
+        On the instance's model thread, like every restart."""
         try:
             self._replace(instance)
         except ModelFailure as exc:  # the next batch tries again, and says why
@@ -166,18 +166,21 @@ class ProcessExecutor:
 
     def abort(self, sent: Sent, because: str) -> bool:
         """The watchdog: kill the worker running this batch, so it fails as a
-        crash (a worker already replaced, or being replaced, is left alone)."""
-        if sent.worker.generation == sent.ticket:
-            sent.worker.kill(because)
+        crash (a worker already replaced, or being replaced, is left alone).
+        From the watchdog's thread: ``kill`` is safe from any thread."""
+        sent.worker.kill(because, ticket=sent.ticket)
         return True
 
     def _replace(self, instance: int) -> WorkerProcess:
         """An up worker for the instance: the standby if one is loaded (a
-        swap), else a new one (a full model load, on this model thread)."""
-        with self._replacing[instance]:  # a model thread and a loop's repair may race
+        swap), else a new one (a full model load, on this model thread).
+        Only the thread that holds the instance replaces its worker: the
+        slot's swap is read by the event loop only once the instance is
+        handed back to it (``NotOwner`` if another thread holds it)."""
+        with self.workers[instance].owner.held():
             started = time.perf_counter()
             restarts = self.restarts
-            worker = self._replace_locked(instance)
+            worker = self._replace_held(instance)
             if self.restarts != restarts:
                 self._restarted_in(time.perf_counter() - started)
             return worker
@@ -186,14 +189,14 @@ class ProcessExecutor:
         last = self.restart_seconds
         self.restart_seconds = seconds if last is None else last + RESTART_ALPHA * (seconds - last)
 
-    def _replace_locked(self, instance: int) -> WorkerProcess:
+    def _replace_held(self, instance: int) -> WorkerProcess:
         old = self.workers[instance]
         if old.alive:
             return old  # replaced already (a batch behind the dead one)
         old.stop()
         spare = self.standby.take() if self.standby is not None else None
         if spare is not None:
-            spare.label = old.label
+            spare.relabel(old.label)
             self.workers[instance] = spare
             self.restarts += 1
             log.warning("%s: the standby worker %d took over", old.label, spare.pid)
@@ -231,10 +234,10 @@ class ProcessExecutor:
         on the loop's thread once the worker has answered."""
 
         def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
+            # A dead worker is replaced by the instance's model thread, which
+            # the batcher asks to ``repair`` once the failed batch is over.
             if message is None:
                 done(None, error)
-                if isinstance(error, WorkerCrashed):  # replace it off the loop
-                    loop.run_in_executor(None, self.repair, sent.instance)
                 return
             try:
                 executed = self._executed(message)

@@ -56,7 +56,7 @@ class Template:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tensorserve.runtime.worker", "--template",
+                [sys.executable, "-m", "tensorserve.runtime.worker_main", "--template",
                  str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),),
             )
@@ -120,24 +120,40 @@ class Template:
 class ForkedProcess:
     """A worker forked by the template, with the part of ``subprocess.Popen``
     that ``WorkerProcess`` uses. It is the template's child, not ours: its
-    exit is seen through a pidfd, and its status asked of the template."""
+    exit is seen through a pidfd, and its status asked of the template.
+
+    Safe from several threads, as ``Popen`` is (readiness polls it while its
+    owner may wait for it): the status is collected, and the pidfd closed,
+    once, under a lock."""
 
     def __init__(self, pid: int, template: Template) -> None:
         self.pid = pid
         self.template = template
         self.returncode: int | None = None
         self._pidfd = os.pidfd_open(pid)
+        self._collecting = threading.Lock()
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._exited(0):
-            self._collect()
+        if self.returncode is None:
+            try:
+                exited = self._exited(0)
+            except (OSError, ValueError):  # another thread collected it and closed the pidfd
+                exited = True
+            if exited:
+                with self._collecting:
+                    if self.returncode is None:
+                        self._collect()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            if not self._exited(timeout):
+        if self.poll() is None:
+            try:
+                exited = self._exited(timeout)
+            except (OSError, ValueError):  # collected meanwhile (see poll)
+                exited = True
+            if not exited:
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
-            self._collect()
+            self.poll()
         assert self.returncode is not None
         return self.returncode
 

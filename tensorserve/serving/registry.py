@@ -87,7 +87,7 @@ class ModelRegistry:
             )
         return entry
 
-    def ready(self, name: str, version: str | None = None) -> ServedModel:
+    def ready_model(self, name: str, version: str | None = None) -> ServedModel:
         """The model to send a request to: ``ModelNotFound`` if there is no
         such model (or version), ``ModelNotReady`` (with its state and reason)
         if it cannot take requests now. A lookup, not a yes/no question: for

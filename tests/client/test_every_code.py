@@ -68,6 +68,12 @@ def codes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Codes]:
         repository, "slow", SLOW_MODEL.format(marker=str(repository / "slow-started")),
         **SLEEPY_IO, max_batch_size=1, dynamic_batching={"max_queue_size": 1},
     )  # fmt: skip
+    # A latency target no batch can keep: once a few batches are measured,
+    # any request with one item queued ahead of it is refused.
+    write_toy_model(
+        repository, "targeted", SLOW_MODEL.format(marker=str(repository / "targeted-started")),
+        **SLEEPY_IO, max_batch_size=1, dynamic_batching={"target_p99_ms": 0.01},
+    )  # fmt: skip
     process = ServerProcess(repository, "--restricted-api", "statistics:X-Stats-Key=k")
     shutil.copytree(repository / "coded", repository / "pending")
     yield Codes(process.url, repository)
@@ -103,6 +109,34 @@ def queue_full_and_deadline(codes: Codes, client: Client) -> dict[str, tc.Tensor
     return {"server_busy": caught["refused"], "deadline_exceeded": caught["queued"]}
 
 
+def late_for_target(codes: Codes, client: Client) -> tc.TensorServeError:
+    """Four batches measured on ``targeted``, one running 3 s, one item
+    queued behind it; one more would be late: would_miss_target."""
+    for _ in range(4):
+        client.infer("targeted", {"ms": np.array([0.0], np.float32)})
+    caught: dict[str, tc.TensorServeError] = {}
+
+    def send(name: str, ms: float) -> None:
+        try:
+            client.infer("targeted", {"ms": np.array([ms], np.float32)})
+        except tc.TensorServeError as exc:
+            caught[name] = exc
+
+    marker = codes.repository / "targeted-started"
+    marker.unlink(missing_ok=True)
+    running = threading.Thread(target=send, args=("running", 3000.0))
+    running.start()
+    wait_until(marker.exists, "the long batch running")
+    queued = threading.Thread(target=send, args=("queued", 0.0))
+    queued.start()
+    wait_until(lambda: client.stats("targeted")["batching"]["queue_depth"] == 1, "one item queued")
+    send("refused", 0.0)
+    queued.join(10)
+    running.join(10)
+    assert "running" not in caught and "queued" not in caught
+    return caught["refused"]
+
+
 # code -> what provokes it through the client.
 PROVOKE: dict[str, Callable[[Client], Any]] = {
     "invalid_input": lambda c: c.infer("coded", {"x": np.ones((1, 4), np.int64)}),
@@ -119,7 +153,9 @@ PROVOKE: dict[str, Callable[[Client], Any]] = {
 
 
 def test_every_code_the_server_sends_is_provoked_here() -> None:
-    assert set(PROVOKE) | {"server_busy", "deadline_exceeded"} == set(errors.CODES)
+    assert set(PROVOKE) | {"server_busy", "deadline_exceeded", "would_miss_target"} == set(
+        errors.CODES
+    )
 
 
 @pytest.mark.parametrize("code", sorted(PROVOKE))
@@ -134,6 +170,7 @@ def test_the_client_raises_each_codes_own_class(codes: Codes, code: str) -> None
 def test_a_full_queue_and_a_late_item_raise_their_own_classes(codes: Codes) -> None:
     with Client(codes.url, retries=NO_RETRIES, headers=STATS_KEY) as client:
         caught = queue_full_and_deadline(codes, client)
+        caught["would_miss_target"] = late_for_target(codes, client)
     for code, error in caught.items():
         status, cls = tc.errors.CODES[code]
         assert type(error) is cls, error

@@ -1,4 +1,4 @@
-"""A model's worker process: ``python -m tensorserve.runtime.worker FD``.
+"""A model's worker process: ``python -m tensorserve.runtime.worker_main FD``.
 
 Started by ``ProcessExecutor`` (``isolation = "process"``) with one end of a
 socketpair as file descriptor FD. The first message says which model to
