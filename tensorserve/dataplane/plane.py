@@ -194,8 +194,8 @@ class DataPlane:
         self.tracer.inject(call.span, headers)
 
     def _finish_span(self, call: Call, code: str, status: int) -> None:
-        tracer, span = self.tracer, call.span
-        assert tracer is not None
+        tracer, span, origin = self.tracer, call.span, call.origin
+        assert tracer is not None and origin is not None
         call.span = None  # ended once, whatever comes next
         if not tracer.recording(span):  # unsampled: it only leaves the context
             tracer.finish_request(span, {}, False)
@@ -205,7 +205,7 @@ class DataPlane:
         # A caller that left is no fault of the server (gRPC observes it as a 500).
         failed = status >= 500 and code != DISCONNECT
         attributes = outcome_attributes(code, failed, call.model, call.version, call.items)
-        attributes.update(call.origin.outcome(code, status))
+        attributes.update(origin.outcome(code, status))
         tracer.finish_request(span, attributes, failed)
 
     def log_failure(
