@@ -175,3 +175,50 @@ SLEEPY_IO: dict[str, Any] = {
     "outputs": {"y": {"dtype": "float32", "shape": [-1]}},
     "warmup": {"enabled": False},
 }
+
+
+# A model a test holds from outside its server's process: every batch appends
+# its rows' first values to SEEN; a batch holding the value 7 creates
+# GATE + ".entered" and then waits (30 s at most) until GATE exists, so the
+# instance is busy and the callers behind it queue up. x, y: float32 [-1, 4].
+FILE_GATED_MODEL = """
+    import os, time
+    import torch
+
+    GATE, SEEN = {gate!r}, {seen!r}
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            with open(SEEN, "a") as log:
+                log.write("".join(f"{{float(v)}}\\n" for v in x[:, 0, 0].tolist()))
+            if (x == 7).any():
+                open(GATE + ".entered", "w").close()
+                deadline = time.monotonic() + 30
+                while not os.path.exists(GATE) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            return x * 2
+"""
+
+
+class FileGate:
+    """The files through which a test holds ``FILE_GATED_MODEL``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.gate, self.seen = folder / "gate", folder / "seen"
+        self.entered = folder / "gate.entered"
+
+    def model(self) -> str:
+        return FILE_GATED_MODEL.format(gate=str(self.gate), seen=str(self.seen))
+
+    def wait_entered(self) -> None:
+        wait_until(self.entered.exists, "the held batch in the model", timeout=30)
+
+    def open(self) -> None:
+        self.gate.touch()
+
+    def close(self) -> None:
+        self.gate.unlink(missing_ok=True)
+        self.entered.unlink(missing_ok=True)
+
+    def seen_values(self) -> list[float]:
+        return [float(v) for v in self.seen.read_text().split()] if self.seen.exists() else []

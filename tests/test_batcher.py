@@ -238,6 +238,7 @@ async def test_an_async_caller_that_leaves_while_queued_is_skipped() -> None:
         leaving.cancel()  # e.g. the HTTP client disconnected
         with pytest.raises(asyncio.CancelledError):
             await leaving  # its futures are cancelled on the way out
+        assert model.batcher.queue_depth == 1  # withdrawn at once, not at the next batch
         gate.release.set()
         assert (await first)["y"].tolist() == [0.0]
         assert (await staying)["y"].tolist() == [8.0]

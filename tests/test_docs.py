@@ -55,7 +55,7 @@ import yaml
 from tensorserve.bench.server import free_port
 from tensorserve.repository.config import InstanceGroup, parse_config
 from tensorserve.settings import Settings
-from tests.conftest import ROOT
+from tests.conftest import ROOT, ServerProcess
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -234,13 +234,15 @@ def run_bash(code: str, server_url: str, cwd: Path, timeout: float = 170) -> str
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("block", by_kind("run"), ids=str)
-def test_block_runs(block: Block, server_url: str, scratch: Path) -> None:
+def test_block_runs(block: Block, server: ServerProcess, scratch: Path) -> None:
+    server_url = server.url
     if block.lang == "python":
         code = block.code
         for default in ("http://127.0.0.1:8000", "http://localhost:8000"):
             code = code.replace(default, server_url)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TENSORSERVE_")}
         env["TENSORSERVE_URL"] = server_url
+        env["TENSORSERVE_GRPC_URL"] = f"grpc://{server.grpc_address}"
         result = subprocess.run(
             [sys.executable, "-c", code], check=False, cwd=scratch, env=env, capture_output=True, text=True,
             timeout=170,

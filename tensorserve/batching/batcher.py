@@ -213,8 +213,11 @@ class Batcher:
         finally:
             if timer is not None:
                 timer.cancel()
-            if not all(future.done() for future in futures):
-                self._withdraw(entries)  # timed out, or the caller left
+            # Unanswered: timed out, or the caller left. A caller that left
+            # cancelled its task, and with it the futures it awaited: those
+            # are done too, but still queued.
+            if not all(future.done() and not future.cancelled() for future in futures):
+                self._withdraw(entries)
 
     def _withdraw(self, entries: list[Pending]) -> None:
         """Cancel what is unanswered; the entries still queued leave the queue

@@ -12,7 +12,8 @@ For scripts (everything here is importable without matplotlib or tqdm):
 
 Modules: ``lengths`` (length distributions) · ``items`` (synthetic items from
 a model's inputs) · ``protocols`` (one request encoder per protocol) ·
-``targets`` (HTTP and in-process targets, batching counters) · ``loadgen``
+``targets`` (HTTP and in-process targets, batching counters) · ``grpc_target``
+(KServe v2 gRPC) · ``loadgen``
 (closed and open loop, ``run_point``) · ``percentiles`` · ``sweep`` (variants
 x load levels, ``BenchResult``) · ``report`` (table) · ``plots`` (PNGs) ·
 ``server`` (the one way to start a server: ``--serve`` and every script of

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, ServerProcess
 
 DOC = ROOT / "docs" / "client.md"
 BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
@@ -23,12 +23,13 @@ def test_the_guide_has_examples_that_read_the_url_from_the_environment() -> None
 
 
 @pytest.mark.parametrize("code", EXAMPLES, ids=[f"example-{i}" for i in range(len(EXAMPLES))])
-def test_example_runs(server_url: str, code: str) -> None:
+def test_example_runs(server: ServerProcess, code: str) -> None:
     result = subprocess.run(
         [sys.executable, "-W", "error", "-c", code],
         check=False,
         cwd=ROOT,
-        env={**os.environ, "TENSORSERVE_URL": server_url},
+        env={**os.environ, "TENSORSERVE_URL": server.url,
+             "TENSORSERVE_GRPC_URL": f"grpc://{server.grpc_address}"},
         capture_output=True,
         text=True,
         timeout=50,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tensorserve_client import _bulk, _protocol
 from tensorserve_client._protocol import Call, Features, Outcome, Result
 from tensorserve_client._retry import RetryPolicy
-from tensorserve_client._transport import Transport
+from tensorserve_client._transport import open_transport
 from tensorserve_client.errors import TensorServeError
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class AsyncClient:
         headers: Mapping[str, str] | None = None,
         max_connections: int = 100,
     ) -> None:
-        self._transport = Transport(
+        self._transport = open_transport(
             url, timeout=timeout, retries=retries, headers=headers, max_connections=max_connections
         )
 

@@ -7,6 +7,10 @@ server's answer stands for. ``next_delay`` decides whether an outcome is worth
 another attempt and how long to wait first. ``Client`` and ``AsyncClient`` only
 carry calls to the server and back (``_transport.py``); everything else is here,
 once.
+
+A call also says what it asks in transport-neutral terms (``Call.op``), for a
+transport that builds its own messages (gRPC, ``_grpc.py``): its outcome is an
+``Answer`` that reads into the method's value, or an error value.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -21,11 +26,13 @@ from urllib.parse import quote
 
 import msgpack
 
+from tensorserve_client._ops import IndexOp, InferOp, ModelOp, Op, ReadyOp, RepositoryOp
 from tensorserve_client._retry import RetryPolicy, parse_retry_after
 from tensorserve_client._tensors import decode_tensor, encode_item, pack_default, require_torch
 from tensorserve_client.errors import (
     ConnectionError,
     ProtocolError,
+    ServerUnavailable,
     TensorServeError,
     error_for,
 )
@@ -65,8 +72,19 @@ class Response:
     attempts: int = 1  # how many times the request was sent
 
 
-# A response, or the transport failure (ConnectionError, RequestTimeout) in its place.
-Outcome = Response | TensorServeError
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A success that a transport read itself (gRPC): ``read()`` builds the
+    method's value, on the caller's thread for the blocking ``Client``."""
+
+    read: Callable[[], Any]
+    attempts: int = 1
+
+
+# An HTTP response, a transport's own reading of a success, or the error in
+# their place: a transport failure (ConnectionError, RequestTimeout), or over
+# gRPC the error the server's status stands for.
+Outcome = Response | Answer | TensorServeError
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +99,17 @@ class Call(Generic[T]):
     retry: bool = True
     send: bool = True
     """False: the answer is known without asking (an empty batch)."""
+    op: Op | None = None
+    """What the call asks, for transports that do not speak HTTP."""
 
 
 # ----------------------------------------------------------------- retrying
 def retryable(outcome: Outcome) -> bool:
-    """ "Not now" answers: no connection, 503 (not ready, busy) and 429."""
+    """ "Not now" answers: no connection, 503 (not ready, busy) and 429, and
+    over gRPC UNAVAILABLE (an error value, ``ServerUnavailable``)."""
     if isinstance(outcome, Response):
         return outcome.status in RETRY_STATUSES
-    return isinstance(outcome, ConnectionError)
+    return isinstance(outcome, (ConnectionError, ServerUnavailable))
 
 
 def next_delay(
@@ -107,9 +128,10 @@ def next_delay(
     """
     if not call.retry or not retryable(outcome):
         return None
-    retry_after = (
-        parse_retry_after(outcome.retry_after, now) if isinstance(outcome, Response) else None
-    )
+    if isinstance(outcome, Response):
+        retry_after = parse_retry_after(outcome.retry_after, now)
+    else:
+        retry_after = outcome.retry_after if isinstance(outcome, TensorServeError) else None
     return policy.delay(retry, retry_after, remaining, rng)
 
 
@@ -132,14 +154,29 @@ def error_from(response: Response) -> TensorServeError:
     if message is None:  # not a tensorserve error body (a proxy, a stray server)
         text = response.body.decode("utf-8", "replace").strip()[:500]
         message = f"HTTP {response.status}" + (f": {text}" if text else "")
-    error = error_for(response.status, code, message)
+    retry_after = parse_retry_after(response.retry_after, time.time())
+    error = error_for(response.status, code, message, retry_after)
     error.attempts = response.attempts
     return error
+
+
+def answered(read_http: Callable[[Outcome], T]) -> Callable[[Outcome], T]:
+    """``read_http`` for HTTP responses and error values; an ``Answer`` reads itself."""
+
+    def complete(outcome: Outcome) -> T:
+        if isinstance(outcome, Answer):
+            value: T = outcome.read()
+            return value
+        return read_http(outcome)
+
+    return complete
 
 
 def _ok(outcome: Outcome) -> Response:
     if isinstance(outcome, TensorServeError):
         raise outcome
+    if isinstance(outcome, Answer):  # complete() is wrapped in answered(): not reached
+        raise ProtocolError("an answer read by its transport reached the HTTP reader")
     if not 200 <= outcome.status < 300:
         raise error_from(outcome)
     return outcome
@@ -225,13 +262,16 @@ def infer(
         params["timeout_ms"] = timeout * 1000.0  # the server drops the item past it: 504
     if params:
         message["parameters"] = params
+    op = InferOp(model, None if version is None else str(version), encoded,
+                 dict(parameters or {}), timeout, return_torch, first_index)
     return Call(
         "POST",
         path,
-        lambda outcome: _outputs(outcome, count, return_torch) if count else [],
+        answered(lambda outcome: _outputs(outcome, count, return_torch) if count else []),
         body=msgpack.packb(message, default=pack_default) if count else None,
         timeout=timeout,
         send=count > 0,
+        op=op,
     )
 
 
@@ -258,12 +298,13 @@ def infer_one(
         lambda outcome: many.complete(outcome)[0],
         body=many.body,
         timeout=timeout,
+        op=many.op,
     )
 
 
 def _ready(outcome: Outcome) -> bool:
     # A readiness probe: "not reachable" and 503 both mean "do not send work yet".
-    if isinstance(outcome, ConnectionError):
+    if isinstance(outcome, (ConnectionError, ServerUnavailable)):
         return False
     if isinstance(outcome, Response) and outcome.status == 503:
         return False
@@ -273,7 +314,8 @@ def _ready(outcome: Outcome) -> bool:
 
 def ready(model: str | None = None, version: str | int | None = None) -> Call[bool]:
     path = "/v2/health/ready" if model is None else _model_path(model, version, "/ready")
-    return Call("GET", path, _ready, retry=False)
+    op = ReadyOp(model, None if version is None else str(version))
+    return Call("GET", path, answered(_ready), retry=False, op=op)
 
 
 def models() -> Call[list[dict[str, Any]]]:
@@ -284,15 +326,17 @@ def models() -> Call[list[dict[str, Any]]]:
         listed: list[dict[str, Any]] = index["models"]
         return listed
 
-    return Call("GET", "/v2/models", complete)
+    return Call("GET", "/v2/models", answered(complete), op=IndexOp())
 
 
 def metadata(model: str, version: str | int | None = None) -> Call[dict[str, Any]]:
-    return Call("GET", _model_path(model, version), _json)
+    op = ModelOp("metadata", model, None if version is None else str(version))
+    return Call("GET", _model_path(model, version), answered(_json), op=op)
 
 
 def stats(model: str, version: str | int | None = None) -> Call[dict[str, Any]]:
-    return Call("GET", _model_path(model, version, "/stats"), _json)
+    op = ModelOp("stats", model, None if version is None else str(version))
+    return Call("GET", _model_path(model, version, "/stats"), answered(_json), op=op)
 
 
 # ----------------------------------------------------------------- model control
@@ -304,5 +348,5 @@ def repository_action(action: str, model: str) -> Call[dict[str, Any]]:
         raise ValueError(f"action must be 'load' or 'unload', got {action!r}")
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty model name, got {model!r}")
-    return Call("POST", f"/v2/repository/models/{quote(model, safe='')}/{action}", _json,
-                retry=False)
+    return Call("POST", f"/v2/repository/models/{quote(model, safe='')}/{action}",
+                answered(_json), retry=False, op=RepositoryOp(action, model))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tensorserve_client import _bulk, _protocol
 from tensorserve_client._protocol import Call, Features, Outcome, Result
 from tensorserve_client._retry import RetryPolicy
-from tensorserve_client._transport import Transport
+from tensorserve_client._transport import Transport, open_transport
 from tensorserve_client.errors import TensorServeError
 
 if TYPE_CHECKING:
@@ -91,10 +91,14 @@ def _shutdown(loop_thread: _LoopThread, transport: Transport) -> None:
 class Client:
     """A blocking tensorserve client with a keep-alive connection pool.
 
-    ``timeout``: seconds one attempt may take (None: no limit). ``retries``: how
-    many times a "not now" answer (no connection, 503, 429) is retried, or a
-    ``RetryPolicy``. ``headers`` are sent with every request. Use it as a
-    context manager, or call ``close()``.
+    ``url``: ``http://host:port`` (msgpack over HTTP), or ``grpc://host:port``
+    (KServe v2 gRPC; needs ``pip install 'tensorserve-client[grpc]'``): the
+    same methods, results and errors either way. ``timeout``: seconds one
+    attempt may take (None: no limit; over gRPC, the call's deadline).
+    ``retries``: how many times a "not now" answer (no connection, 503, 429,
+    gRPC UNAVAILABLE) is retried, or a ``RetryPolicy``. ``headers`` are sent
+    with every request (over gRPC as metadata). Use it as a context manager,
+    or call ``close()``.
     """
 
     def __init__(
@@ -106,7 +110,7 @@ class Client:
         headers: Mapping[str, str] | None = None,
         max_connections: int = 100,
     ) -> None:
-        self._transport = Transport(
+        self._transport = open_transport(
             url, timeout=timeout, retries=retries, headers=headers, max_connections=max_connections
         )
         self._loop = _LoopThread()

@@ -1,12 +1,16 @@
-"""Carries calls to the server and back: one aiohttp session (a keep-alive
-connection pool) and the retry loop. Both twins use it — ``AsyncClient`` on
-the caller's event loop, ``Client`` on its own loop thread — so there is one
-sending path. Transport failures come back as error *values* (not raised) so
-that the same retry decision and ``Call.complete`` see every outcome.
+"""Carries calls to the server and back: the retry loop (``Transport``),
+around one attempt sent over HTTP (``HttpTransport``: one aiohttp session, a
+keep-alive connection pool) or gRPC (``_grpc.GrpcTransport``: one channel).
+``open_transport`` picks one by the URL's scheme. Both twins use it —
+``AsyncClient`` on the caller's event loop, ``Client`` on its own loop thread —
+so there is one sending path. Transport failures come back as error *values*
+(not raised) so that the same retry decision and ``Call.complete`` see every
+outcome.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import random
@@ -35,17 +39,49 @@ log = logging.getLogger("tensorserve_client")
 DEADLINE_GRACE_S = 1.0
 
 
+GRPC_MISSING = (
+    "grpc:// URLs need grpcio and protobuf: pip install 'tensorserve-client[grpc]'"
+)
+
+
 def base_url(url: str) -> str:
-    """``http(s)://host[:port][/prefix]`` without a trailing slash."""
+    """``http(s)://host[:port][/prefix]`` or ``grpc://host:port``, without a
+    trailing slash."""
     parts = urlsplit(url) if isinstance(url, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ValueError(f"url must look like http://host:port, got {url!r}")
+    if parts is None or parts.scheme not in ("http", "https", "grpc") or not parts.netloc:
+        raise ValueError(f"url must look like http://host:port or grpc://host:port, got {url!r}")
     if parts.query or parts.fragment:
         raise ValueError(f"url must not carry a query or fragment, got {url!r}")
+    if parts.scheme == "grpc" and parts.path.strip("/"):
+        raise ValueError(f"a grpc:// url has no path, got {url!r}")
     return url.rstrip("/")
 
 
-class Transport:
+def open_transport(
+    url: str,
+    *,
+    timeout: float | None,
+    retries: int | RetryPolicy,
+    headers: Mapping[str, str] | None,
+    max_connections: int,
+) -> Transport:
+    """The transport for ``url``'s scheme; grpcio is imported only for grpc://."""
+    if urlsplit(base_url(url)).scheme != "grpc":
+        return HttpTransport(url, timeout=timeout, retries=retries, headers=headers,
+                             max_connections=max_connections)
+    try:
+        from tensorserve_client._grpc import GrpcTransport
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] in ("grpc", "google"):
+            raise ImportError(GRPC_MISSING) from None
+        raise
+    return GrpcTransport(url, timeout=timeout, retries=retries, headers=headers,
+                         max_connections=max_connections)
+
+
+class Transport(abc.ABC):
+    """Sends a call until its outcome is final; a subclass sends one attempt."""
+
     def __init__(
         self,
         url: str,
@@ -70,28 +106,17 @@ class Transport:
         self.retries = RetryPolicy.of(retries)
         self.headers = {"User-Agent": f"tensorserve-client/{__version__}", **(headers or {})}
         self.max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
         self._rng = random.Random()
 
-    def _session_here(self) -> aiohttp.ClientSession:
-        # aiohttp sessions belong to the loop they were made on, so make it on first use.
-        loop = asyncio.get_running_loop()
-        if self._closed:
-            raise RuntimeError("the client is closed")
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.max_connections),
-                headers=self.headers,
-            )
-            self._loop = loop
-        elif loop is not self._loop:
-            raise RuntimeError(
-                "an AsyncClient belongs to the event loop it first ran on; "
-                "create one client per event loop (e.g. per asyncio.run)"
-            )
-        return self._session
+    @abc.abstractmethod
+    async def _send_once(
+        self, call: Call[Any], remaining: float | None, attempts: int
+    ) -> Outcome:
+        """One attempt; ``remaining``: seconds left of the caller's deadline."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close the connections; on the event loop they ran on."""
 
     async def exchange(self, call: Call[Any]) -> Outcome:
         """Send ``call`` until its outcome is final: retries and backoff included."""
@@ -128,6 +153,34 @@ class Transport:
             return self.timeout
         allowed = max(remaining, 0.0) + DEADLINE_GRACE_S
         return allowed if self.timeout is None else min(self.timeout, allowed)
+
+
+class HttpTransport(Transport):
+    """Attempts over HTTP, in the native msgpack protocol (the call's body)."""
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url, **options)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    def _session_here(self) -> aiohttp.ClientSession:
+        # aiohttp sessions belong to the loop they were made on, so make it on first use.
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections),
+                headers=self.headers,
+            )
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError(
+                "an AsyncClient belongs to the event loop it first ran on; "
+                "create one client per event loop (e.g. per asyncio.run)"
+            )
+        return self._session
 
     async def _send_once(self, call: Call[Any], remaining: float | None, attempts: int) -> Outcome:
         session = self._session_here()

@@ -25,10 +25,13 @@ feature at fault.
     ├── ConnectionError                  also a builtin ConnectionError; retried
     └── ProtocolError                    the answer is not a tensorserve answer
 
-``status`` is the HTTP status (``None`` when no answer came back); ``code`` is
-the server's stable error code (``"http_error"`` for HTTP-level refusals such
-as 413, ``None`` when no answer came back); ``attempts`` is how many times
-the request was sent, retries included.
+``status`` is the HTTP status (``None`` when no answer came back; over gRPC,
+the status the same error has over HTTP); ``code`` is the server's stable
+error code (``"http_error"`` for HTTP-level refusals such as 413, ``None``
+when no answer came back); ``attempts`` is how many times the request was
+sent, retries included; ``retry_after`` the seconds the server asked to wait
+before trying again (``Retry-After``, gRPC's ``retry-after``), None when it
+did not say.
 """
 
 from __future__ import annotations
@@ -71,12 +74,14 @@ class TensorServeError(Exception):
         status: int | None = None,
         code: str | None = None,
         attempts: int = 1,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.code = code
         self.attempts = attempts
+        self.retry_after = retry_after
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r}, status={self.status}, code={self.code!r})"
@@ -197,9 +202,11 @@ BY_STATUS: dict[int, type[TensorServeError]] = {
 }
 
 
-def error_for(status: int, code: str | None, message: str) -> TensorServeError:
+def error_for(
+    status: int, code: str | None, message: str, retry_after: float | None = None
+) -> TensorServeError:
     """The error for an answer with a non-2xx ``status``."""
     cls = BY_CODE.get(code or "") or BY_STATUS.get(status)
     if cls is None:
         cls = BadRequest if 400 <= status < 500 else ServerError
-    return cls(message, status=status, code=code)
+    return cls(message, status=status, code=code, retry_after=retry_after)
