@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from tensorserve.settings import MODEL_OVERRIDES, Settings
+from tensorserve.tracing import missing_sdk
 
 ENV_PREFIX = str(Settings.model_config.get("env_prefix", ""))
 
@@ -124,7 +125,11 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def serve(settings: Settings) -> int:
     """Serve until stopped (0); a server that cannot start says why in one
-    line and returns 1, having started nothing."""
+    line and returns 1, having started nothing (2: tracing asked for without
+    the SDK installed, a usage error like a bad flag)."""
+    if settings.otlp_endpoint is not None and (missing := missing_sdk()) is not None:
+        print(f"tensorserve serve: error: {missing}", file=sys.stderr)
+        return 2
     from tensorserve.http.server import StartupError, run  # aiohttp and torch: only to serve
 
     front_ends = []

@@ -175,6 +175,23 @@ class Settings(BaseSettings):
         "long in a forward the watchdog gave up on and cannot stop (a model thread: only a "
         "restart frees it); 0: liveness never fails.",
     )
+    # Tracing (docs/observability.md, "Traces"): off unless an endpoint is set.
+    otlp_endpoint: str | None = Field(
+        None,
+        description="Send OpenTelemetry traces by OTLP/HTTP (protobuf) to URL/v1/traces "
+        "(unset: no tracing; needs the otel extra). OTEL_* variables are honoured.",
+    )
+    trace_sample_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Share of requests without a traceparent that start a trace; a caller's "
+        "sampled flag is followed (unset: OTEL_TRACES_SAMPLER / _ARG, else every request).",
+    )
+    trace_service_name: str | None = Field(
+        None,
+        description="service.name of the spans (unset: OTEL_SERVICE_NAME, else tensorserve).",
+    )
     allow_empty_repository: bool = Field(
         False,
         description="Start with no model in the repository (to load models through the "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import tarfile
@@ -31,6 +32,7 @@ from tensorserve.repository.loader import discover
 from tensorserve.runtime.cpus import available_cpus
 from tensorserve.settings import Settings
 from tests.conftest import ROOT
+from tests.test_observability_docs import checker
 
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
@@ -40,6 +42,7 @@ CRD_SCHEMAS = {  # (apiVersion, kind) -> the file in deploy/schemas/
     ("serving.kserve.io/v1alpha1", "ServingRuntime"): "kserve-servingruntime-v1alpha1.json",
     ("serving.kserve.io/v1beta1", "InferenceService"): "kserve-inferenceservice-v1beta1.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "monitoring-podmonitor-v1.json",
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda-scaledobject-v1alpha1.json",
 }
 VARIANTS = ["gpu", "cpu"]
 EXAMPLES = ["examples/models-from-pvc", "examples/models-from-image"]
@@ -246,6 +249,7 @@ def test_the_manifests_cover_what_a_deployment_needs() -> None:
         "PersistentVolumeClaim",
         "PodDisruptionBudget",
         "PodMonitor",
+        "ScaledObject",
         "Service",
         "ServingRuntime",
     ]
@@ -268,6 +272,8 @@ def test_the_manifests_cover_what_a_deployment_needs() -> None:
         ("kubernetes/base/podmonitor.yaml", ["spec", "podMetricsEndpoints", 0, "interval"], 15),
         ("kubernetes/base/hpa.yaml", ["spec", "maxReplicas"], "eight"),
         ("kubernetes/examples/models-from-pvc/pvc.yaml", ["spec", "accessMode"], ["ReadOnlyMany"]),
+        ("kubernetes/keda/scaledobject.yaml", ["spec", "triggers", 0, "metadata", "threshold"], 32),
+        ("kubernetes/keda/scaledobject.yaml", ["spec", "scaleTargetRef", "nmae"], "tensorserve"),
     ],
 )
 def test_a_mistake_fails_validation(where: str, path: list[Any], value: Any) -> None:
@@ -601,6 +607,21 @@ def test_the_adapter_rules_are_shaped_as_the_adapter_reads_them() -> None:
         assert set(rule) == {"seriesQuery", "resources", "name", "metricsQuery"}
         assert "<<.Series>>" in rule["metricsQuery"] and "<<.GroupBy>>" in rule["metricsQuery"]
         assert rule["resources"]["overrides"]["pod"] == {"resource": "pod"}
+
+
+# --------------------------------------------------------------- KEDA
+def test_the_keda_scaler_queries_are_checked_ones_over_real_series(server_url: str) -> None:
+    (scaler,) = documents(DEPLOY / "kubernetes" / "keda" / "scaledobject.yaml")
+    target = scaler["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", deployment("gpu")["metadata"]["name"])
+    queries = [t["metadata"]["query"] for t in scaler["spec"]["triggers"]]
+    # Each is one of the docs' PromQL, which a real Prometheus evaluates in CI.
+    documented = {q.expr for q in checker().docs_queries()}
+    assert queries and set(queries) <= documented, set(queries) - documented
+    with urllib.request.urlopen(server_url + "/metrics", timeout=10) as reply:
+        exposition = reply.read().decode()
+    for name in {n for q in queries for n in re.findall(r"\bnv_[a-z_]+", q)}:
+        assert f"\n{name}{{" in exposition, name
 
 
 # --------------------------------------------------------------- KServe

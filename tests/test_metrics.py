@@ -8,16 +8,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import psutil
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from tensorserve.batching.stats import BatchStats
 from tensorserve.http.app import create_app
 from tensorserve.http.keys import METRICS, REGISTRY
+from tensorserve.metrics.requests import RequestMetrics
+from tensorserve.metrics.triton import TritonCollector
 from tensorserve.settings import Settings
 from tests.helpers import ECHO, MSGPACK, body, wait_until_async, write_toy_model
 
@@ -202,6 +207,59 @@ async def test_metrics_count_every_outcome_exactly(app_client: Any) -> None:
     assert recent["items"] == 12 and recent["batches"] == batches
     assert 0 < recent["p50_ms"] <= recent["p99_ms"]
     assert recent["padding_efficiency"] == 1.0
+
+    # Triton's names for the same quantities (metrics/triton.py), from the same counts.
+    assert value(samples, "nv_inference_request_success", **gated) == 8
+    assert value(samples, "nv_inference_request_failure", **gated) == 6  # every other outcome
+    assert value(samples, "nv_inference_request_failure", model="broken", version="") == 1
+    assert not any(n.startswith("nv_") and ("model", "_unknown") in labels
+                   for n, labels in samples)  # no model, nothing counted, as in Triton
+    assert value(samples, "nv_inference_count", **gated) == 12
+    assert value(samples, "nv_inference_exec_count", **gated) == batches
+    microseconds = {
+        # Triton's have no protocol label: every protocol's sum (only HTTP calls here).
+        "nv_inference_request_duration_us": ("tensorserve_request_duration_seconds_sum",
+                                             {"code": "ok", "protocol": "http"}),
+        "nv_inference_queue_duration_us": ("tensorserve_queue_wait_seconds_sum", {}),
+        # Batches of one item: each item's share of its batch is the whole batch.
+        "nv_inference_compute_input_duration_us": ("tensorserve_batch_pad_seconds_sum", {}),
+        "nv_inference_compute_infer_duration_us": ("tensorserve_batch_compute_seconds_sum", {}),
+        "nv_inference_compute_output_duration_us": ("tensorserve_batch_unpad_seconds_sum", {}),
+    }
+    for triton, (ours, extra) in microseconds.items():
+        seconds = value(samples, ours, **gated, **extra)
+        assert seconds > 0 and value(samples, triton, **gated) == pytest.approx(1e6 * seconds), triton
+    assert value(samples, "nv_inference_pending_request_count", **gated) == 0
+
+
+def test_triton_request_counts_sum_every_protocol() -> None:
+    # Triton's names have no protocol label: an HTTP and a gRPC call count alike.
+    requests = RequestMetrics(CollectorRegistry())
+    requests.observe("http", "m", "1", "ok", 200, 1, 0.5)
+    requests.observe("grpc", "m", "1", "ok", 200, 2, 0.25)
+    requests.observe("grpc", "m", "1", "server_busy", 503, 1, 0.1)
+
+    class NoBatches:
+        def per_model(self) -> Iterator[Any]:
+            return iter(())
+
+    collector = TritonCollector(NoBatches(), requests)  # type: ignore[arg-type]
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in collector.collect() for s in family.samples}
+    m = {"model": "m", "version": "1"}
+    assert value(samples, "nv_inference_request_success", **m) == 2
+    assert value(samples, "nv_inference_request_failure", **m) == 1
+    assert value(samples, "nv_inference_request_duration_us", **m) == pytest.approx(750_000)
+
+
+def test_each_item_is_charged_its_whole_batchs_compute_time_as_triton_charges_requests() -> None:
+    stats = BatchStats()
+    stats.record_batch(0.5, 3, 3, enqueued=[0.0, 0.0, 1.0], dispatched=1.5,
+                       pad_seconds=0.1, unpad_seconds=0.2)
+    assert stats.item_compute_seconds == pytest.approx(1.5)
+    assert stats.item_pad_seconds == pytest.approx(0.3)
+    assert stats.item_unpad_seconds == pytest.approx(0.6)
+    assert stats.queue_seconds == pytest.approx(3.5)
 
 
 async def test_counters_do_not_go_backwards_across_a_reload(app_client: Any) -> None:

@@ -68,5 +68,9 @@ async def test_every_exposed_metric_is_documented_and_every_documented_one_expos
     documented -= {"tensorserve_build"}  # the Info metric's name without its _info suffix
     assert exposed - documented == set(), "exposed but not documented"
     assert documented - exposed == set(), "documented but not exposed"
+    # Triton's names too (metrics/triton.py), each in the side-by-side table.
+    triton = {f.name for f in text_string_to_metric_families(text) if f.name.startswith("nv_")}
+    assert len(triton) == 10
+    assert triton == set(re.findall(r"^\| `(nv_[a-z_]+)`", DOCS.read_text(), re.MULTILINE))
     families = {f.name for f in text_string_to_metric_families(text)}
     assert {"process_cpu_seconds", "process_resident_memory_bytes", "python_info"} <= families

@@ -107,6 +107,7 @@ class Pending:
     # request's items), passed to forward in its row: they travel with the
     # entry, so a batch split in recovery keeps each row's values.
     parameters: Mapping[str, Any] = field(default_factory=lambda: NO_PARAMETERS)
+    trace: Any = None  # its request's trace context, when traced (batching/tracer.py)
 
     def caller_left(self) -> bool:
         """True if the caller cancelled; for a thread's future this also marks

@@ -160,6 +160,10 @@ class Batcher:
             )
             for item in items
         ]
+        if p.tracer is not None:  # the request's span, for its items' queue and batch spans
+            trace = p.tracer.current_request()
+            for entry in entries:
+                entry.trace = trace
         with p.cond:
             if not p.accepting:
                 raise ModelNotReady(f"model {self.name!r} is not accepting requests (stopping)")

@@ -37,6 +37,7 @@ from tensorserve.batching.recovery import Recovery
 from tensorserve.batching.results import Batch, BatchResults
 from tensorserve.batching.stats import BatchStats
 from tensorserve.batching.target import LatencyTarget
+from tensorserve.batching.tracer import BatchTracer
 from tensorserve.batching.watchdog import Watchdog
 from tensorserve.errors import ModelFailure, ModelNotReady
 
@@ -100,6 +101,7 @@ class Pipeline:
         self.repairs: set[int] = set()
         self._to_finisher: queue.Queue[Batch | None] = queue.Queue(maxsize=instances + 1)
         self._threads: list[threading.Thread] = []
+        self.tracer: BatchTracer | None = None  # set before start when tracing is on
 
     def start(self) -> None:
         threads = [
@@ -323,7 +325,16 @@ class Pipeline:
             if retries:
                 self.cond.notify_all()
             self.parked.notify_all()
+        if self.tracer is not None:
+            self._trace(batch)
         settle(outcomes)
+
+    def _trace(self, batch: Batch) -> None:
+        assert self.tracer is not None
+        try:
+            self.tracer.batch_finished(batch)
+        except Exception:  # a span is never worth a caller's answer
+            log.exception("model %s: recording a batch's spans failed", self.name)
 
     def health(self) -> str | None:
         """Why no batch can run now (None: one can)."""

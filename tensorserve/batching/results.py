@@ -36,6 +36,8 @@ class Batch:
     ran: bool = False  # collected (or its launch failed): nothing left on the device
     overdue: bool = False  # the watchdog already acted on it
     pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
+    unpad_started: float = 0.0  # perf_counter() when un-padding began (for its span)
+    unpad_seconds: float | None = None
     finish_now: Callable[[], None] | None = None  # set while an event loop drives it
     loop: asyncio.AbstractEventLoop | None = None
 
@@ -69,6 +71,7 @@ class BatchResults:
                 unpad_started = time.perf_counter()
                 rows = self._rows(batch)
                 unpad_seconds: float | None = time.perf_counter() - unpad_started
+                batch.unpad_started, batch.unpad_seconds = unpad_started, unpad_seconds
             except BaseException as exc:
                 batch.error = exc
         if batch.error is not None:
@@ -129,14 +132,14 @@ class BatchResults:
             batch.seconds, real, elements,
             enqueued=[e.enqueued for e in entries], dispatched=batch.dispatched,
             pad_seconds=batch.pad_seconds, unpad_seconds=unpad_seconds,
-            padded_length=_padded_length(padded),
+            padded_length=padded_length(padded),
         )
         failures = sum(failed for _, _, failed in outcomes)
         if failures:
             self.stats.record_failures(failures)
 
 
-def _padded_length(padded: PaddedBatch | None) -> int | None:
+def padded_length(padded: PaddedBatch | None) -> int | None:
     """The longest item's variable extent (product of its variable axes): the
     length the batch is padded to. None for a batch with no variable axis."""
     if padded is None:

@@ -93,6 +93,11 @@ class BatchStats:
     batch_items: int = 0  # items that reached the model (sum of batch sizes)
     batch_seconds: float = 0.0  # time the model spent executing
     queue_seconds: float = 0.0  # sum over items of time from submit to dispatch
+    # Each item charged its whole batch's pad, compute and un-pad time, summed:
+    # Triton's per-request compute durations (metrics/triton.py).
+    item_pad_seconds: float = 0.0
+    item_compute_seconds: float = 0.0
+    item_unpad_seconds: float = 0.0
     real_elements: int = 0
     padded_elements: int = 0
     batch_size_counts: list[int] = field(default_factory=lambda: [0] * len(BATCH_SIZE_BUCKETS))
@@ -151,10 +156,13 @@ class BatchStats:
                 self.batch_size_counts[index] += 1
             h = self.histograms
             h["compute_seconds"].observe(seconds)
+            self.item_compute_seconds += size * seconds
             if pad_seconds is not None:
                 h["pad_seconds"].observe(pad_seconds)
+                self.item_pad_seconds += size * pad_seconds
             if unpad_seconds is not None:
                 h["unpad_seconds"].observe(unpad_seconds)
+                self.item_unpad_seconds += size * unpad_seconds
             if padded_length is not None:
                 h["padded_length"].observe(padded_length)
             wait_histogram, recent = h["queue_wait_seconds"], self.recent_items

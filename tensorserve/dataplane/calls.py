@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tensorserve.repository.config import ModelConfig
 from tensorserve.wire.request import InferRequest, Results
+
+if TYPE_CHECKING:
+    from tensorserve.tracing import CallOrigin
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -28,6 +31,11 @@ class Call:
     kserve_id: str | None = None  # the request's own "id", when given
     error_code: str | None = None
     encode_seconds: float | None = None
+    encode_started: float = 0.0  # perf_counter(), for the encode span
+    # Its request span (tensorserve/tracing/) while it runs: None unless tracing
+    # is on and its front end described it (DataPlane.begin's origin).
+    span: Any = None  # opaque to all but the tracer
+    origin: CallOrigin | None = None  # that description
 
 
 class WireCall(Protocol[T_co]):

@@ -2,12 +2,18 @@
 
     front end (HTTP, gRPC)        DataPlane
     ──────────────────────        ─────────
-    a call arrives          ──▶   begin: its request id, on every log line
+    a call arrives          ──▶   begin: its request id, on every log line;
+                                  an infer call's span, when traced (from its
+                                  headers' or metadata's traceparent, current
+                                  while it runs, so its queued items carry it)
     an infer call           ──▶   infer: track (in flight, for shutdown) ->
                                   the model, ready -> receive -> decode ->
                                   infer_many (validate, admit, wait, within
                                   the deadline) -> encode
-    its outcome             ──▶   observe_infer: request metrics by protocol;
+    the reply               ──▶   inject_trace: traceparent in its headers or
+                                  metadata (only when ``call.span`` is set)
+    its outcome             ──▶   observe_infer: request metrics by protocol,
+                                  the encode span, the span's outcome and end;
                                   log_failure: one line per failed call
     ◀── the reply, or a tensorserve error the front end maps with the one
         table (errors.CODES: ``http_status``, ``grpc_status``)
@@ -23,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from contextvars import Token
 from typing import Any, TypeVar
 
@@ -31,10 +37,11 @@ from tensorserve.dataplane.calls import Call, WireCall
 from tensorserve.dataplane.lifecycle import Lifecycle
 from tensorserve.dataplane.logs import REQUEST_ID, RateLimit, request_id_from
 from tensorserve.metrics import Metrics
-from tensorserve.metrics.requests import UNKNOWN_MODEL, rejection_reason
+from tensorserve.metrics.requests import DISCONNECT, UNKNOWN_MODEL, rejection_reason
 from tensorserve.serving.liveness import Liveness
 from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
+from tensorserve.tracing import CallOrigin, RequestTracer, outcome_attributes
 from tensorserve.wire.request import effective_timeout
 
 log = logging.getLogger(__name__)
@@ -51,12 +58,19 @@ class DataPlane:
     registry (its models' loading and closing are the app's start-up and
     clean-up, ``http/app.py``), the metrics, the lifecycle (the server's,
     ``tensorserve/server.py``; None outside a running server: always
-    serving) and the rate limit of lines a client can cause."""
+    serving), the rate limit of lines a client can cause, and the tracer
+    (None unless tracing is configured; shut down with the registry)."""
 
     def __init__(
-        self, settings: Settings, registry: ModelRegistry, metrics: Metrics, liveness: Liveness
+        self,
+        settings: Settings,
+        registry: ModelRegistry,
+        metrics: Metrics,
+        liveness: Liveness,
+        tracer: RequestTracer | None = None,
     ) -> None:
         self.settings = settings
+        self.tracer = tracer
         self.registry = registry
         self.metrics = metrics
         self.liveness = liveness  # whether a model thread is stuck for good (serving/liveness.py)
@@ -66,11 +80,23 @@ class DataPlane:
 
     # -- request ids, shutdown ------------------------------------------------
 
-    def begin(self, protocol: str, given_id: str | None) -> tuple[Call, Token[str]]:
+    def begin(
+        self, protocol: str, given_id: str | None, origin: CallOrigin | None = None
+    ) -> tuple[Call, Token[str]]:
         """A new call: the caller's id when it is safe to echo, else a new one,
-        set for every log line until ``end``."""
+        set for every log line until ``end``. With an ``origin`` (a front end
+        gives one for an infer call when ``self.tracer`` is set) its request
+        span starts, continuing the caller's trace, current until
+        ``observe_infer`` ends it: begin and observe_infer run in the call's
+        own task."""
         call = Call(request_id_from(given_id), protocol)
-        return call, REQUEST_ID.set(call.request_id)
+        token = REQUEST_ID.set(call.request_id)
+        if origin is not None and self.tracer is not None:
+            call.origin = origin
+            call.span = self.tracer.start_request(
+                origin.carrier, origin.span_name(), origin.attributes(call.request_id)
+            )
+        return call, token
 
     @staticmethod
     def end(token: Token[str]) -> None:
@@ -131,6 +157,7 @@ class DataPlane:
                 str(served.version),
                 config,
             )
+            call.encode_started = encode_started
             call.encode_seconds = time.perf_counter() - encode_started
             return encoded
 
@@ -150,12 +177,36 @@ class DataPlane:
         self, call: Call, route_name: str | None, code: str, status: int, seconds: float
     ) -> None:
         """The request metrics of one finished (or abandoned) infer call;
-        ``status`` is its HTTP status, or its code's for a gRPC call."""
+        ``status`` is its HTTP status, or its code's for a gRPC call. A traced
+        call's span ends here, with its outcome."""
+        if call.span is not None:
+            self._finish_span(call, code, status)
         model, version = self.model_label(call, route_name)
         requests = self.metrics.requests
         requests.observe(call.protocol, model, version, code, status, call.items, seconds)
         if call.encode_seconds is not None:
             requests.encode.labels(model).observe(call.encode_seconds)
+
+    def inject_trace(self, call: Call, headers: MutableMapping[str, str]) -> None:
+        """The call's ``traceparent`` into its reply's headers (HTTP) or
+        metadata (gRPC); call only when ``call.span`` is set."""
+        assert self.tracer is not None
+        self.tracer.inject(call.span, headers)
+
+    def _finish_span(self, call: Call, code: str, status: int) -> None:
+        tracer, span, origin = self.tracer, call.span, call.origin
+        assert tracer is not None and origin is not None
+        call.span = None  # ended once, whatever comes next
+        if not tracer.recording(span):  # unsampled: it only leaves the context
+            tracer.finish_request(span, {}, False)
+            return
+        if call.encode_seconds is not None:
+            tracer.stage(span, "encode", call.encode_started, call.encode_seconds)
+        # A caller that left is no fault of the server (gRPC observes it as a 500).
+        failed = status >= 500 and code != DISCONNECT
+        attributes = outcome_attributes(code, failed, call.model, call.version, call.items)
+        attributes.update(origin.outcome(code, status))
+        tracer.finish_request(span, attributes, failed)
 
     def log_failure(
         self, call: Call | None, where: str, status: int | str, code: str, message: str,

@@ -8,8 +8,11 @@ line. ``ModelInfer`` goes through ``DataPlane.infer`` like an HTTP infer
 request, so its items join the same queues and batches; the call's gRPC
 deadline bounds its timeout, and a call the client cancels cancels its
 task, which withdraws its queued items. Failures end the call with the
-status from ``grpc/errors.py``. Shared memory, tracing and log settings are
-not served: their RPCs answer UNIMPLEMENTED.
+status from ``grpc/errors.py``. When tracing is on, a ``ModelInfer`` call's
+``traceparent`` metadata starts its span (the data plane's, as for HTTP),
+and its own ``traceparent`` goes back in the initial metadata. Shared
+memory, Triton's trace settings and log settings are not served: their
+RPCs answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tensorserve.grpc.generated import grpc_service_pb2 as pb
 from tensorserve.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from tensorserve.metrics.requests import DISCONNECT, OK
 from tensorserve.repository.config import ModelConfig
+from tensorserve.tracing.grpc import GrpcOrigin
 from tensorserve.wire.request import InferRequest, Results
 
 access_log = logging.getLogger("tensorserve.access")
@@ -41,6 +45,7 @@ access_log = logging.getLogger("tensorserve.access")
 R = TypeVar("R")
 Handler = Callable[[Any, Any, aio.ServicerContext, Call], Awaitable[R]]
 INFER = "ModelInfer"
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 
 class GrpcCall:
@@ -83,14 +88,23 @@ def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
     @functools.wraps(method)
     async def handle(self: InferenceService, request: Any, context: aio.ServicerContext) -> R:
         plane = self.plane
-        call, token = plane.begin(GRPC, _given_id(context))
-        started = time.perf_counter()
         in_flight = plane.metrics.requests.in_flight if name == INFER else None
+        origin = (
+            GrpcOrigin(SERVICE, name, context.invocation_metadata(), context.peer())
+            if plane.tracer is not None and in_flight is not None else None
+        )
+        call, token = plane.begin(GRPC, _given_id(context), origin)
+        started = time.perf_counter()
         if in_flight is not None:
             in_flight.inc()
         code, status = OK, grpc.StatusCode.OK.name
         try:
-            await context.send_initial_metadata((("x-request-id", call.request_id),))
+            metadata: tuple[tuple[str, str], ...] = (("x-request-id", call.request_id),)
+            if call.span is not None:  # traced: the call's traceparent, sent at once
+                trace: dict[str, str] = {}
+                plane.inject_trace(call, trace)
+                metadata += tuple(trace.items())
+            await context.send_initial_metadata(metadata)
             try:
                 return await method(self, request, context, call)
             except asyncio.CancelledError:

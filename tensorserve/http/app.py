@@ -22,6 +22,7 @@ from tensorserve.serving.liveness import Liveness
 from tensorserve.serving.poller import RepositoryPoller
 from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
+from tensorserve.tracing import configure as configure_tracing
 
 log = logging.getLogger(__name__)
 
@@ -82,14 +83,16 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
         # Bodies are decompressed by http/bodies.py, bounded by max_request_bytes.
         handler_args={"auto_decompress": False},
     )
+    tracer = configure_tracing(settings)  # None unless an OTLP endpoint is set
     registry = ModelRegistry(
         settings.model_repository,
         settings.model_overrides(),
         intra_op_threads=settings.intra_op_threads,
         default_device=settings.device,
+        batch_tracer=tracer.batch_tracer if tracer is not None else None,
     )
     liveness = Liveness(registry, settings.liveness_stall_s)
-    plane = DataPlane(settings, registry, Metrics(registry, liveness), liveness)
+    plane = DataPlane(settings, registry, Metrics(registry, liveness), liveness, tracer)
     app[PLANE] = plane  # what the gRPC front end, when there is one, shares (tensorserve/server.py)
     app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, plane.metrics
     for method, path, handler, _ in ROUTES:
@@ -114,6 +117,8 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await registry.close()
+        if tracer is not None:  # the last batches' spans are exported before exit
+            await asyncio.to_thread(tracer.shutdown)
 
     app.cleanup_ctx.append(models)
     return app

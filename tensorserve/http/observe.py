@@ -1,10 +1,13 @@
 """The outermost middleware: a request id for every request, the request
-metrics of inference calls, and the access log.
+metrics of inference calls, their traces, and the access log.
 
     observe_middleware          X-Request-ID in (or a new id) and out on every
       └─ error_middleware       response; the id on every log line; in-flight
            └─ handler           gauge; the data plane's outcome, rejection and
-                                latency metrics; one access-log line
+                                latency metrics; one access-log line. When
+                                tracing is on, an infer request's headers
+                                start its span (the data plane's) and its
+                                traceparent goes back in a header.
 
 A caller that disconnects cancels its handler (``handler_cancellation``): the
 ``CancelledError`` passes here on its way out and is counted as a
@@ -25,6 +28,7 @@ from tensorserve.dataplane.calls import HTTP
 from tensorserve.dataplane.logs import HEADER
 from tensorserve.http.keys import PLANE, REQUEST_INFO, RequestInfo
 from tensorserve.metrics.requests import DISCONNECT, OK
+from tensorserve.tracing.http import HttpOrigin
 
 access_log = logging.getLogger("tensorserve.access")
 
@@ -58,13 +62,20 @@ def _finished(
         )
 
 
+def _origin(request: web.Request) -> HttpOrigin:
+    """What a traced request's span says: its route's pattern, not its path."""
+    resource = request.match_info.route.resource
+    return HttpOrigin(request, resource.canonical if resource is not None else None)
+
+
 @web.middleware
 async def observe_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     plane = request.app[PLANE]
-    info, token = plane.begin(HTTP, request.headers.get(HEADER))
+    in_flight = plane.metrics.requests.in_flight if _is_infer(request) else None
+    origin = _origin(request) if plane.tracer is not None and in_flight is not None else None
+    info, token = plane.begin(HTTP, request.headers.get(HEADER), origin)
     request[REQUEST_INFO] = info
     started = time.perf_counter()
-    in_flight = plane.metrics.requests.in_flight if _is_infer(request) else None
     if in_flight is not None:
         in_flight.inc()
     try:
@@ -79,6 +90,8 @@ async def observe_middleware(request: web.Request, handler: Handler) -> web.Stre
             _finished(plane, request, info, exc.status, OK, 0, started)
             raise
         response.headers[HEADER] = info.request_id
+        if info.span is not None:
+            plane.inject_trace(info, response.headers)
         nbytes = response.content_length or 0
         _finished(plane, request, info, response.status, info.error_code or OK, nbytes, started)
         return response

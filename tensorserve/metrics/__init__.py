@@ -5,6 +5,8 @@ lists every one).
                    scrape time (the hot path never calls the metrics library)
     requests.py    per-request outcome, rejection and latency metrics,
                    observed once per request by the HTTP layer
+    triton.py      Triton's names (nv_inference_*) for the same quantities,
+                   read from the two above at scrape time
 
 One ``CollectorRegistry`` per server, so many apps can live in one process;
 it also carries the process, platform and GC collectors and the build info.
@@ -28,6 +30,7 @@ from prometheus_client import (
 from tensorserve import __version__
 from tensorserve.metrics.collector import BatchingCollector
 from tensorserve.metrics.requests import RequestMetrics
+from tensorserve.metrics.triton import TritonCollector
 
 if TYPE_CHECKING:
     from tensorserve.serving.liveness import Liveness
@@ -50,8 +53,10 @@ class Metrics:
 
     def __init__(self, registry: ModelRegistry, liveness: Liveness | None = None) -> None:
         self.prometheus = CollectorRegistry()
-        self.prometheus.register(BatchingCollector(registry, liveness))
+        batching = BatchingCollector(registry, liveness)
+        self.prometheus.register(batching)
         self.requests = RequestMetrics(self.prometheus)
+        self.prometheus.register(TritonCollector(batching, self.requests))
         ProcessCollector(registry=self.prometheus)
         PlatformCollector(registry=self.prometheus)
         GCCollector(registry=self.prometheus)

@@ -117,6 +117,14 @@ class BatchingCollector(Collector):
             current[key] = served
         return current
 
+    def per_model(self) -> Iterator[tuple[tuple[str, str], list[BatchStats], int]]:
+        """(model, version), every stats object it has had, its queue depth
+        now: what a scrape reads, for the Triton-named metrics (triton.py) too."""
+        current = self._observe_current()
+        for key, seen in sorted(self._seen.items()):
+            served = current.get(key)
+            yield key, list(seen.stats.values()), served.batcher.queue_depth if served else 0
+
     def collect(self) -> Iterator[Metric]:
         labels = ["model", "version"]
         current = self._observe_current()

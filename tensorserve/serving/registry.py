@@ -16,10 +16,12 @@ import enum
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tensorserve.batching.tracer import BatchTracer
 from tensorserve.errors import ConfigError, ModelNotFound, ModelNotReady
 from tensorserve.repository.config import ModelConfig
 from tensorserve.repository.loader import ModelSource, discover, read_config
@@ -63,11 +65,14 @@ class ModelRegistry:
         *,
         intra_op_threads: int | None = None,
         default_device: str = "auto",
+        batch_tracer: Callable[[str, int], BatchTracer] | None = None,
     ) -> None:
         self.repository = repository
         self.overrides = overrides or {}
         self.default_device = default_device  # --device: what a model's "auto" becomes
         self.intra_op_threads = intra_op_threads
+        # (model, version) -> its batches' tracer, when tracing is on (tensorserve/tracing/).
+        self.batch_tracer = batch_tracer
         self.entries: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -179,6 +184,8 @@ class ModelRegistry:
             on_fatal=functools.partial(self._mark_failed, source.name),
             intra_op_threads=self.intra_op_threads,
         )
+        if self.batch_tracer is not None:
+            served.batcher.pipeline.tracer = self.batch_tracer(source.name, served.version)
         served.start()
         if config.warmup.enabled:
             try:
