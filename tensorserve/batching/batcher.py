@@ -29,7 +29,8 @@ loop. The loop never blocks on an executor: if a batch cannot be handed
 over, it goes back to the queue for the model threads (which restart a dead
 worker), and only small batches go direct (``DIRECT_MAX_ELEMENTS``). The
 model threads own what the loop does not: callers without a loop, large
-batches, retries of failed batches, ``dispatch = "timer"``, closing.
+batches, retries of failed batches, ``dispatch = "timer"``, closing, and a
+model in a thread whose forwards take ``DIRECT_MAX_FORWARD_S`` or more.
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ from tensorserve.errors import DeadlineExceeded, ModelNotReady
 # only batches this small go direct (at most 1 MB of int64, well inside a
 # worker socket's 4 MB buffer, ~0.1 ms of padding); larger ones take a thread.
 DIRECT_MAX_ELEMENTS = 1 << 17
+# A model that runs in this process one batch at a time (in a thread, on the
+# CPU) goes direct only while its forwards are shorter than this. Driven, each
+# batch crosses two hand-offs (loop -> forward thread -> loop, ~0.1 ms each on
+# a small VM) during which the instance idles, and the next batch waits for
+# the loop's un-padding and delivery; a model thread instead takes the next
+# batch the moment a forward ends. That matters once the forward is long
+# enough for the batcher to be busy: a 1 ms toy in the fault soak served 0.94x
+# the items/s driven and 1.01x through its threads (20 and 12 paired rounds,
+# docs/performance.md); the GIL the loop saves is worth it for short forwards
+# (the model-free toy: 268 -> 213 us of CPU per request).
+DIRECT_MAX_FORWARD_S = 0.0005
 
 
 def _time_out(waiting: asyncio.Future, name: str, timeout: float) -> None:
@@ -250,26 +262,25 @@ class Batcher:
         p = self.pipeline
         if not self._direct or p.retries:
             return None
+        if not p.executor.overlaps and p.recent_forward_s >= DIRECT_MAX_FORWARD_S:
+            return None  # a model thread pipelines long forwards better (above)
         executor: DirectExecutor = p.executor  # type: ignore[assignment]
         for instance, state in enumerate(p.states):
-            if state is InstanceState.PARKED and executor.can_run_direct(instance):
-                entries = self._take_for_direct(now, unless_backlog=unless_backlog)
-                if entries is None:
+            if (
+                state is InstanceState.PARKED
+                and instance not in p.repairs
+                and executor.can_run_direct(instance)
+            ):
+                entries = p.queue.take(now)
+                backlog = unless_backlog and len(p.queue) > 0
+                if backlog or (
+                    p.collator.padded_elements([e.item for e in entries]) > DIRECT_MAX_ELEMENTS
+                ):
+                    p.queue.put_back(entries)  # for the model threads
                     return None
                 p.states[instance] = InstanceState.DRIVEN
                 return entries, instance
         return None
-
-    def _take_for_direct(self, now: float, *, unless_backlog: bool) -> list[Pending] | None:
-        """The next batch for the loop to drive (the lock held), or None: left
-        to the model threads (a backlog, see ``_claim_direct``, or too big)."""
-        p = self.pipeline
-        entries = p.queue.take(now)
-        backlog = unless_backlog and len(p.queue) > 0
-        if backlog or p.collator.padded_elements([e.item for e in entries]) > DIRECT_MAX_ELEMENTS:
-            p.queue.put_back(entries)  # for the model threads
-            return None
-        return entries
 
     def _run_direct(self, entries: list[Pending], instance: int, loop: asyncio.AbstractEventLoop) -> None:
         """On the loop's thread: pad and send the batch; it is finished when
@@ -319,13 +330,15 @@ class Batcher:
         docs/performance.md). A batch that did not run (``batch`` None or
         never sent) and a closing batcher go back to the threads."""
         p = self.pipeline
-        if batch is not None and self._chain_next(batch, instance):
-            return
         if batch is not None:
             p.finish(batch)
         loop = batch.loop if batch is not None else None
         with p.cond:
             p.states[instance] = InstanceState.PARKED
+            if batch is not None and batch.error is not None:
+                # Restoring the instance (a dead worker replaced) may block:
+                # its model thread does it, right away (notified below).
+                p.repairs.add(instance)
             p.parked.notify_all()
             direct = None
             if loop is not None and not p.closing and len(p.queue):
@@ -333,34 +346,11 @@ class Batcher:
             # Whatever the model threads would take now (parts of a failed batch
             # to run again included: finish woke them while this instance was
             # still DRIVEN, and they went back to waiting).
-            if direct is None and (len(p.queue) or p.retries or p.closing):
+            if direct is None and (len(p.queue) or p.retries or p.repairs or p.closing):
                 p.cond.notify_all()
         if direct is not None:
             assert loop is not None
             self._run_direct(*direct, loop)
-
-    def _chain_next(self, batch: Batch, instance: int) -> bool:
-        """On an executor that runs one batch at a time in this process (a
-        model in a thread, on the CPU), start the next due batch on the
-        instance *before* un-padding and answering this one, which ran well:
-        the forward thread then idles only for the hand-offs, not for the
-        loop's un-padding and delivery too. (Finishing first cost the fault
-        soak's 1 ms-per-batch toy ~6% of its items/s against the threads'
-        own pipelining, docs/performance.md.) The instance stays DRIVEN. A
-        failed batch finishes first: its parts run before anything new."""
-        p = self.pipeline
-        loop = batch.loop
-        if batch.error is not None or loop is None or p.executor.overlaps:
-            return False
-        with p.cond:
-            if p.closing or p.retries or not len(p.queue):
-                return False
-            entries = self._take_for_direct(time.monotonic(), unless_backlog=True)
-        if not entries:
-            return False
-        self._run_direct(entries, instance, loop)
-        p.finish(batch)
-        return True
 
     def _finish_batches_driven_here(self) -> None:
         """``close()`` on a loop that drives batches: their replies would only

@@ -43,6 +43,8 @@ from tensorserve.errors import ModelFailure, ModelNotReady
 
 log = logging.getLogger(__name__)
 
+FORWARD_ALPHA = 0.1  # weight of the newest batch in ``recent_forward_s``
+
 
 class InstanceState(enum.Enum):
     BUSY = "busy"  # its model thread owns it: forming, running or collecting a batch
@@ -95,6 +97,8 @@ class Pipeline:
         self.retries: deque[list[Pending]] = deque()
         self.free_at = [0.0] * instances  # perf_counter() when each last finished a batch
         self.slowest_s = 0.0  # the longest batch so far (the watchdog's "auto")
+        # A moving average of a forward's seconds (the batcher's direct path reads it).
+        self.recent_forward_s = 0.0
         self.hung: list[Batch | None] = [None] * instances  # a thread the watchdog gave up on
         # Instances whose driven batch failed: their model thread restores them
         # (``Executor.repair``: a dead worker replaced), never the event loop.
@@ -280,6 +284,7 @@ class Pipeline:
             batch.seconds = outputs.seconds
         if error is None:
             self.slowest_s = max(self.slowest_s, batch.seconds)
+            self.recent_forward_s += FORWARD_ALPHA * (batch.seconds - self.recent_forward_s)
 
     # ------------------------------------------------------------------ finishing
     def _finish_loop(self) -> None:
