@@ -5,6 +5,7 @@ liveness answers while they load) and are drained and closed on exit."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import AsyncIterator
 
@@ -107,6 +108,9 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
             poller = RepositoryPoller(registry, settings.repository_poll_secs)
             poller.take_baseline()  # before loading: a file changed meanwhile is a change
         loading = asyncio.create_task(registry.load_all())
+        # The models' objects live until unloaded: out of the collector's full
+        # passes too (http/server.py freezes what was imported before).
+        loading.add_done_callback(lambda _: gc.freeze())
         polling = asyncio.create_task(poller.run(loading)) if poller is not None else None
         if wait_for_models:
             await loading
