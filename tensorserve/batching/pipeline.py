@@ -44,6 +44,7 @@ from tensorserve.errors import ModelFailure, ModelNotReady
 log = logging.getLogger(__name__)
 
 FORWARD_ALPHA = 0.1  # weight of the newest batch in ``recent_forward_s``
+OFFER_WAIT_S = 0.05  # how long a model thread waits for a loop it offered a batch to
 
 
 class InstanceState(enum.Enum):
@@ -99,6 +100,12 @@ class Pipeline:
         self.slowest_s = 0.0  # the longest batch so far (the watchdog's "auto")
         # A moving average of a forward's seconds (the batcher's direct path reads it).
         self.recent_forward_s = 0.0
+        # The batcher's offer to drive the next batch from its callers' event loop
+        # instead of this instance's model thread (the lock held; True: offered,
+        # so the model thread parks). ``loop_declined``: the loop would not take
+        # it (a backlog, a batch too big): the model thread takes it, unoffered.
+        self.offer_to_loop: Callable[[int], bool] | None = None
+        self.loop_declined = False
         self.hung: list[Batch | None] = [None] * instances  # a thread the watchdog gave up on
         # Instances whose driven batch failed: their model thread restores them
         # (``Executor.repair``: a dead worker replaced), never the event loop.
@@ -202,6 +209,17 @@ class Pipeline:
                     self.parked.notify_all()
                     self.cond.wait(None if due_in == math.inf else due_in)
                     continue
+                if self.loop_declined:
+                    self.loop_declined = False
+                elif self.offer_to_loop is not None and not self.closing:
+                    self.states[instance] = InstanceState.PARKED
+                    if self.offer_to_loop(instance):
+                        self.parked.notify_all()
+                        # The loop drives it (DRIVEN) or declines; bounded, so
+                        # a loop that stopped meanwhile cannot strand the queue.
+                        if not self.cond.wait(OFFER_WAIT_S):
+                            self.loop_declined = True
+                        continue
                 self.states[instance] = InstanceState.BUSY
                 return self.queue.take(now)
 
