@@ -88,6 +88,23 @@ class Gate:
         assert self.entered.wait(10), "a batch reached the model within 10 s"
 
 
+class HangOn:
+    """A batch function (y = 2x) whose batch holding ``value`` blocks until
+    ``release`` is set: a forward stuck for the watchdog and liveness to see.
+    ``entered`` is set when that batch reaches the model."""
+
+    def __init__(self, value: float = 99.0, timeout: float = 30.0) -> None:
+        self.value, self.timeout = value, timeout
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, x: Any) -> Any:
+        if (x == self.value).any():
+            self.entered.set()
+            self.release.wait(self.timeout)
+        return x * 2
+
+
 def _toml(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

@@ -21,7 +21,7 @@ import torch
 from tensorserve import ModelFailure, ModelNotReady, OutOfMemory, RowErrors, ServedModel
 from tensorserve.batching.recovery import MemoryCeiling
 from tensorserve.batching.watchdog import Watchdog
-from tests.helpers import ECHO, wait_until, write_toy_model
+from tests.helpers import ECHO, HangOn, wait_until, write_toy_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -273,14 +273,8 @@ def test_the_memory_ceiling_halves_below_a_failure_and_grows_back_slowly() -> No
 
 # ---------------------------------------------------------------------- a hung model thread
 def test_the_watchdog_answers_the_callers_of_a_hung_thread_and_readiness_tells() -> None:
-    entered, release = threading.Event(), threading.Event()
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        if (x == 99).any():
-            entered.set()
-            release.wait(30)
-        return x * 2
-
+    fn = HangOn(99.0)
+    entered, release = fn.entered, fn.release
     model = ServedModel.from_function(
         fn, inputs=X_IN, outputs=Y_OUT, max_batch_size=8, faults={"watchdog_ms": 300}
     )

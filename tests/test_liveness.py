@@ -5,14 +5,12 @@ hung worker process is killed and replaced, and the server stays live."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-import torch
 
 from tensorserve import ServedModel
 from tensorserve.bench.server import ServerProcess as BareServer
@@ -20,7 +18,7 @@ from tensorserve.errors import ModelFailure
 from tensorserve.serving.liveness import Liveness
 from tensorserve.serving.registry import ModelEntry, ModelRegistry, ModelState
 from tests.conftest import ServerProcess
-from tests.helpers import ECHO, MSGPACK, body, wait_until, write_toy_model
+from tests.helpers import ECHO, MSGPACK, HangOn, body, wait_until, write_toy_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -50,14 +48,8 @@ def _infer(url: str, model: str, value: float) -> int:
 def test_an_instance_is_stuck_while_a_forward_the_watchdog_gave_up_on_runs(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    entered, release = threading.Event(), threading.Event()
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        if (x == 99).any():
-            entered.set()
-            release.wait(30)
-        return x * 2
-
+    fn = HangOn(99.0)
+    entered, release = fn.entered, fn.release
     model = ServedModel.from_function(
         fn, inputs=X_IN, outputs=Y_OUT, max_batch_size=8, faults={"watchdog_ms": 200}
     )
