@@ -8,6 +8,7 @@ from concurrent.futures import Future
 import pytest
 
 from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
+from tensorserve.batching.policy import make_policy
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import ServerBusy, WouldMissTarget
 
@@ -17,10 +18,15 @@ def entry(priority: int = 0) -> Pending:
                    priority=priority)
 
 
-def measured(target: LatencyTarget, items: int, seconds: float, batches: int = 4) -> None:
+def sized(volume: int) -> Pending:
+    return Pending(item=1, volume=volume, future=Future(), loop=None, enqueued=0.0, deadline=None)
+
+
+def measured(target: LatencyTarget, items: int, seconds: float, batches: int = 4,
+             backlogged: bool = False) -> None:
     """``batches`` batches of ``items`` that took ``seconds`` each, served on time."""
     for _ in range(batches):
-        target.observe(items, seconds, [seconds] * items)
+        target.observe(items, seconds, [seconds] * items, backlogged=backlogged)
 
 
 def test_nothing_is_refused_until_batches_were_measured() -> None:
@@ -41,14 +47,33 @@ def test_the_predicted_wait_is_the_queue_ahead_at_the_measured_rate_plus_one_bat
     assert two.predicted_s(79, 1) == pytest.approx(80 / 1600 + 0.010)
 
 
-def test_a_long_queue_is_judged_by_the_rate_of_big_batches_not_of_the_last_small_ones() -> None:
+def test_a_long_queue_is_judged_by_the_batches_formed_from_a_backlog_not_the_last_small_ones() -> None:
     target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
-    measured(target, 8, 0.010)  # 800 items/s in batches of 8
-    measured(target, 1, 0.005)  # 200 items/s alone, the latest
-    # 40 queued drain in batches of 8: at 800/s, not at 200/s.
-    assert target.predicted_s(39, 1) == pytest.approx(40 / 800 + target.report()["batch_ms"] / 1000)
-    # Two queued can only form a batch of 2 or less: the lone rate.
-    assert target.predicted_s(1, 1) == pytest.approx(2 / 200 + target.report()["batch_ms"] / 1000)
+    measured(target, 8, 0.010, backlogged=True)  # a queue drained at 800 items/s
+    measured(target, 1, 0.005)  # then callers one at a time: 200 items/s, the latest
+    # 40 queued drain as the backlogged batches did: at 800/s, not at 200/s.
+    batch_s = target.report()["batch_ms"] / 1000
+    assert target.predicted_s(39, 1) == pytest.approx(40 / 800 + batch_s)
+    assert target.report()["drain_items_per_s"] == pytest.approx(800)
+
+
+def test_big_batches_of_short_items_do_not_make_a_queue_of_every_length_look_fast() -> None:
+    # Under a padded-volume budget, batches of 8 form only of short items
+    # (4 ms) and long items go 2 at a time (10 ms): the queue drains at
+    # 10 items per 14 ms, not at the 2,000 items/s of the short batches.
+    target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
+    for _ in range(20):
+        target.observe(8, 0.004, [0.01] * 8, backlogged=True)
+        target.observe(2, 0.010, [0.01] * 2, backlogged=True)
+    assert target.drain_rate() == pytest.approx(10 / 0.014, rel=0.05)
+
+
+def test_until_a_backlog_was_seen_every_batch_gives_the_rate() -> None:
+    target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
+    measured(target, 2, 0.010)  # 200 items/s: all that arrived
+    assert target.drain_rate() == pytest.approx(200)
+    measured(target, 8, 0.010, backlogged=True)
+    assert target.drain_rate() == pytest.approx(800)
 
 
 def test_safety_is_bounded_so_latency_the_queue_does_not_cause_cannot_refuse_everything() -> None:
@@ -57,7 +82,9 @@ def test_safety_is_bounded_so_latency_the_queue_does_not_cause_cannot_refuse_eve
         target.observe(10, 0.010, [1.0] * 10)  # every caller a second late, whatever is refused
     assert target.safety == LatencyTarget.SAFETY[1]
     # Still admitted: what drains within the target at the measured rate over the bound.
-    assert target.would_miss(30, 1) is None
+    # 1,000 items/s and 10 ms batches: 4 x (14 / 1000 + 0.010) = 0.096 s fits, 0.104 s does not.
+    assert target.would_miss(13, 1) is None
+    assert target.would_miss(15, 1) is not None
 
 
 def test_a_request_is_refused_only_when_its_predicted_wait_exceeds_the_target() -> None:
@@ -85,15 +112,19 @@ def test_the_queue_delay_is_at_most_a_tenth_of_the_target() -> None:
     assert LatencyTarget(200, 8, max_queue_delay_ms=5, instances=1).queue_delay_ms == 5
 
 
-def test_safety_grows_while_callers_get_a_p99_over_the_target_and_shrinks_when_well_under() -> None:
+def test_safety_grows_while_callers_get_a_p99_over_the_aim_and_shrinks_when_well_under() -> None:
     target = LatencyTarget(100, max_batch_size=10, max_queue_delay_ms=5, instances=1)
     for _ in range(LatencyTarget.ADJUST_EVERY // 10):
-        target.observe(10, 0.010, [0.150] * 10)  # every caller late: p99 150 ms
-    assert target.safety == pytest.approx(1.1)
-    assert target.report()["achieved_p99_ms"] == pytest.approx(150)
+        target.observe(10, 0.010, [0.085] * 10)  # p99 85 ms: on time, but over the aim (80%)
+    assert target.safety == pytest.approx(1.2)
+    assert target.report()["achieved_p99_ms"] == pytest.approx(85)
     target = LatencyTarget(100, max_batch_size=10, max_queue_delay_ms=5, instances=1)
     for _ in range(LatencyTarget.ADJUST_EVERY // 10):
-        target.observe(10, 0.010, [0.020] * 10)  # all early
+        target.observe(10, 0.010, [0.070] * 10)  # within the aim's band: left alone
+    assert target.safety == 1.0
+    target = LatencyTarget(100, max_batch_size=10, max_queue_delay_ms=5, instances=1)
+    for _ in range(LatencyTarget.ADJUST_EVERY // 10):
+        target.observe(10, 0.010, [0.050] * 10)  # all well under the aim (55%)
     assert target.safety == pytest.approx(0.95)
 
 
@@ -153,6 +184,22 @@ def test_the_target_caps_the_batch_the_policy_may_take() -> None:
     target.batch_cap = 3
     assert len(queue.take(0.0)) == 3
     assert queue.batch_cap() == 3
+
+
+def test_with_a_target_the_policy_chooses_among_the_oldest_batch_only() -> None:
+    # Four long items, then eight short ones. Looking far into the queue, a
+    # length-aware policy would take four short ones and leave the long ones
+    # to be overtaken; a target's predicted wait is FIFO through the queue.
+    def queue_of(target: bool) -> AdmissionQueue:
+        policy = make_policy("length_aware", None)
+        if target:
+            return queue_with_target(max_batch_size=4, policy=policy)[0]
+        return AdmissionQueue(BatcherOptions(max_batch_size=4, policy=policy), lambda items: len(items))
+
+    for targeted, expected in ((True, 100), (False, 1)):
+        queue = queue_of(targeted)
+        queue.admit([sized(100) for _ in range(4)] + [sized(1) for _ in range(8)], 0.0)
+        assert [e.volume for e in queue.take(0.0)] == [expected] * 4
 
 
 def test_without_a_target_admission_is_unchanged() -> None:

@@ -248,7 +248,9 @@ class Pipeline:
         settle(expired)
         if not live:
             return None
-        batch = Batch(live, now, instance=instance)
+        # The queue's length now: what this batch left behind (or what came
+        # since, the same sign for the target's drain rate).
+        batch = Batch(live, now, instance=instance, backlogged=len(self.queue) > 0)
         with self.cond:
             self.in_flight.add(batch)
         try:

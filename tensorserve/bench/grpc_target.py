@@ -38,7 +38,7 @@ class GrpcTarget(HttpTarget):
         assert self._channel is not None, "open() first"
         failure = await self._channel.infer(payload, self.timeout)
         if failure is not None:
-            raise RequestFailed(failure)
+            raise RequestFailed(failure, refused=failure.startswith("gRPC UNAVAILABLE"))
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "grpc_address": self.grpc_address}

@@ -28,7 +28,13 @@ if TYPE_CHECKING:
 
 
 class RequestFailed(Exception):
-    """A request the target answered with an error (HTTP status or error code)."""
+    """A request the target answered with an error (HTTP status or error code).
+    ``refused``: the server turned it away to be retried later (HTTP 503,
+    gRPC UNAVAILABLE): overload shedding, not a failure of the request."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 @dataclass(frozen=True)
@@ -233,7 +239,7 @@ class HttpTarget:
         assert self._raw is not None, "open() first"
         status, body = await asyncio.wait_for(self._raw.send(payload), self.timeout)
         if status != 200:
-            raise RequestFailed(_error_text(status, body))
+            raise RequestFailed(_error_text(status, body), refused=status == 503)
 
     async def counters(self) -> Counters:
         stats = await self._get_json(f"/v2/models/{self.model}/stats")

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tensorserve.bench.items import FeatureSpec, Item
-from tensorserve.bench.targets import Counters
+from tensorserve.bench.targets import Counters, RequestFailed
 from tests.helpers import write_toy_model
 
 # Two int64 token features in, one out: a cheap stand-in for a tagger.
@@ -41,16 +41,19 @@ def echo_repository(tmp_path: Path) -> Path:
 
 
 class FakeTarget:
-    """Answers every request after ``delay`` seconds; fails every ``fail_every``-th."""
+    """Answers every request after ``delay`` seconds; fails every ``fail_every``-th
+    and refuses (a 503, to retry later) every ``refuse_every``-th, at once."""
 
     kind = "fake"
     model = "fake"
 
-    def __init__(self, specs: Sequence[FeatureSpec], delay: float = 0.0, fail_every: int = 0):
+    def __init__(self, specs: Sequence[FeatureSpec], delay: float = 0.0, fail_every: int = 0,
+                 refuse_every: int = 0):
         self.specs = list(specs)
         self.parameters: dict[str, Any] = {}
         self.delay = delay
         self.fail_every = fail_every
+        self.refuse_every = refuse_every
         self.sent: list[list[Item]] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -68,6 +71,8 @@ class FakeTarget:
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             self.sent.append(payload)
+            if self.refuse_every and len(self.sent) % self.refuse_every == 0:
+                raise RequestFailed("HTTP 503 would_miss_target: retry later", refused=True)
             await asyncio.sleep(self.delay)
             if self.fail_every and len(self.sent) % self.fail_every == 0:
                 raise RuntimeError("synthetic failure")

@@ -41,6 +41,38 @@ async def test_open_loop_offers_the_rate_whatever_the_latency(fake_target, token
     assert point.latency_ms["p50"] >= 50 and point.rate == 200 and point.concurrency is None
 
 
+async def test_refusals_are_counted_apart_from_errors_with_how_fast_they_came_back(
+    fake_target, token_specs
+) -> None:
+    target = fake_target(token_specs, delay=0.02, refuse_every=4)  # refused at once, served in 20 ms
+    pool, _ = build_pool(target, uniform(4, 8), pool_items=10)
+    point = await run_point(target, pool, mode="open", rate=300, duration=0.4, warmup=0, seed=3)
+    sent = len(target.sent)
+    assert point.refused == sent // 4 and point.errors == 0 and point.requests == sent - sent // 4
+    assert point.refusal_latency_ms["p99"] < 20 <= point.latency_ms["p50"]
+    # The generator kept to its schedule: sent within a few ms of each arrival.
+    assert 0 <= point.late_ms["p50"] <= point.late_ms["p99"] < 20
+
+
+async def test_an_open_loop_phase_runs_with_the_garbage_collector_paused(
+    fake_target, token_specs
+) -> None:
+    import gc
+
+    seen: list[bool] = []
+
+    class Watching(fake_target):  # type: ignore[misc, valid-type]
+        async def send(self, payload):  # type: ignore[no-untyped-def]
+            seen.append(gc.isenabled())
+            await super().send(payload)
+
+    target = Watching(token_specs, delay=0.001)
+    pool, _ = build_pool(target, uniform(4, 8), pool_items=10)
+    await run_point(target, pool, mode="open", rate=200, duration=0.1, warmup=0, seed=1)
+    assert seen and not any(seen)
+    assert gc.isenabled()
+
+
 async def test_open_loop_drops_beyond_max_outstanding(fake_target, token_specs) -> None:
     target = fake_target(token_specs, delay=0.2)
     pool, _ = build_pool(target, uniform(4, 8), pool_items=10)
