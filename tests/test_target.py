@@ -10,6 +10,7 @@ import pytest
 from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.target import LatencyTarget
+from tensorserve.dataplane.lag import LoopLag
 from tensorserve.errors import ServerBusy, WouldMissTarget
 
 
@@ -206,3 +207,45 @@ def test_without_a_target_admission_is_unchanged() -> None:
     queue = AdmissionQueue(BatcherOptions(max_queue_size=10_000), lambda items: len(items))
     queue.admit([entry() for _ in range(5_000)], 0.0)
     assert queue.batch_cap() == 32
+
+
+# ---------------------------------------------------------------------- the front end
+def test_a_front_end_asks_before_reading_a_request_as_if_it_were_one_item_of_the_highest_level() -> None:
+    queue, _ = queue_with_target(max_batch_size=8, priority_levels=2)
+    queue.admit([entry(priority=2) for _ in range(100)], 0.0)
+    queue.refuse_if_late(None, 1)  # nothing of level 1 ahead: it may be one, so it is read
+    queue.admit([entry(priority=1) for _ in range(72)], 0.0)
+    with pytest.raises(WouldMissTarget) as refused:
+        queue.refuse_if_late(None, 1)  # 72 of level 1 ahead: late at any level
+    assert "(72 items ahead); retry later" in str(refused.value)
+    assert len(queue) == 172  # asking admits nothing
+
+
+def test_the_loops_lag_is_taken_at_once_and_fades_when_it_ends() -> None:
+    lag = LoopLag()
+    lag.observe(0.100)
+    assert lag.seconds == 0.100
+    lag.observe(0.0)
+    assert lag.seconds == pytest.approx(0.080)  # one tick on time: 0.8 of it remains
+    for _ in range(30):
+        lag.observe(0.0)
+    assert lag.seconds < 0.001
+    lag.observe(-0.001)  # a timer run early is on time
+    assert lag.seconds >= 0.0
+
+
+async def test_the_loops_lag_measures_a_loop_held_by_blocking_work() -> None:
+    import asyncio
+    import time
+
+    lag = LoopLag()
+    lag.start()
+    try:
+        ticked = asyncio.Event()
+        await asyncio.sleep(2 * LoopLag.INTERVAL_S)
+        time.sleep(0.060)  # the loop runs nothing else meanwhile
+        asyncio.get_running_loop().call_soon(ticked.set)  # after the late tick, which is due first
+        await ticked.wait()
+        assert lag.seconds >= 0.050
+    finally:
+        lag.stop()

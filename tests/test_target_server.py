@@ -71,11 +71,19 @@ def test_a_burst_past_the_target_is_refused_at_once_and_the_admitted_get_their_r
         assert _infer(url, "targeted", float(value))[0] == 200
     # A 3 s batch holds the instance, so the burst queues behind it however
     # slowly a busy machine sends it.
-    with ThreadPoolExecutor(1) as holder:
+    with ThreadPoolExecutor(2) as holder:
         held = holder.submit(_infer, url, "targeted", 1.0, 3000.0)
         wait_until(lambda: _stats(url, "targeted")["total_requests"] == 9, "the long batch admitted")
-        results = _burst(url, "targeted")
+        bursting = holder.submit(_burst, url, "targeted")
+        wait_until(lambda: _stats(url, "targeted")["latency_target"]["refused"] > 0,
+                   "a queue too long for the target")
+        # Refused before its body is read: not even decoded (it is not msgpack).
+        early = httpx.post(f"{url}/v2/models/targeted/infer", content=b"\xc1 not msgpack",
+                           headers=MSGPACK)
+        results = bursting.result()
         assert held.result()[0] == 200
+    assert early.status_code == 503, early.text
+    assert msgpack.unpackb(early.content)["code"] == "would_miss_target"
     served = [(i, r) for i, r in enumerate(results) if r[0] == 200]
     refused = [r for r in results if r[0] != 200]
     assert served and refused, [r[0] for r in results]
@@ -85,10 +93,10 @@ def test_a_burst_past_the_target_is_refused_at_once_and_the_admitted_get_their_r
         assert status == 503
         assert error["code"] == "would_miss_target"  # type: ignore[index]
         assert re.search(r"over its 200 ms latency target \(\d+ items ahead\); retry later",
-                         error["error"])  # type: ignore[index]
+                         error["error"]), error  # type: ignore[index]
         assert retry_after is not None and 1 <= int(retry_after) <= 60
     stats = _stats(url, "targeted")["latency_target"]
-    assert stats["target_p99_ms"] == 200.0 and stats["refused"] == len(refused)
+    assert stats["target_p99_ms"] == 200.0 and stats["refused"] == len(refused) + 1
     assert 1 <= stats["batch_cap"] <= 4 and stats["achieved_p99_ms"] > 0
     # The queue's drain rate is the burst's: batches of 4 formed from a backlog,
     # ~20 ms each (~200 items/s), not every batch's (the warm-up's lone callers
@@ -98,7 +106,8 @@ def test_a_burst_past_the_target_is_refused_at_once_and_the_admitted_get_their_r
     assert 'tensorserve_latency_target_seconds{model="targeted",version="1"} 0.2' in metrics
     rejected = re.search(r'tensorserve_rejections_total\{[^}]*model="targeted"[^}]*'
                          r'reason="would_miss_target"[^}]*\} (\d+)', metrics)
-    assert rejected is not None and int(rejected.group(1)) == len(refused)
+    assert rejected is not None and int(rejected.group(1)) == len(refused) + 1
+    assert re.search(r"^tensorserve_event_loop_lag_seconds \d", metrics, re.MULTILINE)
 
 
 def test_without_a_target_the_same_burst_is_all_queued_and_served(server: ServerProcess) -> None:

@@ -181,13 +181,21 @@ class AdmissionQueue:
     def _refuse_if_late(self, entries: Sequence[Pending]) -> None:
         """``WouldMissTarget`` if the request would be answered after the
         latency target: refused now, not queued to be late (batching.target)."""
+        self.refuse_if_late(entries[0].priority, len(entries))
+
+    def refuse_if_late(self, level: int | None, items: int) -> None:
+        """``WouldMissTarget`` if ``items`` at priority ``level`` would miss the
+        latency target. ``level`` None: the highest there is, which has the
+        fewest ahead: a front end asks so before it reads a request, when
+        refusing costs least. Reads the queue without the lock: a request's
+        own admission asks again, under it."""
         assert self.target is not None
-        level = entries[0].priority
         if self.options.priority_levels:  # served before it: its level and higher (1 is highest)
+            level = 1 if level is None else level
             ahead = sum(1 for p in self._waiting if p.priority <= level)
         else:
             ahead = len(self._waiting)
-        predicted = self.target.would_miss(ahead, len(entries))
+        predicted = self.target.would_miss(ahead, items)
         if predicted is None:
             return
         target_s = self.target.target_s

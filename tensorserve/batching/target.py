@@ -159,7 +159,15 @@ class LatencyTarget:
     def would_miss(self, ahead: int, items: int) -> float | None:
         """The predicted seconds if they exceed the target (refuse), else None.
         Nothing ahead: never refused. The model alone is then slower than
-        the target, and refusing would only turn a slow answer into none."""
+        the target, and refusing would only turn a slow answer into none.
+
+        Nor is the event loop's lag counted (``dataplane/lag.py``), though a
+        saturated front end makes callers late before the queue sees them:
+        refusing on it was measured to cost more than it saves on a 2-core
+        VM (the embedder at 1.5x its capacity: p99 260-370 ms against
+        410-440 ms, for 40-65% of the items/s served), because a refusal
+        costs the loop ~100 us against ~250 us for an answer. The lag is
+        exported instead, the signal to add replicas on."""
         if ahead == 0:
             return None
         predicted = self.predicted_s(ahead, items)

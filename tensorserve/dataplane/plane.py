@@ -129,6 +129,8 @@ class DataPlane:
             settings = self.settings
             served = self.registry.ready_model(model, version)
             call.model, call.version = served.name, str(served.version)
+            # A latency target refuses before the body is read and decoded.
+            served.refuse_if_late()
             await wire.receive()
             config = served.config
             decoded = await _maybe_in_thread(

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from tensorserve.dataplane import DataPlane
+from tensorserve.dataplane.lag import LoopLag
 from tensorserve.dataplane.logs import install_request_ids
 from tensorserve.http import handlers, infer, repository
 from tensorserve.http.access import restricted_api_middleware
@@ -93,7 +94,9 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
         batch_tracer=tracer.batch_tracer if tracer is not None else None,
     )
     liveness = Liveness(registry, settings.liveness_stall_s)
-    plane = DataPlane(settings, registry, Metrics(registry, liveness), liveness, tracer)
+    loop_lag = LoopLag()  # the loop's (gRPC's calls run on it too); exported, dataplane/lag.py
+    metrics = Metrics(registry, liveness, loop_lag=lambda: loop_lag.seconds)
+    plane = DataPlane(settings, registry, metrics, liveness, tracer)
     app[PLANE] = plane  # what the gRPC front end, when there is one, shares (tensorserve/server.py)
     app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, plane.metrics
     for method, path, handler, _ in ROUTES:
@@ -107,6 +110,7 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
         if settings.model_control_mode == "poll":
             poller = RepositoryPoller(registry, settings.repository_poll_secs)
             poller.take_baseline()  # before loading: a file changed meanwhile is a change
+        loop_lag.start()
         loading = asyncio.create_task(registry.load_all())
         # The models' objects live until unloaded: out of the collector's full
         # passes too (http/server.py freezes what was imported before).
@@ -120,6 +124,7 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
             if not task.done():
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        loop_lag.stop()
         await registry.close()
         if tracer is not None:  # the last batches' spans are exported before exit
             await asyncio.to_thread(tracer.shutdown)

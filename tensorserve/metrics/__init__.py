@@ -15,11 +15,13 @@ it also carries the process, platform and GC collectors and the build info.
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 from importlib import metadata
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
+    Gauge,
     GCCollector,
     Info,
     PlatformCollector,
@@ -51,7 +53,12 @@ def _version(package: str) -> str:
 class Metrics:
     """One Prometheus registry per server."""
 
-    def __init__(self, registry: ModelRegistry, liveness: Liveness | None = None) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        liveness: Liveness | None = None,
+        loop_lag: Callable[[], float] | None = None,
+    ) -> None:
         self.prometheus = CollectorRegistry()
         batching = BatchingCollector(registry, liveness)
         self.prometheus.register(batching)
@@ -60,6 +67,13 @@ class Metrics:
         ProcessCollector(registry=self.prometheus)
         PlatformCollector(registry=self.prometheus)
         GCCollector(registry=self.prometheus)
+        if loop_lag is not None:
+            Gauge(
+                "tensorserve_event_loop_lag_seconds",
+                "How late the server's event loop runs a timer (a saturated front end: "
+                "requests wait this long before they are read, and again before answered).",
+                registry=self.prometheus,
+            ).set_function(loop_lag)
         Info("tensorserve_build", "The running tensorserve's version.",
              registry=self.prometheus).info({
                  "version": __version__,

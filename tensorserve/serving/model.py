@@ -242,6 +242,14 @@ class ServedModel:
         specs = self.config.request_parameter
         return validate_parameters(parameters, specs, self.name) if specs else {}
 
+    def refuse_if_late(self) -> None:
+        """Before a request is read: ``WouldMissTarget`` (503) if the model's
+        latency target would be missed even by one item at the highest
+        priority. Nothing without a target. Refused before its body is read
+        and decoded, a request costs the front end least."""
+        if self.batcher.latency_target is not None:
+            self.batcher.queue.refuse_if_late(None, 1)
+
     def submit_many(
         self,
         items: Sequence[Item],
