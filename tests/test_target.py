@@ -23,11 +23,19 @@ def sized(volume: int) -> Pending:
     return Pending(item=1, volume=volume, future=Future(), loop=None, enqueued=0.0, deadline=None)
 
 
-def measured(target: LatencyTarget, items: int, seconds: float, batches: int = 4,
-             backlogged: bool = False) -> None:
+def measured(target: LatencyTarget, items: int, seconds: float, batches: int = 4) -> None:
     """``batches`` batches of ``items`` that took ``seconds`` each, served on time."""
     for _ in range(batches):
-        target.observe(items, seconds, [seconds] * items, backlogged=backlogged)
+        target.observe(items, seconds, [seconds] * items)
+
+
+def drained(target: LatencyTarget, takes: list[tuple[int, float]], left: int = 10) -> None:
+    """Batches taken from a queue that kept ``left`` items waiting: each
+    (items, seconds since the previous take); the first one starts the clock."""
+    now = 100.0
+    for items, gap in takes:
+        now += gap
+        target.taken(items, now, left)
 
 
 def test_nothing_is_refused_until_batches_were_measured() -> None:
@@ -39,7 +47,7 @@ def test_nothing_is_refused_until_batches_were_measured() -> None:
 
 
 def test_the_predicted_wait_is_the_queue_ahead_at_the_measured_rate_plus_one_batch() -> None:
-    # Batches of 8 in 10 ms: 800 items/s an instance.
+    # Batches of 8 in 10 ms: 800 items/s an instance, before any backlog.
     target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
     measured(target, 8, 0.010)
     assert target.predicted_s(79, 1) == pytest.approx(80 / 800 + 0.010)
@@ -48,14 +56,23 @@ def test_the_predicted_wait_is_the_queue_ahead_at_the_measured_rate_plus_one_bat
     assert two.predicted_s(79, 1) == pytest.approx(80 / 1600 + 0.010)
 
 
-def test_a_long_queue_is_judged_by_the_batches_formed_from_a_backlog_not_the_last_small_ones() -> None:
+def test_a_long_queue_is_judged_by_how_fast_a_backlog_drained_not_by_the_last_small_batches() -> None:
     target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
-    measured(target, 8, 0.010, backlogged=True)  # a queue drained at 800 items/s
+    drained(target, [(8, 0.0)] + [(8, 0.010)] * 4)  # a backlog: 8 items every 10 ms
     measured(target, 1, 0.005)  # then callers one at a time: 200 items/s, the latest
-    # 40 queued drain as the backlogged batches did: at 800/s, not at 200/s.
+    # 40 queued drain as the backlog did: at 800/s, not at 200/s.
     batch_s = target.report()["batch_ms"] / 1000
     assert target.predicted_s(39, 1) == pytest.approx(40 / 800 + batch_s)
     assert target.report()["drain_items_per_s"] == pytest.approx(800)
+
+
+def test_the_drain_rate_is_by_the_clock_not_by_the_models_own_seconds() -> None:
+    # Batches of 8 the model runs in 1 ms, but taken from the backlog every
+    # 4 ms: padding, transfer and un-padding around them are the limit.
+    target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
+    measured(target, 8, 0.001)
+    drained(target, [(8, 0.0)] + [(8, 0.004)] * 10)
+    assert target.drain_rate() == pytest.approx(2000)
 
 
 def test_big_batches_of_short_items_do_not_make_a_queue_of_every_length_look_fast() -> None:
@@ -63,17 +80,24 @@ def test_big_batches_of_short_items_do_not_make_a_queue_of_every_length_look_fas
     # (4 ms) and long items go 2 at a time (10 ms): the queue drains at
     # 10 items per 14 ms, not at the 2,000 items/s of the short batches.
     target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
-    for _ in range(20):
-        target.observe(8, 0.004, [0.01] * 8, backlogged=True)
-        target.observe(2, 0.010, [0.01] * 2, backlogged=True)
+    drained(target, [(8, 0.0)] + [(2, 0.004), (8, 0.010)] * 20)
     assert target.drain_rate() == pytest.approx(10 / 0.014, rel=0.05)
 
 
-def test_until_a_backlog_was_seen_every_batch_gives_the_rate() -> None:
+def test_only_the_time_after_a_take_that_left_items_waiting_counts() -> None:
     target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
-    measured(target, 2, 0.010)  # 200 items/s: all that arrived
-    assert target.drain_rate() == pytest.approx(200)
-    measured(target, 8, 0.010, backlogged=True)
+    target.taken(2, 100.0, left=0)  # the queue emptied: the next 5 s were idle
+    target.taken(2, 105.0, left=3)
+    assert target._backlogged == (0.0, 0.0)  # nothing drained from a backlog yet
+    target.taken(8, 105.01, left=3)
+    assert target.drain_rate() == pytest.approx(800)
+
+
+def test_until_a_backlog_was_seen_the_models_own_rate_stands_in() -> None:
+    target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=2)
+    measured(target, 2, 0.010)  # 200 items/s an instance: all that arrived
+    assert target.drain_rate() == pytest.approx(400)
+    drained(target, [(8, 0.0), (8, 0.010)])
     assert target.drain_rate() == pytest.approx(800)
 
 
@@ -177,6 +201,18 @@ def test_admission_counts_only_the_items_served_before_a_higher_priority_request
     with pytest.raises(WouldMissTarget):
         queue.admit([entry(priority=2)], 0.0)
     queue.admit([entry(priority=1)], 0.0)  # nothing of level 1 ahead: on time
+
+
+def test_the_queue_tells_the_target_each_take_and_what_it_left_waiting() -> None:
+    queue, target = queue_with_target(max_batch_size=8)
+    queue.admit([entry() for _ in range(20)], 0.0)
+    assert len(queue.take(10.0)) == 8  # 12 left: the clock starts
+    assert len(queue.take(10.01)) == 8  # 8 more 10 ms later, 4 left
+    assert target.drain_rate() == pytest.approx(800)
+    assert len(queue.take(10.02)) == 4  # the rest: the queue is empty
+    queue.admit([entry()], 20.0)
+    assert len(queue.take(20.0)) == 1  # after 10 s idle: not a drain of 1 item in 10 s
+    assert target.drain_rate() == pytest.approx((0.95 * 8 + 4) / (0.95 * 0.01 + 0.01))
 
 
 def test_the_target_caps_the_batch_the_policy_may_take() -> None:

@@ -274,6 +274,8 @@ class AdmissionQueue:
         taken = {positions[i] for i in chosen}
         self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
         self.drain_rate.taken(len(chosen), now)
+        if self.target is not None:
+            self.target.taken(len(chosen), now, len(self._waiting))
         return [window[i] for i in chosen]
 
     def _window(self, now: float) -> list[int]:

@@ -248,9 +248,7 @@ class Pipeline:
         settle(expired)
         if not live:
             return None
-        # The queue's length now: what this batch left behind (or what came
-        # since, the same sign for the target's drain rate).
-        batch = Batch(live, now, instance=instance, backlogged=len(self.queue) > 0)
+        batch = Batch(live, now, instance=instance)
         with self.cond:
             self.in_flight.add(batch)
         try:

@@ -33,7 +33,6 @@ class Batch:
     started: float = 0.0  # perf_counter() at launch
     seconds: float = 0.0
     instance: int = 0  # the instance it runs on
-    backlogged: bool = False  # items were left waiting when it was formed (batching.target)
     ran: bool = False  # collected (or its launch failed): nothing left on the device
     overdue: bool = False  # the watchdog already acted on it
     pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
@@ -126,8 +125,7 @@ class BatchResults:
             self._teach(entries, batch.seconds)
             if self.target is not None:
                 now = time.monotonic()
-                self.target.observe(len(entries), batch.seconds, [now - e.enqueued for e in entries],
-                                    backlogged=batch.backlogged)
+                self.target.observe(len(entries), batch.seconds, [now - e.enqueued for e in entries])
         padded = batch.padded
         real, elements = (padded.real_elements, padded.padded_elements) if padded else (0, 0)
         self.stats.record_batch(

@@ -10,24 +10,27 @@ model's batches were measured to cost (no clocks of its own: callers pass
 1. **Admission by predicted wait.** A request is refused at once
    (``WouldMissTarget``: 503 + Retry-After) when
 
-       safety * ((ahead + items) / (rate * instances) + batch_s)  >  target
+       safety * ((ahead + items) / rate + batch_s)  >  target
 
    ``ahead``: the items queued that would be served before it (at its
-   priority or higher); ``rate``: the items per second one instance
-   drains from a queue: items over seconds of the recent batches formed
-   while more items waited than the batch took (``backlogged``), when the
-   batch's size was set by the cap, the padded-volume budget or the
-   policy, not by how few had arrived. Those are what a queue of ``ahead``
-   items will be served in. Not the rate of every recent batch: when few
-   are admitted batches are small and slow per item, and judging a long
-   queue by them would admit fewer still (measured: 17% of capacity served
-   at 1.5x load). Nor the best rate seen at each batch size: big batches
-   form of short items, so per item they look faster than a queue of
-   every length drains (measured on the tagger: 4x too fast, p99 500 ms
-   for a 150 ms target). Until a backlogged batch was seen, every batch's
-   rate stands in: then nothing waits, and that rate is at least what is
-   being admitted. ``batch_s``: a recent batch's seconds, the one it may
-   find running.
+   priority or higher); ``rate``: the items per second the queue drains
+   while it has a backlog, by the clock: the items each batch took from
+   the queue over the time since the previous batch was taken, counted
+   when that previous one left items waiting (``taken``). Between two
+   such takes everything that serves the queue was busy with it: the
+   model, and the padding, the transfer and the un-padding around it, on
+   every instance. Not the model's own seconds per item: on a fast model
+   the rest is the limit (the embedder at 1.5x: batches of 1.1 ms, 4,700
+   items/s by its seconds, 2,450 by the clock). Not the rate of every
+   recent batch: when few are admitted batches are small and slow per
+   item, and judging a long queue by them would admit fewer still
+   (measured: 17% of capacity served at 1.5x load). Nor the best rate seen
+   at each batch size: big batches form of short items, so per item they
+   look faster than a queue of every length drains (measured on the
+   tagger: 4x too fast, p99 500 ms for a 150 ms target). Until a backlog
+   was seen, the model's own rate (its items over its seconds, times the
+   instances) stands in: then nothing waits. ``batch_s``: a recent
+   batch's seconds, the one it may find running.
    Until a few batches were measured nothing is refused, nor is a request
    with nothing ahead of it (the model alone is slower than the target:
    refusing would turn every slow answer into none).
@@ -92,17 +95,27 @@ class LatencyTarget:
         self._batches = 0
         self._since_adjust = 0
         self._batch_s = 0.0  # moving average of a batch's seconds
-        # Decayed sums of (items, seconds): of backlogged batches, and of all.
-        # Tuples, replaced whole: a reader without the lock sees a matching pair.
+        # Decayed sums of (items, seconds): taken from a backlog by the clock
+        # (``taken``), and the model's own (``observe``). Tuples, replaced
+        # whole: a reader without the lock sees a matching pair.
         self._backlogged = (0.0, 0.0)
         self._every = (0.0, 0.0)
+        self._last_take: tuple[float, int] | None = None  # (when, items it left waiting)
         self.refused = 0
 
     # ------------------------------------------------------------------ measuring
-    def observe(self, items: int, seconds: float, latencies: Sequence[float],
-                backlogged: bool = False) -> None:
-        """One batch that ran: its items, its seconds, each item's latency,
-        and whether items were left waiting when it was formed."""
+    def taken(self, items: int, now: float, left: int) -> None:
+        """A batch of ``items`` left the queue at ``now``, ``left`` still
+        waiting (called by the queue, its lock held). A batch taken and put
+        back (the loop declined it) counts as taken: rare, and only while
+        the model is idle, so never between two takes from a backlog."""
+        last = self._last_take
+        if last is not None and last[1] > 0 and now > last[0]:
+            self._backlogged = self._decayed(self._backlogged, items, now - last[0])
+        self._last_take = (now, left)
+
+    def observe(self, items: int, seconds: float, latencies: Sequence[float]) -> None:
+        """One batch that ran: its items, its seconds, each item's latency."""
         if items < 1 or seconds <= 0:
             return
         with self._lock:
@@ -110,8 +123,6 @@ class LatencyTarget:
             self._batches += 1
             self._batch_s = seconds if first else self._batch_s + self.ALPHA * (seconds - self._batch_s)
             self._every = self._decayed(self._every, items, seconds)
-            if backlogged:
-                self._backlogged = self._decayed(self._backlogged, items, seconds)
             self._latencies.extend(latencies)
             self._since_adjust += len(latencies)
             self._resize_batches()
@@ -149,12 +160,15 @@ class LatencyTarget:
         is answered (with the safety factor), or None while unmeasured."""
         if self._batches < self.MIN_BATCHES:
             return None
-        return self.safety * ((ahead + items) / (self.drain_rate() * self.instances) + self._batch_s)
+        return self.safety * ((ahead + items) / self.drain_rate() + self._batch_s)
 
     def drain_rate(self) -> float:
-        """Items/s one instance serves from a queue (see the module's rule 1)."""
-        served, seconds = self._backlogged if self._backlogged[0] else self._every
-        return served / seconds
+        """Items/s the queue drains (see the module's rule 1)."""
+        served, seconds = self._backlogged
+        if served:
+            return served / seconds
+        served, seconds = self._every
+        return self.instances * served / seconds
 
     def would_miss(self, ahead: int, items: int) -> float | None:
         """The predicted seconds if they exceed the target (refuse), else None.
