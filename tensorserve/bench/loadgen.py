@@ -163,7 +163,26 @@ async def open_loop(
 ) -> None:
     """Poisson arrivals at ``rate`` requests/s for ``seconds``; then wait for all."""
     with _gc_paused():
-        await _arrivals(target, pool, rate, seconds, recorder, rng, max_outstanding)
+        start = time.perf_counter()
+        stop_at = start + seconds
+        in_flight: set[asyncio.Task[None]] = set()
+        scheduled = start
+        for index in itertools.count():
+            scheduled += float(rng.exponential(1.0 / rate))
+            if scheduled >= stop_at:
+                break
+            delay = scheduled - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if len(in_flight) >= max_outstanding:
+                recorder.dropped += 1
+                continue
+            recorder.late.append(time.perf_counter() - scheduled)
+            task = asyncio.create_task(_send(target, pool[index % len(pool)], scheduled, recorder))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+        if in_flight:
+            await asyncio.gather(*in_flight)
 
 
 @contextlib.contextmanager
@@ -178,37 +197,6 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-async def _arrivals(
-    target: Target,
-    pool: Sequence[PreparedRequest],
-    rate: float,
-    seconds: float,
-    recorder: _Recorder,
-    rng: np.random.Generator,
-    max_outstanding: int,
-) -> None:
-    start = time.perf_counter()
-    stop_at = start + seconds
-    in_flight: set[asyncio.Task[None]] = set()
-    scheduled = start
-    for index in itertools.count():
-        scheduled += float(rng.exponential(1.0 / rate))
-        if scheduled >= stop_at:
-            break
-        delay = scheduled - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        if len(in_flight) >= max_outstanding:
-            recorder.dropped += 1
-            continue
-        recorder.late.append(time.perf_counter() - scheduled)
-        task = asyncio.create_task(_send(target, pool[index % len(pool)], scheduled, recorder))
-        in_flight.add(task)
-        task.add_done_callback(in_flight.discard)
-    if in_flight:
-        await asyncio.gather(*in_flight)
 
 
 async def _phase(
