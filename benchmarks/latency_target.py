@@ -6,6 +6,7 @@ it), at half of capacity, at capacity and at 1.5x. One command, about two
 minutes a model:
 
     python benchmarks/latency_target.py [--models tagger ...] [--target-ms 150] [--seconds 8]
+    python benchmarks/latency_target.py --models tagger --tree ../before   # another commit's server
 
 Capacity is a model's items/s as shipped with 32 closed-loop callers. Each
 point offers one-item requests (8..128 tokens, or pixels a side) at a
@@ -144,8 +145,14 @@ def plot(rows: list[dict[str, Any]], capacities: dict[str, float], target_ms: fl
     fig.savefig(path, dpi=80)
 
 
+def serve(repository: Path, tree: str | None) -> ServerProcess:
+    """The server of this tree, or of ``tree`` (a worktree of another commit)."""
+    where = {"env": {"PYTHONPATH": tree}, "cwd": tree} if tree else {}
+    return ServerProcess(str(repository), QUIET, **where).start()  # type: ignore[arg-type]
+
+
 def measure(model: str, args: argparse.Namespace) -> tuple[float, list[dict[str, Any]]]:
-    server = ServerProcess(str(write_variants(model, args.target_ms, None)), QUIET).start()
+    server = serve(write_variants(model, args.target_ms, None), args.tree)
     try:
         rate = asyncio.run(capacity(server.url, model, args.seconds))
     finally:
@@ -154,7 +161,7 @@ def measure(model: str, args: argparse.Namespace) -> tuple[float, list[dict[str,
     # queued beyond it would be late anyway), less the batch that may be running.
     queue_size = max(1, int(rate * args.target_ms / 1000) - 32)
     print(f"{model}: capacity {rate:.1f} items/s; queue-bounded variant: max_queue_size = {queue_size}")
-    server = ServerProcess(str(write_variants(model, args.target_ms, queue_size)), QUIET).start()
+    server = serve(write_variants(model, args.target_ms, queue_size), args.tree)
     try:
         return rate, asyncio.run(sweep(server.url, model, rate, args))
     finally:
@@ -166,6 +173,8 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--target-ms", type=float, default=150.0)
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each point")
+    parser.add_argument("--tree", help="serve this source tree (a worktree of another commit), "
+                        "measured with this tree's load generator")
     parser.add_argument("--out", default="benchmarks/results/latency_target.json")
     parser.add_argument("--png", default="docs/img/latency_target.png")
     args = parser.parse_args()

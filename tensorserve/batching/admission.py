@@ -236,6 +236,8 @@ class AdmissionQueue:
             return
         leaving = {id(p) for p in entries}
         self._waiting = [p for p in self._waiting if id(p) not in leaving]
+        if not self._waiting and self.target is not None:
+            self.target.emptied()
 
     def due_in(self, now: float, *, ahead: bool, closing: bool) -> float:
         """Seconds until a batch should be formed: 0 now, ``math.inf`` not
@@ -317,14 +319,20 @@ class AdmissionQueue:
             chosen.pop()
         return chosen
 
-    def put_back(self, entries: Sequence[Pending]) -> None:
+    def put_back(self, entries: Sequence[Pending], *, declined: bool = False) -> None:
         """Return taken entries to the head of the queue, in their order (a
-        batch the direct path could not send goes to the model threads)."""
+        batch the direct path could not send goes to the model threads).
+        ``declined``: taken by the last ``take``, under the same hold of the
+        lock, and never meant to run: the target forgets that take."""
         self._waiting[:0] = entries
+        if declined and self.target is not None:
+            self.target.put_back()
 
     def drain(self) -> list[Pending]:
         """Remove and return everything waiting."""
         waiting, self._waiting = self._waiting, []
+        if self.target is not None:
+            self.target.emptied()
         return waiting
 
     def expire(self, entries: Sequence[Pending], now: float) -> tuple[list[Pending], list[Outcome]]:

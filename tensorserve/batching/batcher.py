@@ -281,7 +281,7 @@ class Batcher:
                 if backlog or (
                     p.collator.padded_elements([e.item for e in entries]) > DIRECT_MAX_ELEMENTS
                 ):
-                    p.queue.put_back(entries)  # for the model threads
+                    p.queue.put_back(entries, declined=True)  # for the model threads
                     return None
                 p.states[instance] = InstanceState.DRIVEN
                 return entries, instance

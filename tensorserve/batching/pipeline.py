@@ -366,6 +366,12 @@ class Pipeline:
                 return "every instance is stuck in a batch past the watchdog's limit"
         return self.watchdog.stalled()
 
+    @property
+    def can_admit(self) -> bool:
+        """Accepting, and some instance can run a batch (read without the
+        lock: a hint; admission itself checks under it)."""
+        return self.accepting and not (self._threads and all(self.hung))
+
     def refuse_if_hung(self) -> None:
         """No instance can run a batch: answer now instead of queueing (the lock held)."""
         if self._threads and all(self.hung):

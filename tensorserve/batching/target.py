@@ -101,18 +101,33 @@ class LatencyTarget:
         self._backlogged = (0.0, 0.0)
         self._every = (0.0, 0.0)
         self._last_take: tuple[float, int] | None = None  # (when, items it left waiting)
+        self._undo: tuple[tuple[float, int] | None, tuple[float, float]] | None = None
         self.refused = 0
 
     # ------------------------------------------------------------------ measuring
     def taken(self, items: int, now: float, left: int) -> None:
         """A batch of ``items`` left the queue at ``now``, ``left`` still
-        waiting (called by the queue, its lock held). A batch taken and put
-        back (the loop declined it) counts as taken: rare, and only while
-        the model is idle, so never between two takes from a backlog."""
+        waiting (called by the queue, its lock held, as are the two below)."""
+        self._undo = (self._last_take, self._backlogged)
         last = self._last_take
         if last is not None and last[1] > 0 and now > last[0]:
             self._backlogged = self._decayed(self._backlogged, items, now - last[0])
         self._last_take = (now, left)
+
+    def put_back(self) -> None:
+        """The last batch taken went straight back to the queue (the loop
+        declined it, which happens exactly when others wait): it drained
+        nothing, and counted would credit its items twice."""
+        if self._undo is not None:
+            self._last_take, self._backlogged = self._undo
+            self._undo = None
+
+    def emptied(self) -> None:
+        """Nothing waits any more, though the last take left items waiting
+        (they were withdrawn or expired): the time until the next take is
+        idle, not draining."""
+        if self._last_take is not None:
+            self._last_take = (self._last_take[0], 0)
 
     def observe(self, items: int, seconds: float, latencies: Sequence[float]) -> None:
         """One batch that ran: its items, its seconds, each item's latency."""
@@ -187,7 +202,8 @@ class LatencyTarget:
         predicted = self.predicted_s(ahead, items)
         if predicted is None or predicted <= self.target_s:
             return None
-        self.refused += 1
+        with self._lock:  # asked from the loop (before a body is read) and from submitters
+            self.refused += 1
         return predicted
 
     # ------------------------------------------------------------------ reporting

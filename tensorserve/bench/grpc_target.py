@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorserve.bench.items import Item
-from tensorserve.bench.targets import HttpTarget, RequestFailed
+from tensorserve.bench.targets import REFUSED_CODES, HttpTarget, RequestFailed
 
 
 class GrpcTarget(HttpTarget):
@@ -38,7 +38,10 @@ class GrpcTarget(HttpTarget):
         assert self._channel is not None, "open() first"
         failure = await self._channel.infer(payload, self.timeout)
         if failure is not None:
-            raise RequestFailed(failure, refused=failure.startswith("gRPC UNAVAILABLE"))
+            # "gRPC UNAVAILABLE <tensorserve code>: <details>" (loadclient.RawInferChannel)
+            code = failure.split(":", 1)[0].split()[-1]
+            raise RequestFailed(failure, refused=failure.startswith("gRPC UNAVAILABLE ")
+                                and code in REFUSED_CODES)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "grpc_address": self.grpc_address}

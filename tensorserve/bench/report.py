@@ -32,7 +32,8 @@ def point_row(point: PointResult) -> list[str]:
     efficiency = _number(point.padding_efficiency, 3)
     if point.padding_efficiency is not None and not point.padding_efficiency_exact:
         efficiency = "~" + efficiency  # the server's cumulative ratio, not this window's
-    errors = str(point.errors) + (f"+{point.dropped}d" if point.dropped else "")
+    errors = str(point.errors) + (f"+{point.refused}r" if point.refused else "")
+    errors += f"+{point.dropped}d" if point.dropped else ""
     return [
         point.variant,
         load,

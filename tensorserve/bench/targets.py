@@ -27,10 +27,15 @@ if TYPE_CHECKING:
     from tensorserve.serving import ServedModel
 
 
+# A server shedding load (503 / UNAVAILABLE for a full queue or a latency
+# target): retry later. Other 503s (a model not ready, say) are errors.
+REFUSED_CODES = ("server_busy", "would_miss_target")
+
+
 class RequestFailed(Exception):
     """A request the target answered with an error (HTTP status or error code).
-    ``refused``: the server turned it away to be retried later (HTTP 503,
-    gRPC UNAVAILABLE): overload shedding, not a failure of the request."""
+    ``refused``: the server shed it (``REFUSED_CODES``): overload, not a
+    failure of the request."""
 
     def __init__(self, message: str, *, refused: bool = False) -> None:
         super().__init__(message)
@@ -239,7 +244,9 @@ class HttpTarget:
         assert self._raw is not None, "open() first"
         status, body = await asyncio.wait_for(self._raw.send(payload), self.timeout)
         if status != 200:
-            raise RequestFailed(_error_text(status, body), refused=status == 503)
+            error = decode_error(body)
+            refused = status == 503 and error is not None and error.get("code") in REFUSED_CODES
+            raise RequestFailed(_error_text(status, body), refused=refused)
 
     async def counters(self) -> Counters:
         stats = await self._get_json(f"/v2/models/{self.model}/stats")

@@ -31,7 +31,8 @@ class LoopLag:
         self._due = 0.0
 
     def start(self) -> None:
-        """Start measuring the running loop (call on it)."""
+        """Start measuring the running loop (call on it); again: restart."""
+        self.stop()
         self._loop = asyncio.get_running_loop()
         self._schedule()
 

@@ -110,7 +110,6 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
         if settings.model_control_mode == "poll":
             poller = RepositoryPoller(registry, settings.repository_poll_secs)
             poller.take_baseline()  # before loading: a file changed meanwhile is a change
-        loop_lag.start()
         loading = asyncio.create_task(registry.load_all())
         # The models' objects live until unloaded: out of the collector's full
         # passes too (http/server.py freezes what was imported before).
@@ -118,6 +117,7 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
         polling = asyncio.create_task(poller.run(loading)) if poller is not None else None
         if wait_for_models:
             await loading
+        loop_lag.start()  # here: a start-up that raised above has no clean-up to stop it
         yield
         tasks = [task for task in (polling, loading) if task is not None]
         for task in tasks:

@@ -246,9 +246,12 @@ class ServedModel:
         """Before a request is read: ``WouldMissTarget`` (503) if the model's
         latency target would be missed even by one item at the highest
         priority. Nothing without a target. Refused before its body is read
-        and decoded, a request costs the front end least."""
-        if self.batcher.latency_target is not None:
-            self.batcher.queue.refuse_if_late(None, 1)
+        and decoded, a request costs the front end least. Not while the
+        model stops or cannot run a batch: its admission answers those
+        (model_not_ready), and being late is not their reason."""
+        pipeline = self.batcher.pipeline
+        if pipeline.target is not None and pipeline.can_admit:
+            pipeline.queue.refuse_if_late(None, 1)
 
     def submit_many(
         self,

@@ -99,3 +99,25 @@ async def test_in_process_target_takes_the_servers_thread_setting(echo_repositor
             assert target.describe()["intra_op_threads"] == threads
         finally:
             await target.aclose()
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "refused"),
+    [(503, "server_busy", True), (503, "would_miss_target", True),
+     (503, "model_not_ready", False), (500, "model_failure", False), (429, "server_busy", False)],
+)
+async def test_only_load_shedding_counts_as_a_refusal(status: int, code: str, refused: bool) -> None:
+    import json
+
+    from tensorserve.bench.targets import HttpTarget, RequestFailed
+
+    class Answering:  # the raw pool's part that send uses
+        async def send(self, payload: bytes) -> tuple[int, bytes]:
+            return status, json.dumps({"error": "no", "code": code}).encode()
+
+    target = HttpTarget("http://127.0.0.1:1", "m")
+    target._raw = Answering()  # type: ignore[assignment]
+    with pytest.raises(RequestFailed) as failed:
+        await target.send(b"")
+    assert failed.value.refused is refused
+    assert f"HTTP {status} {code}" in str(failed.value)
