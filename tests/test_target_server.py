@@ -2,18 +2,23 @@
 model cannot serve within its target gets the rest refused at once (503
 would_miss_target with Retry-After) while every admitted caller gets its own
 row; the same burst to a model without a target is all queued and served;
-the stats and the metrics show the target and the refusals."""
+the stats and the metrics show the target and the refusals. While even one
+item would be late, both front ends refuse before decoding: a malformed
+request gets the 503 (HTTP) or UNAVAILABLE (gRPC), not its 400."""
 
 from __future__ import annotations
 
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import msgpack
 import numpy as np
 import pytest
 
+from tensorserve.grpc.generated import grpc_service_pb2 as pb
+from tensorserve.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from tests.conftest import ServerProcess
 from tests.helpers import (
     MSGPACK,
@@ -54,6 +59,17 @@ def _infer(url: str, model: str, value: float, ms: float = 20.0) -> tuple[int, o
     return 200, from_wire(decoded["outputs"][0]["y"]).tolist(), None
 
 
+def _grpc_refusal(address: str) -> tuple[grpc.StatusCode, str]:
+    """(status, tensorserve-code) of a ModelInfer whose tensors are not valid."""
+    message = pb.ModelInferRequest(model_name="targeted")
+    message.inputs.add(name="ms", datatype="NOT_A_TYPE", shape=[2])
+    with grpc.insecure_channel(address) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(message, timeout=60)
+    trailing = dict(caught.value.trailing_metadata() or ())  # type: ignore[attr-defined]
+    return caught.value.code(), trailing.get("tensorserve-code", "")  # type: ignore[attr-defined]
+
+
 def _stats(url: str, model: str) -> dict:
     return httpx.get(f"{url}/v2/models/{model}/stats").json()["batching"]
 
@@ -80,8 +96,11 @@ def test_a_burst_past_the_target_is_refused_at_once_and_the_admitted_get_their_r
         # Refused before its body is read: not even decoded (it is not msgpack).
         early = httpx.post(f"{url}/v2/models/targeted/infer", content=b"\xc1 not msgpack",
                            headers=MSGPACK)
+        # Over gRPC, before its tensors are decoded (a datatype no model takes).
+        early_grpc = _grpc_refusal(server.grpc_address)
         results = bursting.result()
         assert held.result()[0] == 200
+    assert early_grpc == (grpc.StatusCode.UNAVAILABLE, "would_miss_target")
     assert early.status_code == 503, early.text
     assert msgpack.unpackb(early.content)["code"] == "would_miss_target"
     served = [(i, r) for i, r in enumerate(results) if r[0] == 200]
@@ -96,14 +115,14 @@ def test_a_burst_past_the_target_is_refused_at_once_and_the_admitted_get_their_r
                          error["error"]), error  # type: ignore[index]
         assert retry_after is not None and 1 <= int(retry_after) <= 60
     stats = _stats(url, "targeted")["latency_target"]
-    assert stats["target_p99_ms"] == 200.0 and stats["refused"] == len(refused) + 1
+    assert stats["target_p99_ms"] == 200.0 and stats["refused"] == len(refused) + 2
     assert 1 <= stats["batch_cap"] <= 4 and stats["achieved_p99_ms"] > 0
     assert stats["drain_items_per_s"] > 0  # its source: tests/test_target.py
     metrics = httpx.get(f"{url}/metrics").text
     assert 'tensorserve_latency_target_seconds{model="targeted",version="1"} 0.2' in metrics
     rejected = re.search(r'tensorserve_rejections_total\{[^}]*model="targeted"[^}]*'
                          r'reason="would_miss_target"[^}]*\} (\d+)', metrics)
-    assert rejected is not None and int(rejected.group(1)) == len(refused) + 1
+    assert rejected is not None and int(rejected.group(1)) == len(refused) + 2
     assert re.search(r"^tensorserve_event_loop_lag_seconds \d", metrics, re.MULTILINE)
 
 
