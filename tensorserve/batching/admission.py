@@ -174,14 +174,9 @@ class AdmissionQueue:
                 f"limit {limit}); retry later",
                 retry_after=self.drain_rate.seconds_for(ahead, now),
             )
-        if self.target is not None:
-            self._refuse_if_late(entries)
+        if self.target is not None:  # late: refused now, not queued (batching.target)
+            self.refuse_if_late(entries[0].priority, len(entries))
         self._waiting.extend(entries)
-
-    def _refuse_if_late(self, entries: Sequence[Pending]) -> None:
-        """``WouldMissTarget`` if the request would be answered after the
-        latency target: refused now, not queued to be late (batching.target)."""
-        self.refuse_if_late(entries[0].priority, len(entries))
 
     def refuse_if_late(self, level: int | None, items: int) -> None:
         """``WouldMissTarget`` if ``items`` at priority ``level`` would miss the

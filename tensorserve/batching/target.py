@@ -219,6 +219,7 @@ class LatencyTarget:
                 "queue_delay_ms": self.queue_delay_ms,
                 "safety": round(self.safety, 3),
                 "batch_ms": round(1000 * self._batch_s, 3),
-                "drain_items_per_s": round(self.drain_rate(), 3) if self._every[1] else None,
+                "drain_items_per_s": (round(self.drain_rate(), 3)
+                                      if self._backlogged[0] or self._every[1] else None),
                 "refused": self.refused,
             }
