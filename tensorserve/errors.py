@@ -25,6 +25,7 @@ from a response's code (``clients/python/tensorserve_client/errors.py``).
     ├── DeadlineExceeded             deadline_exceeded 504  DEADLINE_EXCEEDED   the item waited longer than its timeout
     ├── ModelFailure                 model_failure     500  INTERNAL            the model (or batch function) raised
     │   ├── WorkerCrashed            model_failure                          its worker process died (or the watchdog killed it)
+    │   ├── DeviceLost               model_failure                          a sticky CUDA error lost this process's CUDA context
     │   └── BatchOutOfMemory         model_failure                          the padded batch did not fit (split and retried)
     ├── OutOfMemory                  out_of_memory     413  RESOURCE_EXHAUSTED  one item does not fit in memory even alone
     ├── ModelControlDisabled         model_control_disabled 403 PERMISSION_DENIED load/unload through the API is off
@@ -134,6 +135,13 @@ class WorkerCrashed(ModelFailure):
         super().__init__(message)
         self.ran = ran
         self.watchdog = watchdog  # killed for running too long, not a crash of its own
+
+
+class DeviceLost(ModelFailure):
+    """A sticky CUDA error (a device-side assert, an illegal memory access)
+    lost the CUDA context of the process that ran the batch: nothing can run
+    on CUDA there again. Never split and retried in that process; readiness
+    and liveness fail so that the platform restarts it (runtime/device.py)."""
 
 
 class BatchOutOfMemory(ModelFailure):

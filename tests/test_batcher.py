@@ -314,6 +314,9 @@ class OverlappingDevice:
     def health(self) -> str | None:
         return None
 
+    def free_memory_bytes(self) -> int | None:
+        return None
+
     def close(self) -> None:
         pass
 

@@ -101,6 +101,12 @@ class Executor(Protocol):
         """Why no batch can run now (every worker down), None if one can."""
         ...
 
+    def free_memory_bytes(self) -> int | None:
+        """Device memory a batch could still use, in bytes: free on the device
+        plus what torch's caching allocator holds unused (None: not known here,
+        a CPU or a worker process). The memory ceiling grows only into it."""
+        ...
+
     def close(self) -> None:
         """Release what the executor holds (workers, forward threads)."""
         ...

@@ -83,7 +83,8 @@ class Pipeline:
         cost = options.policy.cost or BatchCostModel()
         self.results = BatchResults(collator, options.policy, stats, name, cost, self.target)
         self.recovery = Recovery(
-            name, options.split_failed_batches, stats, cost, lambda: executor.restart_seconds
+            name, options.split_failed_batches, stats, cost, lambda: executor.restart_seconds,
+            executor.free_memory_bytes,
         )
         self.watchdog = Watchdog(self, options.watchdog_s)
         self.lock = threading.Lock()

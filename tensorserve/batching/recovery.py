@@ -8,6 +8,11 @@ so that a fault stays with the items that cause it.
     out of memory                   the memory ceiling drops, the batch runs again
                                     in halves; an item that does not fit alone fails
                                     with OutOfMemory (its padded size, the ceiling)
+    the CUDA context is lost        every item of the batch fails, none runs again:
+      (a sticky CUDA error in a     nothing can run on CUDA in this process again;
+      thread of this process)       readiness and liveness fail (runtime/device.py).
+                                    In a worker process the worker exits instead, and
+                                    its batch is a crash like the next row's
     the worker died running it      the items run again in halves or one at a time,
       (a crash, the watchdog)       whichever the model's cost and the measured restart
                                     time make cheaper (batching.culprit): only the item
@@ -37,6 +42,7 @@ from tensorserve.batching.results import Batch
 from tensorserve.batching.stats import BatchStats
 from tensorserve.errors import (
     BatchOutOfMemory,
+    DeviceLost,
     ModelFailure,
     OutOfMemory,
     RowErrors,
@@ -59,19 +65,27 @@ class MemoryCeiling:
     """A learned bound on one batch's padded elements: halved below a batch
     that ran out of memory, raised again slowly (by ``GROWTH`` after every
     ``GROW_AFTER`` batches that fit) so one bad moment does not shrink the
-    model's batches forever. The queue forms batches under it."""
+    model's batches forever. The queue forms batches under it.
+
+    Where the executor can tell how much device memory is free (``free_bytes``:
+    CUDA, in this process), the ceiling grows only once more is free than when
+    the batch ran out: on a GPU that other processes share, growing blindly
+    would run out again on purpose, over and over."""
 
     GROW_AFTER = 32
     GROWTH = 1.25
 
-    def __init__(self) -> None:
+    def __init__(self, free_bytes: Callable[[], int | None] = lambda: None) -> None:
         self.limit: int | None = None  # None: nothing learned yet
         self._fitted = 0
+        self._free_bytes = free_bytes
+        self._free_when_out: int | None = None  # bytes free after the last batch ran out
 
     def ran_out(self, padded_elements: int) -> None:
         below = max(1, padded_elements // 2)
         self.limit = below if self.limit is None else min(self.limit, below)
         self._fitted = 0
+        self._free_when_out = self._free_bytes()
 
     def fitted(self) -> bool:
         """A batch fit; True when the limit just went up."""
@@ -81,6 +95,10 @@ class MemoryCeiling:
         if self._fitted < self.GROW_AFTER:
             return False
         self._fitted = 0
+        if self._free_when_out is not None:
+            free = self._free_bytes()
+            if free is not None and free < self._free_when_out * self.GROWTH:
+                return False  # no more room than when it ran out
         self.limit = int(self.limit * self.GROWTH) + 1
         return True
 
@@ -88,7 +106,8 @@ class MemoryCeiling:
 class Recovery:
     """Plans what failed batches become. ``cost`` is the model's learnt cost
     model (taught by ``BatchResults``, only read here); ``restart_s`` reads
-    the executor's measured seconds to restart a worker (None: none yet)."""
+    the executor's measured seconds to restart a worker (None: none yet);
+    ``free_bytes`` its device's free memory (None: unknown)."""
 
     def __init__(
         self,
@@ -97,19 +116,22 @@ class Recovery:
         stats: BatchStats,
         cost: BatchCostModel | None = None,
         restart_s: Callable[[], float | None] = lambda: None,
+        free_bytes: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.name = name
         self.split = split
         self.stats = stats
         self.cost = cost
         self.restart_s = restart_s
-        self.ceiling = MemoryCeiling()
+        self.ceiling = MemoryCeiling(free_bytes)
 
     def plan(self, batch: Batch) -> Plan | None:
         """None: the batch ends as usual (``BatchResults.outcomes``)."""
         error, entries = batch.error, batch.entries
         if error is None:
             return None
+        if isinstance(error, DeviceLost):
+            return Plan([(entry, error, True) for entry in entries])
         if isinstance(error, RowErrors):
             return self._rows(entries, error)
         if isinstance(error, WorkerCrashed) and not error.ran:

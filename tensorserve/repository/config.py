@@ -113,10 +113,11 @@ class Faults(_Strict):
         "callers answered. auto: 50x the slowest batch so far, at least 30 s (off for a "
         "compiled model: compiling a new shape is not a hang); 0: off.",
     )
-    standby_worker: bool = Field(
-        True,
+    standby_worker: bool | Literal["auto"] = Field(
+        "auto",
         description="isolation = 'process': keep one loaded spare worker, so a crashed "
-        "worker is replaced in milliseconds instead of a full model load.",
+        "worker is replaced in milliseconds instead of a full model load. auto: on the CPU "
+        "only (on a GPU a spare holds a CUDA context and a copy of the weights of its own).",
     )
     worker_template: bool = Field(
         True,

@@ -62,6 +62,7 @@ class OnnxModel:
         self.inputs = [spec.name for spec in config.input]
         self.outputs = [spec.name for spec in config.output]
         self.providers: list[Any] = ["CPUExecutionProvider"]
+        self.cuda_device: torch.device | None = None  # set once a session runs on CUDA
         self.session = self._session()
         check_signature(self.session, config, label)
 
@@ -98,6 +99,18 @@ class OnnxModel:
             return self
         self.providers = [(CUDA, {"device_id": device.index or 0}), "CPUExecutionProvider"]
         self.session = self._session()
+        # The provider being available does not mean the session got it: ONNX
+        # Runtime falls back to the CPU, with a warning only, when the CUDA
+        # provider cannot start (a cuDNN or CUDA version it was not built for).
+        problem = provider_problem(self.session.get_providers(), self.device_asked)
+        if problem is not None:
+            if self.device_asked != "auto":
+                raise ConfigError(f"{self.label}: {problem}")
+            log.warning("%s: %s; the session runs on the CPU", self.label, problem)
+            self.providers = ["CPUExecutionProvider"]
+            self.session = self._session()
+            return self
+        self.cuda_device = device
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnnxModel:
@@ -107,17 +120,51 @@ class OnnxModel:
         return twin
 
     def __call__(self, **features: torch.Tensor) -> dict[str, torch.Tensor]:
-        # On CUDA the inputs come back to the host: the session copies them to
-        # its own device buffers, and its outputs arrive on the host.
-        feed = {name: features[name].detach().cpu().numpy() for name in self.inputs}
         try:
-            arrays = self.session.run(self.outputs, feed)
+            if self.cuda_device is not None:
+                arrays = self._run_on_cuda(features, self.cuda_device)
+            else:
+                feed = {name: features[name].detach().cpu().numpy() for name in self.inputs}
+                arrays = self.session.run(self.outputs, feed)
         except Exception as exc:
             text = str(exc)
             if "Failed to allocate memory" in text or "out of memory" in text:
                 raise BatchOutOfMemory(f"{type(exc).__name__}: {text}") from None
             raise
         return {name: torch.from_numpy(array) for name, array in zip(self.outputs, arrays)}
+
+    def _run_on_cuda(self, features: dict[str, torch.Tensor], device: torch.device) -> list[Any]:
+        """The inputs stay where the executor put them (on the GPU): ONNX
+        Runtime reads torch's buffers through IO binding, instead of a copy
+        back to pageable host memory and another to its own GPU buffers. It
+        runs on its own stream, so the instance's stream (which wrote them)
+        is waited for first; the outputs come back to the host once."""
+        binding = self.session.io_binding()
+        held = []  # keeps each bound buffer alive until the run is over
+        for name in self.inputs:
+            tensor = features[name].detach().to(device).contiguous()
+            held.append(tensor)
+            binding.bind_input(
+                name, device_type="cuda", device_id=device.index or 0,
+                element_type=tensor.new_empty(0, device="cpu").numpy().dtype,
+                shape=tuple(tensor.shape), buffer_ptr=tensor.data_ptr(),
+            )  # fmt: skip
+        for name in self.outputs:
+            binding.bind_output(name, device_type="cuda", device_id=device.index or 0)
+        torch.cuda.current_stream(device).synchronize()
+        self.session.run_with_iobinding(binding)
+        return list(binding.copy_outputs_to_cpu())
+
+
+def provider_problem(active: Sequence[str], device_asked: str) -> str | None:
+    """Why a session meant for CUDA is not on it (None: it is), from the
+    session's own providers (``session.get_providers()``), which are what it
+    runs on, not from what the installed package offers."""
+    if CUDA in active:
+        return None
+    return (f"device = {device_asked!r}: ONNX Runtime could not start its CUDA execution "
+            f"provider for this session (it runs on {', '.join(active)}); install the "
+            f"onnxruntime-gpu build that matches this image's CUDA and cuDNN")
 
 
 def check_signature(session: Any, config: ModelConfig, label: str) -> None:

@@ -32,11 +32,40 @@ class FileModel(torch.nn.Module):
     positionally in the program's own order (torch.export)."""
 
     def __init__(self, program: torch.nn.Module, arguments: Sequence[str] | None,
-                 outputs: Sequence[str]) -> None:
+                 outputs: Sequence[str], *, path: Path, label: str,
+                 exported: torch.export.ExportedProgram | None = None) -> None:
         super().__init__()
         self.program = program
         self.arguments = list(arguments) if arguments is not None else None
         self.outputs = list(outputs)
+        self.path, self.label = path, label
+        self.exported = exported  # the torch.export program, rewritten per device
+
+    def to(self, *args: Any, **kwargs: Any) -> FileModel:  # type: ignore[override]
+        """The program on ``device`` (see the module docstring); any other
+        ``to`` (a dtype) is nn.Module's."""
+        device = args[0] if args else kwargs.get("device")
+        if not isinstance(device, (str, torch.device)) or len(args) + len(kwargs) != 1:
+            return super().to(*args, **kwargs)
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self  # loaded there
+        if self.exported is not None:
+            from torch.export.passes import move_to_device_pass
+
+            self.program = move_to_device_pass(self.exported, device).module()
+            return self
+        program = torch.jit.load(str(self.path), map_location=device)
+        fixed = sorted(pinned_devices(program) - {str(device), device.type})
+        if fixed:
+            raise ConfigError(
+                f"{self.label}: the TorchScript program hard-codes device {', '.join(fixed)} in "
+                f"its code (torch.jit.trace records the device it traced on), so it cannot run "
+                f"on {device}: save it with torch.jit.script, or export it with torch.export "
+                f"(model.pt2)"
+            )
+        self.program = program
+        return self
 
     def forward(self, **features: torch.Tensor) -> Mapping[str, torch.Tensor]:
         if self.arguments is None:
@@ -85,7 +114,17 @@ def load_torchscript(path: Path, config: ModelConfig, label: str) -> FileModel:
             raise ConfigError(f"{label}: {signature} takes {argument.name} as "
                               f"{argument.type}, not a Tensor")
     _check_returns(schema.returns, config, label, signature)
-    return FileModel(program, None, [spec.name for spec in config.output])
+    return FileModel(program, None, [spec.name for spec in config.output], path=path, label=label)
+
+
+def pinned_devices(program: torch.jit.ScriptModule) -> set[str]:
+    """The devices a TorchScript program names as constants in its code
+    (a traced ``torch.arange(n)`` becomes ``device=torch.device("cpu")``)."""
+    found = set()
+    for node in program.inlined_graph.nodes():
+        if node.kind() == "prim::Constant" and node.output().type().kind() == "DeviceObjType":
+            found.add(str(node.output().toIValue()))
+    return found
 
 
 def _check_returns(returns: Sequence[Any], config: ModelConfig, label: str, signature: str) -> None:
@@ -129,7 +168,8 @@ def _load_exported(path: Path, config: ModelConfig, label: str) -> FileModel:
     for spec, node in zip(config.output, returned):
         _check_fake(f"{label}: output {spec.name!r}", spec, getattr(node, "meta", {}).get("val"))
     return FileModel(program.module(), [str(name) for name in arguments],
-                     [spec.name for spec in config.output])
+                     [spec.name for spec in config.output], path=path, label=label,
+                     exported=program)
 
 
 def _check_fake(what: str, spec: TensorSpec, value: Any) -> None:

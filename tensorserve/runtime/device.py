@@ -12,6 +12,9 @@ with one synchronisation per batch.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
+import time
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -21,20 +24,100 @@ from tensorserve.runtime.cpus import available_cpus
 from tensorserve.runtime.cuda_diagnosis import cuda_missing
 
 
+log = logging.getLogger(__name__)
+
+
 def resolve_device(name: str) -> torch.device:
-    """``auto`` means CUDA when present; asking for CUDA without one is a
-    ``ConfigError`` that says why CUDA is missing (the model is FAILED)."""
+    """The device a model runs on, always with an index on CUDA.
+
+    ``auto`` means CUDA when present; asking for CUDA without one is a
+    ``ConfigError`` that says why CUDA is missing (the model is FAILED). A
+    bare ``cuda`` (from ``auto``, ``--device cuda`` or the GPU image's
+    ``TENSORSERVE_DEVICE=cuda``) becomes ``cuda:N`` for the current device:
+    ``torch.cuda.set_device`` and NVML need the index, and an index-less
+    device raises there (``ValueError: Expected a torch.device with a
+    specified index``)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device {name!r} requested but CUDA is not available: {cuda_missing()}")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"device {name!r} requested but only {torch.cuda.device_count()} GPU(s) exist"
-            )
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available: {cuda_missing()}")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"device {name!r} requested but only {torch.cuda.device_count()} GPU(s) exist"
+        )
     return device
+
+
+# CUDA errors that leave the process's CUDA context unusable for good: every
+# later kernel launch or copy fails with the same error, and nothing but a new
+# process clears it (a device-side assert, say a token id past an embedding's
+# size, or an illegal memory access). Matched on torch's message, which quotes
+# cudaGetErrorString, because torch raises them as plain RuntimeErrors (or, since
+# 2.8, torch.AcceleratorError, which also covers errors that are not sticky).
+STICKY_CUDA_ERRORS = (
+    "device-side assert triggered",
+    "an illegal memory access was encountered",
+    "unspecified launch failure",
+    "an illegal instruction was encountered",
+    "misaligned address",
+    "operation not supported on global/shared address space",
+    "invalid program counter",
+    "hardware stack error",
+    "uncorrectable ECC error encountered",
+)
+
+
+def sticky_cuda_error(exc: BaseException) -> str | None:
+    """The reason, when ``exc`` is a CUDA error that broke this process's
+    CUDA context for good (None: any other error, which fails only its batch)."""
+    if not isinstance(exc, RuntimeError):  # torch.AcceleratorError is one
+        return None
+    text = str(exc)
+    if "CUDA error" not in text and not isinstance(exc, getattr(torch, "AcceleratorError", ())):
+        return None
+    for sticky in STICKY_CUDA_ERRORS:
+        if sticky in text:
+            first = text.strip().splitlines()[0]
+            return f"{type(exc).__name__}: {first}"
+    return None
+
+
+class ContextLoss:
+    """Whether this process's CUDA context is lost (one per process: the CUDA
+    context is). Set once by the executor that met a sticky CUDA error; read by
+    every executor (a lost context fails every model on CUDA here), readiness
+    and liveness, which fail so that the platform restarts the process: the
+    only way to get a working context back."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reason: str | None = None
+        self.since: float | None = None  # time.monotonic() of the loss
+
+    def lose(self, reason: str, model: str) -> None:
+        with self._lock:
+            if self.reason is not None:
+                return
+            self.reason, self.since = f"model {model!r}: {reason}", time.monotonic()
+        log.error(
+            "the CUDA context of this process is lost: %s; every model on CUDA in this process "
+            "now fails, and readiness and liveness fail so that the platform restarts it "
+            "(isolation = \"process\" confines such an error to one worker, which is replaced)",
+            self.reason,
+        )
+
+    def clear(self) -> None:
+        """For tests: a new process would start with a working context."""
+        with self._lock:
+            self.reason = self.since = None
+
+
+CONTEXT_LOSS = ContextLoss()
 
 
 class DeviceContext:
@@ -50,7 +133,7 @@ class DeviceContext:
         if self.intra_op_threads:
             torch.set_num_threads(self.intra_op_threads)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.device)  # indexed: resolve_device's
             if self.stream is None:  # the instance's model and forward threads share it
                 self.stream = torch.cuda.Stream(self.device)
 
@@ -77,9 +160,15 @@ class DeviceContext:
             buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             buffer.copy_(t, non_blocking=True)
             host[name] = buffer
-        done = torch.cuda.Event()
+        return host, self.record()
+
+    def record(self) -> torch.cuda.Event:
+        """An event after everything queued so far on the instance's stream.
+        ``blocking=True``: waiting on it sleeps the thread instead of spinning
+        a core, which a GPU pod's CPU limit cannot spare."""
+        done = torch.cuda.Event(blocking=True)
         done.record(self.stream)
-        return host, done
+        return done
 
 
 def default_intra_op_threads() -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,10 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorserve.errors import BatchOutOfMemory, ModelFailure
+from tensorserve.errors import BatchOutOfMemory, DeviceLost, ModelFailure
 from tensorserve.repository.config import ModelConfig, OutputSpec
 from tensorserve.repository.parameters import RequestParameterSpec
-from tensorserve.runtime.device import DeviceContext
+from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
 from tensorserve.runtime.runner import InstanceRunner, reply_on_loop
 from tensorserve.tensors.dtypes import from_torch
 from tensorserve.tensors.results import WithParameters
@@ -65,10 +66,19 @@ class Executed:
 
 @dataclass
 class Launched:
+    """A batch queued on the device (on a CPU: already run).
+
+    Nothing of it may be read on the host before ``done`` (on CUDA): the
+    outputs, the per-item results and the output parameters are all written
+    by the instance's stream, which the host and the default stream do not
+    wait for."""
+
     host: dict[str, torch.Tensor] | None  # batched outputs (pinned, still filling on CUDA)
-    done: torch.cuda.Event | None  # recorded after the last device->host copy
+    done: torch.cuda.Event | None  # recorded after the last of the batch's work (CUDA)
     per_item: list[Any] | None
     parameters: Mapping[str, Any] | None = None  # as the model returned them
+    started: torch.cuda.Event | None = None  # recorded before the forward (CUDA)
+    seconds: float | None = None  # the forward's time, where launch ran it (a CPU)
 
 
 class ThreadExecutor:
@@ -80,6 +90,7 @@ class ThreadExecutor:
         *,
         instance_count: int = 1,
         intra_op_threads: int | None = None,
+        name: str = "model",
     ) -> None:
         self.fn = fn
         self.device = device
@@ -96,6 +107,7 @@ class ThreadExecutor:
         self._runners: list[InstanceRunner | None] = [None] * instance_count
         self.restarts = 0  # a thread is never replaced
         self.restart_seconds: float | None = None
+        self.label = name  # for messages
 
     def abort(self, launched: Launched, because: str) -> bool:
         return False  # a forward in a thread of this process cannot be stopped
@@ -104,7 +116,16 @@ class ThreadExecutor:
         """Nothing to restore: the instance lives in this process."""
 
     def health(self) -> str | None:
-        return None
+        """A lost CUDA context (``device.CONTEXT_LOSS``) is the one thing that
+        stops a thread executor for good."""
+        return _lost(CONTEXT_LOSS.reason)
+
+    def free_memory_bytes(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return int(free + cached)
 
     def start_instance(self, instance: int) -> None:
         self._contexts[instance].enter_thread()
@@ -117,10 +138,14 @@ class ThreadExecutor:
     ) -> Launched:
         """Queue the batch on the device (on a CPU this runs it to the end).
         Out of memory: the caches are freed, then ``BatchOutOfMemory`` (the
-        batcher splits the batch and lowers its ceiling)."""
+        batcher splits the batch and lowers its ceiling). A sticky CUDA
+        error: ``DeviceLost``, now and for every later batch."""
+        if CONTEXT_LOSS.reason is not None:
+            raise DeviceLost(f"model {self.label!r}: {_lost(CONTEXT_LOSS.reason)}")
         try:
             return self._launch(features, instance, parameters)
         except Exception as exc:
+            self._raise_if_sticky(exc)
             if not is_out_of_memory(exc):
                 raise
             reason = f"{type(exc).__name__}: {exc}"
@@ -136,7 +161,13 @@ class ThreadExecutor:
         parameters: Mapping[str, list[Any]] | None,
     ) -> Launched:
         context = self._contexts[instance]
+        on_cuda = context.stream is not None
         with context.running():
+            # The batch's time is the device's: CUDA events on the instance's
+            # stream (a batch launched ahead waits behind the previous one,
+            # which a host clock from launch to collect would count as its own).
+            started = context.record() if on_cuda else None
+            clock = time.perf_counter()
             arguments = context.to_device(features)
             if parameters:  # a model that declares none gets exactly its features
                 arguments.update(self._parameter_arguments(parameters, context))
@@ -145,12 +176,27 @@ class ThreadExecutor:
             if isinstance(result, WithParameters):
                 result, returned = result.outputs, result.parameters
             if isinstance(result, (list, tuple)):
-                return Launched(None, None, list(result), returned)
+                done = context.record() if on_cuda else None
+                seconds = None if on_cuda else time.perf_counter() - clock
+                return Launched(None, done, list(result), returned, started, seconds)
             named = named_outputs(result, self.outputs)
             host, done = context.to_host(
                 {spec.name: named[spec.name].to(spec.dt.torch) for spec in self.outputs}
             )
-        return Launched(host, done, None, returned)
+        seconds = None if on_cuda else time.perf_counter() - clock
+        return Launched(host, done, None, returned, started, seconds)
+
+    def _raise_if_sticky(self, exc: BaseException) -> None:
+        """A sticky CUDA error lost this process's CUDA context: say so once
+        (readiness and liveness fail from now on) and fail the batch with
+        ``DeviceLost``, which is never split and retried here: every retry
+        would fail the same way. In a worker process the worker exits instead
+        (worker_main.py) and its replacement has a fresh context."""
+        reason = sticky_cuda_error(exc)
+        if reason is None:
+            return
+        CONTEXT_LOSS.lose(reason, self.label)
+        raise DeviceLost(f"model {self.label!r}: {_lost(reason)}") from exc
 
     def _parameter_arguments(
         self, columns: Mapping[str, list[Any]], context: DeviceContext
@@ -169,18 +215,28 @@ class ThreadExecutor:
         return {**arguments, **tensors}
 
     def collect(self, launched: Launched) -> Executed:
-        """Wait for the device (one synchronisation per batch); host arrays."""
-        parameters = None
-        if launched.parameters is not None:  # reading a tensor's values waits for it
-            parameters = output_parameters(launched.parameters)
-        if launched.per_item is not None:
-            items = [self._item_result(entry) for entry in launched.per_item]
-            return Executed(None, items, parameters=parameters)
-        if launched.done is not None:
-            launched.done.synchronize()
+        """Wait for the device (one synchronisation per batch); host arrays.
+        Everything the batch produced is read only after its ``done`` event:
+        output parameters and per-item results too, which a read on another
+        stream (``.tolist()``, ``.cpu()``) would otherwise take stale."""
+        try:
+            seconds = launched.seconds
+            if launched.done is not None:
+                launched.done.synchronize()
+                if launched.started is not None:
+                    seconds = launched.started.elapsed_time(launched.done) / 1000.0
+            parameters = None
+            if launched.parameters is not None:
+                parameters = output_parameters(launched.parameters)
+            if launched.per_item is not None:
+                items = [self._item_result(entry) for entry in launched.per_item]
+                return Executed(None, items, seconds, parameters)
+        except Exception as exc:
+            self._raise_if_sticky(exc)  # an asynchronous CUDA error surfaces here
+            raise
         assert launched.host is not None
         host = {name: from_torch(t) for name, t in launched.host.items()}
-        return Executed(host, None, parameters=parameters)
+        return Executed(host, None, seconds, parameters)
 
     def _item_result(self, entry: Any) -> Any:
         """One entry of a per-item result list, as host arrays (or the item's Exception)."""
@@ -255,6 +311,13 @@ def output_parameters(returned: Mapping[str, Any]) -> dict[str, list[Any]]:
                 )
         columns[name] = list(values)
     return columns
+
+
+def _lost(reason: str | None) -> str | None:
+    if reason is None:
+        return None
+    return (f"the CUDA context of this server process is lost ({reason}); only a restart "
+            f"recovers it, so readiness and liveness fail")
 
 
 def _scalar(value: Any) -> bool:

@@ -33,6 +33,12 @@ MAX_HEADER_BYTES = 16 << 20
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 
+# The exit code of a worker whose CUDA context a sticky CUDA error lost: it
+# can run nothing on CUDA again, so it exits and the server replaces it. Its
+# batch counts as one that crashed its worker, so recovery pins the failure on
+# the items that cause it (batching/recovery.py).
+EXIT_DEVICE_LOST = 70
+
 
 def send(sock: socket.socket, header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = None) -> None:
     """Send ``header`` and the named host arrays (dtype given per array by name)."""

@@ -103,7 +103,11 @@ class ProcessExecutor:
             WorkerProcess(self.hello, f"{self.label} instance {i}", self.template)
             for i in range(config.instance_count)
         ]
-        self.standby = Standby(self.hello, self.label, self.template) if faults.standby_worker else None
+        # A spare on a GPU would hold a CUDA context and a copy of the weights
+        # there for a crash that may never come: by default, only on the CPU.
+        on_cpu = resolve_device(config.device).type == "cpu"
+        standby = on_cpu if faults.standby_worker == "auto" else faults.standby_worker
+        self.standby = Standby(self.hello, self.label, self.template) if standby else None
         self.restarts = 0  # dead workers replaced (tensorserve_worker_restarts_total)
         # A moving average of what replacing one cost: a swap when the standby
         # was loaded, a wait for it or a model load when crashes came faster.
@@ -131,6 +135,9 @@ class ProcessExecutor:
 
     def start_instance(self, instance: int) -> None:
         """Thread set-up happens in the worker."""
+
+    def free_memory_bytes(self) -> int | None:
+        return None  # the device is the workers'
 
     def health(self) -> str | None:
         """Why no batch can run now (None: one can)."""

@@ -64,6 +64,7 @@ def _thread(request: ExecutorRequest) -> BuiltExecutor:
     executor = ThreadExecutor(
         fn, config, device,
         instance_count=config.instance_count, intra_op_threads=request.intra_op_threads,
+        name=request.name,
     )  # fmt: skip
     return BuiltExecutor(executor, version, fn)
 

@@ -123,8 +123,13 @@ class PlacedExecutor:
         part, local = self._route[instance]
         part.repair(local)
 
+    def free_memory_bytes(self) -> int | None:
+        """The least any part's device has: batches form under one ceiling."""
+        known = [part.free_memory_bytes() for part in self.parts]
+        return None if None in known else min(b for b in known if b is not None)
+
     def health(self) -> str | None:
-        return None
+        return next((why for part in self.parts if (why := part.health())), None)
 
     def devices(self) -> list[torch.device]:
         """Each instance's device, in the batcher's instance order."""

@@ -24,7 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from tensorserve.errors import BatchOutOfMemory, ConfigError, RowErrors, as_model_failure
+from tensorserve.errors import (
+    BatchOutOfMemory,
+    ConfigError,
+    DeviceLost,
+    RowErrors,
+    as_model_failure,
+)
 from tensorserve.repository.config import ModelConfig, parse_config
 from tensorserve.repository.loader import ModelSource, load_model
 from tensorserve.runtime import ipc
@@ -46,6 +52,7 @@ def _load(hello: dict[str, Any], *, enter: bool = True) -> tuple[ModelConfig, Th
         config,
         device,
         intra_op_threads=hello["intra_op_threads"],
+        name=name,
     )
     if enter:  # threads, inference mode, CUDA stream: on this thread
         executor.start_instance(0)
@@ -83,6 +90,10 @@ def _run_batch(
         return {"error": exc.message, "kind": "oom"}, {}
     except RowErrors as exc:  # some rows failed: the server runs the others again
         return {"error": str(exc), "kind": "rows", "rows": sorted(exc.errors.items())}, {}
+    except DeviceLost as exc:
+        log.error("%s; this worker exits and the server replaces it", exc.message)
+        logging.shutdown()
+        os._exit(ipc.EXIT_DEVICE_LOST)
     except Exception as exc:  # the model failed: this batch only
         return {"error": as_model_failure(exc, name).message}, {}
 

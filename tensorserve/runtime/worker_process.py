@@ -60,6 +60,8 @@ def _died(returncode: int | None) -> str:
         return "still running, but its connection broke"
     if returncode < 0:
         return f"killed by signal {signal.Signals(-returncode).name}"
+    if returncode == ipc.EXIT_DEVICE_LOST:
+        return f"exit code {returncode}: a sticky CUDA error lost its CUDA context"
     return f"exit code {returncode}"
 
 

@@ -8,8 +8,13 @@ answered its callers; the instance is lost for good. Once one has been stuck
 longer than ``--liveness-stall-s``, ``/v2/health/live`` answers 503 and the
 orchestrator restarts the pod.
 
+The other: a sticky CUDA error (a device-side assert, an illegal memory
+access) in a thread of the server process lost its CUDA context, which no
+call can clear (runtime/device.py, ``CONTEXT_LOSS``). Liveness fails at
+once: waiting cannot help.
+
 A worker process that hangs is killed and replaced by the watchdog, so it is
-never stuck, and the server stays live. Nor is a batch the watchdog still
+never stuck, and the server stays live; so is one whose CUDA context is lost. Nor is a batch the watchdog still
 allows (``[faults] watchdog_ms``, off for a compiled model by default):
 liveness only counts what the watchdog already gave up on.
 """
@@ -20,6 +25,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from tensorserve.runtime.device import CONTEXT_LOSS
 from tensorserve.serving.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
@@ -69,6 +75,16 @@ class Liveness:
                     found.append(Wedged(entry.name, str(served.version), instance, stalled_s))
         self._log_new(found)
         return found
+
+    @staticmethod
+    def context_lost() -> str | None:
+        """Why this process's CUDA context is gone (None: it is not); the
+        executor that met the error logged it once."""
+        reason = CONTEXT_LOSS.reason
+        if reason is None:
+            return None
+        return (f"the CUDA context of this process is lost ({reason}); only a restart "
+                f"recovers it")
 
     def _log_new(self, found: list[Wedged]) -> None:
         keys = {(w.model, w.version, w.instance): w for w in found}
