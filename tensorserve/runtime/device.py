@@ -103,7 +103,7 @@ class ContextLoss:
         with self._lock:
             if self.reason is not None:
                 return
-            self.reason, self.since = f"model {model!r}: {reason}", time.monotonic()
+            self.reason, self.since = f"model {model!r} met {reason}", time.monotonic()
         log.error(
             "the CUDA context of this process is lost: %s; every model on CUDA in this process "
             "now fails, and readiness and liveness fail so that the platform restarts it "

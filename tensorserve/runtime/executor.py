@@ -196,7 +196,7 @@ class ThreadExecutor:
         if reason is None:
             return
         CONTEXT_LOSS.lose(reason, self.label)
-        raise DeviceLost(f"model {self.label!r}: {_lost(reason)}") from exc
+        raise DeviceLost(f"model {self.label!r}: {_lost(CONTEXT_LOSS.reason)}") from exc
 
     def _parameter_arguments(
         self, columns: Mapping[str, list[Any]], context: DeviceContext
