@@ -39,7 +39,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, cast
+from typing import Any, cast, final
 
 from tensorserve.batching.admission import NO_PARAMETERS, AdmissionQueue, BatcherOptions, Pending
 from tensorserve.batching.collate import Collator
@@ -73,9 +73,9 @@ def _time_out(waiting: asyncio.Future, name: str, timeout: float) -> None:
         waiting.set_exception(DeadlineExceeded(f"model {name!r}: no result within {timeout} s"))
 
 
+@final  # one per model, never specialised: its context manager returns a Batcher
 class Batcher:
-    """One model's queue and pipeline. ``start()`` before use, ``close()`` after
-    (or use it as a context manager)."""
+    """One model's queue and pipeline: ``start()`` before use, ``close()`` after (or ``with``)."""
 
     def __init__(
         self,
@@ -329,7 +329,7 @@ class Batcher:
             batch.started = time.perf_counter()
             padded = batch.padded
             batch.launched = executor.try_launch_direct(padded.features, instance, padded.parameters)
-        except BaseException as exc:  # the model's own failure, reported at once
+        except BaseException as exc:  # noqa: BLE001 - the model's own failure, reported at once
             batch.error, batch.ran = exc, True
             self._release(batch, instance)
             return
@@ -347,7 +347,7 @@ class Batcher:
         batch.loop = loop
         try:
             batch.finish_now = executor.collect_soon(batch.launched, loop, done)
-        except BaseException as exc:  # could not even watch the socket
+        except BaseException as exc:  # noqa: BLE001 - could not even watch the socket
             done(None, exc)
 
     def _release(self, batch: Batch | None, instance: int) -> None:

@@ -120,7 +120,9 @@ class BatchCostModel:
         if fixed + per_element + per_step > 0:
             self.coefficients = (fixed, per_element, per_step)
 
-    def cost(self, size: int | np.ndarray, longest: np.ndarray) -> np.ndarray:
+    def cost(self, size: int | np.ndarray, longest: int | np.ndarray) -> float | np.ndarray:
+        """Predicted seconds of a batch of ``size`` items padded to ``longest``:
+        elementwise over arrays (the policy's grid), one number for numbers."""
         assert self.coefficients is not None
         fixed, per_element, per_step = self.coefficients
         return fixed + per_element * size * longest + per_step * longest

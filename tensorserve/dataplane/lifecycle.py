@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from typing import Any
+from types import TracebackType
 
 from tensorserve.errors import ModelNotReady
 
@@ -116,5 +116,8 @@ class Tracked:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self._lifecycle._untrack(self._task, exc)

@@ -178,8 +178,9 @@ async def _serve(
         host, port = sock.getsockname()[:2]
         log.info("serving %s on http://%s:%s", settings.model_repository, host, port)
         await stop.wait()
-        assert app[PLANE].lifecycle is not None
-        await _shut_down(app[PLANE].lifecycle, runner, site, sock, settings, others)
+        lifecycle = app[PLANE].lifecycle
+        assert lifecycle is not None  # set by the app's start-up, which has run
+        await _shut_down(lifecycle, runner, site, sock, settings, others)
     finally:
         for front_end in others:
             await front_end.close()

@@ -83,7 +83,7 @@ def _run_batch(
         return {"error": exc.message, "kind": "oom"}, {}
     except RowErrors as exc:  # some rows failed: the server runs the others again
         return {"error": str(exc), "kind": "rows", "rows": sorted(exc.errors.items())}, {}
-    except Exception as exc:  # the model failed: this batch only
+    except Exception as exc:  # noqa: BLE001 - the model failed: this batch only
         return {"error": as_model_failure(exc, name).message}, {}
 
 
@@ -92,7 +92,7 @@ def serve(sock: socket.socket) -> int:
     _log_as(hello)
     try:
         config, executor = _load(hello)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
         ipc.send(sock, {"error": _reason(exc)})
         return 1
     ipc.send(sock, {"ready": True, "pid": os.getpid()})
@@ -142,7 +142,7 @@ def template(control: socket.socket) -> int:
         # the template never touches CUDA. torch is imported either way.
         if hello.get("template_loads"):
             loaded = _load(hello, enter=False)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
         socket.send_fds(control, [msgpack.packb({"error": _reason(exc)})], [])
         return 1
     exited: dict[int, int] = {}
@@ -186,7 +186,7 @@ def _fork_worker(control: socket.socket, sock: socket.socket, hello: dict[str, A
         try:
             config, executor = loaded if loaded is not None else _load(hello, enter=False)
             executor.start_instance(0)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
             ipc.send(sock, {"error": _reason(exc)})
         else:
             ipc.send(sock, {"ready": True, "pid": os.getpid()})
