@@ -63,7 +63,7 @@ DIRECT_MAX_ELEMENTS = 1 << 17
 # batch the moment a forward ends. That matters once the forward is long
 # enough for the batcher to be busy: a 1 ms toy in the fault soak served 0.94x
 # the items/s driven and 1.01x through its threads (20 and 12 paired rounds,
-# docs/performance.md); the GIL the loop saves is worth it for short forwards
+# benchmarks/results/HISTORY.md); the GIL the loop saves is worth it for short forwards
 # (the model-free toy: 268 -> 213 us of CPU per request).
 DIRECT_MAX_FORWARD_S = 0.0005
 
@@ -291,7 +291,7 @@ class Batcher:
         """A model thread about to take a batch offers it to its callers' loop
         (the lock held; True: offered, it parks). A lone caller of a model in a
         thread is served by the model thread (~85 us of CPU less than driven);
-        once others wait the loop owns the batches again (docs/performance.md)."""
+        once others wait the loop owns the batches again (benchmarks/results/HISTORY.md)."""
         p = self.pipeline
         if p.retries or len(p.queue) <= 1 or p.recent_forward_s >= DIRECT_MAX_FORWARD_S:
             return False
@@ -360,7 +360,7 @@ class Batcher:
         model's batches form, pad, run and finish on the loop alone: its model
         and finisher threads stay parked and never take the GIL from the loop
         (that contention cost ~20% of the server's CPU per request,
-        docs/performance.md). A batch that did not run (``batch`` None or
+        benchmarks/results/HISTORY.md). A batch that did not run (``batch`` None or
         never sent) and a closing batcher go back to the threads."""
         p = self.pipeline
         if batch is not None:

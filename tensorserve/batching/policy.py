@@ -162,7 +162,7 @@ class LengthAwarePolicy:
         # (size, start) grid of strided views (no copies, no fancy indexing),
         # a block of sizes at a time so that each block stays in cache:
         # a few numpy passes instead of a Python loop of numpy calls per
-        # size, which cost ~0.3 ms a batch at 64 waiting (docs/performance.md).
+        # size, which cost ~0.3 ms a batch at 64 waiting (benchmarks/results/HISTORY.md).
         # Row-major argmax, strict across blocks, keeps that loop's choice:
         # the best score, then the fewest items, then the first start.
         most = min(max_batch_size, n)
