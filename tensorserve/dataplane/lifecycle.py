@@ -1,6 +1,6 @@
 """Where the server is in its shutdown, as every front end sees it.
 
-``tensorserve/server.py`` owns the one ``Lifecycle`` of a running server (the
+``tensorserve/http/server.py`` owns the one ``Lifecycle`` of a running server (the
 ``DataPlane``'s, shared by the HTTP and gRPC front ends) and moves it through
 its phases on SIGTERM or SIGINT (docs/reliability.md, "Shutdown"):
 

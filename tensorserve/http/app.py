@@ -98,7 +98,7 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
     loop_lag = LoopLag()  # the loop's (gRPC's calls run on it too); exported, dataplane/lag.py
     metrics = Metrics(registry, liveness, loop_lag=lambda: loop_lag.seconds)
     plane = DataPlane(settings, registry, metrics, liveness, tracer)
-    app[PLANE] = plane  # what the gRPC front end, when there is one, shares (tensorserve/server.py)
+    app[PLANE] = plane  # what the gRPC front end, when there is one, shares (http/server.py)
     app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, plane.metrics
     for method, path, handler, _ in ROUTES:
         if method == "GET":
