@@ -31,10 +31,13 @@ PROTOS = ROOT / "tensorserve" / "grpc" / "protos" / "kserve_v2.binpb"
 OUT = ROOT / "tensorserve" / "grpc" / "generated"
 PACKAGE = "tensorserve.grpc.generated"
 # The Python client's copy of the message modules (not the service stub): it
-# never imports the server. tests/client/test_grpc_stubs.py holds them equal.
+# never imports the server. tests/client/test_grpc.py holds them equal.
 CLIENT_OUT = ROOT / "clients" / "python" / "tensorserve_client" / "_kserve"
 CLIENT_PACKAGE = "tensorserve_client._kserve"
-CLIENT_MODULES = ("model_config_pb2.py", "grpc_service_pb2.py")
+# With their type stubs: the client ships py.typed, and mypy checks its gRPC
+# transport against them.
+CLIENT_MODULES = ("model_config_pb2.py", "grpc_service_pb2.py",
+                  "model_config_pb2.pyi", "grpc_service_pb2.pyi")
 FILES = ("model_config.proto", "grpc_service.proto")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -31,7 +31,15 @@ MAX_TIMEOUT_MS = MAX_TIMEOUT_S * 1000
 # variables, take them from here. A bound only config.toml knew let
 # `--instance-count 99` start a server whose every model then failed to load;
 # now the flag is refused as the config would be (one line, exit status 2).
-BOUNDS: dict[str, dict[str, float]] = {
+class Bounds(TypedDict, total=False):
+    """A number's bounds, as pydantic's ``Field`` takes them (``**BOUNDS[name]``)."""
+
+    ge: float
+    gt: float
+    le: float
+
+
+BOUNDS: dict[str, Bounds] = {
     "max_batch_size": {"ge": 0, "le": 65_536},
     "max_queue_delay_ms": {"ge": 0, "le": 60_000},
     "instance_count": {"ge": 1, "le": 16},

@@ -118,3 +118,44 @@ def test_expire_answers_late_items_and_drops_those_whose_caller_left() -> None:
     assert [(e, type(err), failed) for e, err, failed in expired] == [(late, DeadlineExceeded, True)]
     assert "model 'toy': item waited past its deadline" in str(expired[0][1])
     assert live.future.running()  # marked running: a late cancel() cannot race the result
+
+
+# ---------------------------------------------------------------------- Retry-After
+def full_queue_retry_after(queue: AdmissionQueue, now: float) -> float:
+    """The Retry-After of a request as large as the whole queue, refused at ``now``."""
+    with pytest.raises(ServerBusy) as refused:
+        queue.admit([entry(1) for _ in range(queue.options.max_queue_size)], now)
+    return refused.value.retry_after
+
+
+def test_retry_after_is_the_queue_ahead_over_the_rate_a_backlog_drained() -> None:
+    queue = make_queue(max_queue_size=40, max_batch_size=4)
+    queue.admit([entry(1) for _ in range(40)], 0.0)
+    assert full_queue_retry_after(queue, 0.0) == 1.0  # nothing measured: the lower bound
+    for now in (1.0, 3.0, 5.0):  # 4 items every 2 s from a backlog: 2 items/s
+        assert len(queue.take(now)) == 4
+    # 28 wait: a request of 40 must wait for 28 to leave, 14 s at 2 items/s.
+    assert full_queue_retry_after(queue, 5.0) == pytest.approx(14.0)
+
+
+def test_a_batch_declined_right_after_it_was_taken_is_not_credited_twice() -> None:
+    queue = make_queue(max_queue_size=40, max_batch_size=4)
+    queue.admit([entry(1) for _ in range(40)], 0.0)
+    queue.take(1.0)
+    queue.take(3.0)  # 4 items in 2 s
+    declined = queue.take(3.5)  # taken and handed straight back (the loop declined it)
+    queue.put_back(declined, declined=True)
+    queue.take(5.0)  # the same 4 items, taken again: 4 in 2 s, not 8
+    assert len(queue) == 28
+    # At 2 items/s: 14 s. Crediting the declined take too would say 4 items/s, 7 s.
+    assert full_queue_retry_after(queue, 5.0) == pytest.approx(14.0)
+
+
+def test_idle_time_after_the_queue_emptied_does_not_slow_the_drain_rate() -> None:
+    queue = make_queue(max_queue_size=40, max_batch_size=4)
+    queue.admit([entry(1) for _ in range(8)], 0.0)
+    queue.take(1.0)
+    queue.take(3.0)  # 4 items in 2 s; the queue is empty
+    queue.admit([entry(1) for _ in range(40)], 100.0)  # 97 s idle, then a burst
+    queue.take(100.0)
+    assert full_queue_retry_after(queue, 100.0) == pytest.approx(36 / 2)

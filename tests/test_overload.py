@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tensorserve import DeadlineExceeded, ServedModel, ServerBusy
-from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, DrainRate, Pending
+from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending, retry_after_s
+from tensorserve.batching.drain import DrainRate
 from tensorserve.errors import RequestTooLarge
 from tensorserve.http.app import create_app
 from tensorserve.settings import Settings
@@ -56,12 +57,12 @@ def test_items_whose_caller_left_or_whose_deadline_passed_free_their_slots() -> 
 
 def test_retry_after_is_the_queue_ahead_over_the_measured_drain_rate() -> None:
     rate = DrainRate()
-    assert rate.seconds_for(100, 0.0) == 1.0  # nothing measured: the lower bound
+    assert retry_after_s(rate.seconds_for(100)) == 1.0  # nothing measured: the lower bound
     for second in range(10):
-        rate.taken(20, float(second))  # 20 items a second
-    assert rate.seconds_for(100, 10.0) == pytest.approx(100 / 20, rel=0.15)
-    assert rate.seconds_for(1, 10.0) == 1.0  # clamped below
-    assert rate.seconds_for(100_000, 10.0) == 60.0  # and above
+        rate.taken(20, float(second), left=50)  # 20 items a second, from a backlog
+    assert rate.seconds_for(100) == pytest.approx(100 / 20)
+    assert retry_after_s(rate.seconds_for(1)) == 1.0  # clamped below
+    assert retry_after_s(rate.seconds_for(100_000)) == 60.0  # and above
 
 
 async def test_an_item_that_timed_out_leaves_the_queue_at_once() -> None:

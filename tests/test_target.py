@@ -35,7 +35,7 @@ def drained(target: LatencyTarget, takes: list[tuple[int, float]], left: int = 1
     now = 100.0
     for items, gap in takes:
         now += gap
-        target.taken(items, now, left)
+        target.drain.taken(items, now, left)
 
 
 def test_nothing_is_refused_until_batches_were_measured() -> None:
@@ -86,10 +86,10 @@ def test_big_batches_of_short_items_do_not_make_a_queue_of_every_length_look_fas
 
 def test_only_the_time_after_a_take_that_left_items_waiting_counts() -> None:
     target = LatencyTarget(100, max_batch_size=8, max_queue_delay_ms=5, instances=1)
-    target.taken(2, 100.0, left=0)  # the queue emptied: the next 5 s were idle
-    target.taken(2, 105.0, left=3)
-    assert target._backlogged == (0.0, 0.0)  # nothing drained from a backlog yet
-    target.taken(8, 105.01, left=3)
+    target.drain.taken(2, 100.0, left=0)  # the queue emptied: the next 5 s were idle
+    target.drain.taken(2, 105.0, left=3)
+    assert target.drain.items_per_s() is None  # nothing drained from a backlog yet
+    target.drain.taken(8, 105.01, left=3)
     assert target.drain_rate() == pytest.approx(800)
 
 
@@ -302,7 +302,7 @@ async def test_the_loops_lag_measures_a_loop_held_by_blocking_work() -> None:
     try:
         ticked = asyncio.Event()
         await asyncio.sleep(2 * LoopLag.INTERVAL_S)
-        time.sleep(0.060)  # the loop runs nothing else meanwhile
+        time.sleep(0.060)  # noqa: ASYNC251 - blocks the loop on purpose: nothing else runs
         asyncio.get_running_loop().call_soon(ticked.set)  # after the late tick, which is due first
         await ticked.wait()
         assert lag.seconds >= 0.050

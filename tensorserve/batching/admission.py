@@ -16,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, cast
 
+from tensorserve.batching.drain import DrainRate
 from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import (
@@ -42,6 +42,8 @@ WINDOW_BATCHES = 16
 # predicted wait (FIFO through the queue ahead) is off at the tail (measured
 # on the tagger at 1.5x: server p99 184 ms against a 150 ms target).
 TARGET_WINDOW_BATCHES = 1
+# The bounds of a refusal's Retry-After, in seconds.
+RETRY_AFTER_S = (1.0, 60.0)
 # The parameters of an item whose model declares none: one shared empty map.
 NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({})
 
@@ -71,29 +73,11 @@ class BatcherOptions:
         self.max_batch_size = max(1, self.max_batch_size)
 
 
-class DrainRate:
-    """How fast the queue empties: items taken over the last ``WINDOW_S``, for
-    the ``Retry-After`` of a refusal (clamped to ``RETRY_AFTER_S``)."""
-
-    WINDOW_S = 10.0
-    RETRY_AFTER_S = (1.0, 60.0)
-
-    def __init__(self) -> None:
-        self._taken: deque[tuple[float, int]] = deque()
-
-    def taken(self, count: int, now: float) -> None:
-        self._taken.append((now, count))
-        while self._taken and self._taken[0][0] < now - self.WINDOW_S:
-            self._taken.popleft()
-
-    def seconds_for(self, items: int, now: float) -> float:
-        """When ``items`` more will have left the queue, at the recent rate."""
-        low, high = self.RETRY_AFTER_S
-        recent = [count for at, count in self._taken if at >= now - self.WINDOW_S]
-        if not recent:
-            return low  # nothing measured yet
-        span = max(now - self._taken[0][0], 1.0)
-        return min(high, max(low, items / (sum(recent) / span)))
+def retry_after_s(seconds: float | None) -> float:
+    """The ``Retry-After`` of a refusal, from the seconds until there is room
+    (None: not yet measured), clamped to ``RETRY_AFTER_S``."""
+    low, high = RETRY_AFTER_S
+    return low if seconds is None else min(high, max(low, seconds))
 
 
 @dataclass(eq=False)
@@ -146,7 +130,9 @@ class AdmissionQueue:
         self.name = name
         self._padded_elements = padded_elements  # of a batch of these items (collate)
         self._waiting: list[Pending] = []
-        self.drain_rate = DrainRate()
+        # How fast this queue drains, for Retry-After; with a target, the
+        # target's, which predicts from the same estimate. Written only here.
+        self.drain_rate = target.drain if target is not None else DrainRate()
         # A ceiling on padded elements learned from out-of-memory failures
         # (batching.recovery.MemoryCeiling), below the configured cap.
         self.memory_limit: int | None = None
@@ -172,7 +158,7 @@ class AdmissionQueue:
             raise ServerBusy(
                 f"model {self.name!r} queue is full ({len(self._waiting)} items waiting, "
                 f"limit {limit}); retry later",
-                retry_after=self.drain_rate.seconds_for(ahead, now),
+                retry_after=retry_after_s(self.drain_rate.seconds_for(ahead)),
             )
         if self.target is not None:  # late: refused now, not queued (batching.target)
             self.refuse_if_late(entries[0].priority, len(entries))
@@ -194,11 +180,10 @@ class AdmissionQueue:
         if predicted is None:
             return
         target_s = self.target.target_s
-        low, high = DrainRate.RETRY_AFTER_S
         raise WouldMissTarget(
             f"model {self.name!r} would answer in ~{1000 * predicted:.0f} ms, over its "
             f"{1000 * target_s:.0f} ms latency target ({ahead} items ahead); retry later",
-            retry_after=min(high, max(low, predicted - target_s)),
+            retry_after=retry_after_s(predicted - target_s),
         )
 
     def oldest_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -231,8 +216,8 @@ class AdmissionQueue:
             return
         leaving = {id(p) for p in entries}
         self._waiting = [p for p in self._waiting if id(p) not in leaving]
-        if not self._waiting and self.target is not None:
-            self.target.emptied()
+        if not self._waiting:
+            self.drain_rate.emptied()
 
     def due_in(self, now: float, *, ahead: bool, closing: bool) -> float:
         """Seconds until a batch should be formed: 0 now, ``math.inf`` not
@@ -270,9 +255,7 @@ class AdmissionQueue:
             return []
         taken = {positions[i] for i in chosen}
         self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
-        self.drain_rate.taken(len(chosen), now)
-        if self.target is not None:
-            self.target.taken(len(chosen), now, len(self._waiting))
+        self.drain_rate.taken(len(chosen), now, len(self._waiting))
         return [window[i] for i in chosen]
 
     def _window(self, now: float) -> list[int]:
@@ -318,16 +301,15 @@ class AdmissionQueue:
         """Return taken entries to the head of the queue, in their order (a
         batch the direct path could not send goes to the model threads).
         ``declined``: taken by the last ``take``, under the same hold of the
-        lock, and never meant to run: the target forgets that take."""
+        lock, and never meant to run: the drain rate forgets that take."""
         self._waiting[:0] = entries
-        if declined and self.target is not None:
-            self.target.put_back()
+        if declined:
+            self.drain_rate.put_back()
 
     def drain(self) -> list[Pending]:
         """Remove and return everything waiting."""
         waiting, self._waiting = self._waiting, []
-        if self.target is not None:
-            self.target.emptied()
+        self.drain_rate.emptied()
         return waiting
 
     def expire(self, entries: Sequence[Pending], now: float) -> tuple[list[Pending], list[Outcome]]:

@@ -39,7 +39,7 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, cast
+from typing import Any, cast, final
 
 from tensorserve.batching.admission import NO_PARAMETERS, AdmissionQueue, BatcherOptions, Pending
 from tensorserve.batching.collate import Collator
@@ -63,7 +63,7 @@ DIRECT_MAX_ELEMENTS = 1 << 17
 # batch the moment a forward ends. That matters once the forward is long
 # enough for the batcher to be busy: a 1 ms toy in the fault soak served 0.94x
 # the items/s driven and 1.01x through its threads (20 and 12 paired rounds,
-# docs/performance.md); the GIL the loop saves is worth it for short forwards
+# benchmarks/results/HISTORY.md); the GIL the loop saves is worth it for short forwards
 # (the model-free toy: 268 -> 213 us of CPU per request).
 DIRECT_MAX_FORWARD_S = 0.0005
 
@@ -73,9 +73,9 @@ def _time_out(waiting: asyncio.Future, name: str, timeout: float) -> None:
         waiting.set_exception(DeadlineExceeded(f"model {name!r}: no result within {timeout} s"))
 
 
+@final  # one per model, never specialised: its context manager returns a Batcher
 class Batcher:
-    """One model's queue and pipeline. ``start()`` before use, ``close()`` after
-    (or use it as a context manager)."""
+    """One model's queue and pipeline: ``start()`` before use, ``close()`` after (or ``with``)."""
 
     def __init__(
         self,
@@ -291,7 +291,7 @@ class Batcher:
         """A model thread about to take a batch offers it to its callers' loop
         (the lock held; True: offered, it parks). A lone caller of a model in a
         thread is served by the model thread (~85 us of CPU less than driven);
-        once others wait the loop owns the batches again (docs/performance.md)."""
+        once others wait the loop owns the batches again (benchmarks/results/HISTORY.md)."""
         p = self.pipeline
         if p.retries or len(p.queue) <= 1 or p.recent_forward_s >= DIRECT_MAX_FORWARD_S:
             return False
@@ -329,7 +329,7 @@ class Batcher:
             batch.started = time.perf_counter()
             padded = batch.padded
             batch.launched = executor.try_launch_direct(padded.features, instance, padded.parameters)
-        except BaseException as exc:  # the model's own failure, reported at once
+        except BaseException as exc:  # noqa: BLE001 - the model's own failure, reported at once
             batch.error, batch.ran = exc, True
             self._release(batch, instance)
             return
@@ -347,7 +347,7 @@ class Batcher:
         batch.loop = loop
         try:
             batch.finish_now = executor.collect_soon(batch.launched, loop, done)
-        except BaseException as exc:  # could not even watch the socket
+        except BaseException as exc:  # noqa: BLE001 - could not even watch the socket
             done(None, exc)
 
     def _release(self, batch: Batch | None, instance: int) -> None:
@@ -360,7 +360,7 @@ class Batcher:
         model's batches form, pad, run and finish on the loop alone: its model
         and finisher threads stay parked and never take the GIL from the loop
         (that contention cost ~20% of the server's CPU per request,
-        docs/performance.md). A batch that did not run (``batch`` None or
+        benchmarks/results/HISTORY.md). A batch that did not run (``batch`` None or
         never sent) and a closing batcher go back to the threads."""
         p = self.pipeline
         if batch is not None:

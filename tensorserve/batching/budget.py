@@ -55,7 +55,7 @@ class LearntBudget:
     # cheapest bucket alone (0) served it 0.83-0.97x, the tagger 1.40x/1.40x of
     # the old defaults (0: 1.23x/1.41x), the attention tagger 1.65x/1.43x
     # (0: 1.74x/1.52x). Smaller batches pipeline better with the event loop
-    # than the forward's cost alone tells (docs/performance.md, "Defaults").
+    # than the forward's cost alone tells (benchmarks/results/HISTORY.md, "Defaults").
     TOLERANCE = 0.2
 
     def __init__(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from concurrent import futures
 
 from tensorserve.batching.admission import Outcome
 
@@ -54,5 +55,5 @@ def _deliver(outcomes: Sequence[Outcome]) -> None:
                 future.set_exception(value)
             else:
                 future.set_result(value)
-        except Exception:  # pragma: no cover - raced with cancel(); nothing to deliver
-            pass
+        except (asyncio.InvalidStateError, futures.InvalidStateError):  # pragma: no cover
+            pass  # raced with cancel(): the caller has left, nothing to deliver

@@ -171,7 +171,7 @@ class Pipeline:
                     self._collect(launched)  # on a CPU the batch already ran
                     launched = None
                 on_device = launched
-        except BaseException as exc:  # pragma: no cover - a bug: fail loudly, not silently
+        except BaseException as exc:  # noqa: BLE001  # pragma: no cover - a bug: fail loudly
             self._fatal(exc, entries)
         finally:
             self._to_finisher.put(None)
@@ -258,7 +258,7 @@ class Pipeline:
                 [e.item for e in live], [e.parameters for e in live]
             )
             batch.pad_seconds = time.perf_counter() - pad_started
-        except BaseException as exc:  # padding failed: this batch only
+        except BaseException as exc:  # noqa: BLE001 - padding failed: this batch only
             batch.error, batch.ran = exc, True
         return batch
 
@@ -271,7 +271,7 @@ class Pipeline:
             batch.started = time.perf_counter()
             padded = batch.padded
             batch.launched = self.executor.launch(padded.features, instance, padded.parameters)
-        except BaseException as exc:  # the model failed: this batch only
+        except BaseException as exc:  # noqa: BLE001 - the model failed: this batch only
             batch.error, batch.ran = exc, True
         return batch
 
@@ -279,7 +279,7 @@ class Pipeline:
         if batch.error is None:
             try:
                 self.collected(batch, self.executor.collect(batch.launched), None)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - its callers get the failure
                 self.collected(batch, None, exc)
                 # The batch is over (the watchdog stops counting): now an
                 # executor may restore the instance (a new worker process).

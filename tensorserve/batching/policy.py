@@ -120,7 +120,9 @@ class BatchCostModel:
         if fixed + per_element + per_step > 0:
             self.coefficients = (fixed, per_element, per_step)
 
-    def cost(self, size: int | np.ndarray, longest: np.ndarray) -> np.ndarray:
+    def cost(self, size: int | np.ndarray, longest: int | np.ndarray) -> float | np.ndarray:
+        """Predicted seconds of a batch of ``size`` items padded to ``longest``:
+        elementwise over arrays (the policy's grid), one number for numbers."""
         assert self.coefficients is not None
         fixed, per_element, per_step = self.coefficients
         return fixed + per_element * size * longest + per_step * longest
@@ -160,7 +162,7 @@ class LengthAwarePolicy:
         # (size, start) grid of strided views (no copies, no fancy indexing),
         # a block of sizes at a time so that each block stays in cache:
         # a few numpy passes instead of a Python loop of numpy calls per
-        # size, which cost ~0.3 ms a batch at 64 waiting (docs/performance.md).
+        # size, which cost ~0.3 ms a batch at 64 waiting (benchmarks/results/HISTORY.md).
         # Row-major argmax, strict across blocks, keeps that loop's choice:
         # the best score, then the fewest items, then the first start.
         most = min(max_batch_size, n)

@@ -72,7 +72,7 @@ class BatchResults:
                 rows = self._rows(batch)
                 unpad_seconds: float | None = time.perf_counter() - unpad_started
                 batch.unpad_started, batch.unpad_seconds = unpad_started, unpad_seconds
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - un-padding failed: this batch only
                 batch.error = exc
         if batch.error is not None:
             error = as_model_failure(batch.error, self.name)

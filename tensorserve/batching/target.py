@@ -14,12 +14,9 @@ model's batches were measured to cost (no clocks of its own: callers pass
 
    ``ahead``: the items queued that would be served before it (at its
    priority or higher); ``rate``: the items per second the queue drains
-   while it has a backlog, by the clock: the items each batch took from
-   the queue over the time since the previous batch was taken, counted
-   when that previous one left items waiting (``taken``). Between two
-   such takes everything that serves the queue was busy with it: the
-   model, and the padding, the transfer and the un-padding around it, on
-   every instance. Not the model's own seconds per item: on a fast model
+   while it has a backlog, by the clock (``batching.drain``, the same
+   estimate the Retry-After of a full queue uses). Not the model's own
+   seconds per item: on a fast model
    the rest is the limit (the embedder at 1.5x: batches of 1.1 ms, 4,700
    items/s by its seconds, 2,450 by the clock). Not the rate of every
    recent batch: when few are admitted batches are small and slow per
@@ -69,15 +66,17 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from tensorserve.batching.drain import DrainRate
+
 
 class LatencyTarget:
     WINDOW = 1000  # served items whose latencies give the achieved p99
     ADJUST_EVERY = 100  # served items between two safety updates
     MIN_BATCHES = 4  # measured batches before anything is refused
     ALPHA = 0.2  # weight of the newest batch in the moving average of its seconds
-    # Weight kept by the older batches at each new one in the drain rate's
-    # sums: ~20 batches, enough to average over the mix of lengths.
-    RATE_DECAY = 0.95
+    # Weight kept by the older batches at each new one in the model's own
+    # rate, as in the queue's drain rate (batching.drain).
+    RATE_DECAY = DrainRate.DECAY
     SAFETY = (0.5, 4.0)
     AIM_LOW, AIM_HIGH = 0.55, 0.8  # the band of the target the achieved p99 is kept in
 
@@ -95,40 +94,16 @@ class LatencyTarget:
         self._batches = 0
         self._since_adjust = 0
         self._batch_s = 0.0  # moving average of a batch's seconds
-        # Decayed sums of (items, seconds): taken from a backlog by the clock
-        # (``taken``), and the model's own (``observe``). Tuples, replaced
-        # whole: a reader without the lock sees a matching pair.
-        self._backlogged = (0.0, 0.0)
+        # How fast the queue drains from a backlog: the model's queue
+        # (AdmissionQueue) writes it under its lock, as it takes batches.
+        self.drain = DrainRate()
+        # Decayed sums of (items, seconds) of the model's own batches
+        # (``observe``): a tuple, replaced whole, so a reader without the
+        # lock sees a matching pair.
         self._every = (0.0, 0.0)
-        self._last_take: tuple[float, int] | None = None  # (when, items it left waiting)
-        self._undo: tuple[tuple[float, int] | None, tuple[float, float]] | None = None
         self.refused = 0
 
     # ------------------------------------------------------------------ measuring
-    def taken(self, items: int, now: float, left: int) -> None:
-        """A batch of ``items`` left the queue at ``now``, ``left`` still
-        waiting (called by the queue, its lock held, as are the two below)."""
-        self._undo = (self._last_take, self._backlogged)
-        last = self._last_take
-        if last is not None and last[1] > 0 and now > last[0]:
-            self._backlogged = self._decayed(self._backlogged, items, now - last[0])
-        self._last_take = (now, left)
-
-    def put_back(self) -> None:
-        """The last batch taken went straight back to the queue (the loop
-        declined it, which happens exactly when others wait): it drained
-        nothing, and counted would credit its items twice."""
-        if self._undo is not None:
-            self._last_take, self._backlogged = self._undo
-            self._undo = None
-
-    def emptied(self) -> None:
-        """Nothing waits any more, though the last take left items waiting
-        (they were withdrawn or expired): the time until the next take is
-        idle, not draining."""
-        if self._last_take is not None:
-            self._last_take = (self._last_take[0], 0)
-
     def observe(self, items: int, seconds: float, latencies: Sequence[float]) -> None:
         """One batch that ran: its items, its seconds, each item's latency."""
         if items < 1 or seconds <= 0:
@@ -178,10 +153,11 @@ class LatencyTarget:
         return self.safety * ((ahead + items) / self.drain_rate() + self._batch_s)
 
     def drain_rate(self) -> float:
-        """Items/s the queue drains (see the module's rule 1)."""
-        served, seconds = self._backlogged
-        if served:
-            return served / seconds
+        """Items/s the queue drains (see the module's rule 1); called once
+        batches were measured, so the model's own rate is never 0/0."""
+        backlogged = self.drain.items_per_s()
+        if backlogged is not None:
+            return backlogged
         served, seconds = self._every
         return self.instances * served / seconds
 
@@ -219,7 +195,9 @@ class LatencyTarget:
                 "queue_delay_ms": self.queue_delay_ms,
                 "safety": round(self.safety, 3),
                 "batch_ms": round(1000 * self._batch_s, 3),
-                "drain_items_per_s": (round(self.drain_rate(), 3)
-                                      if self._backlogged[0] or self._every[1] else None),
+                "drain_items_per_s": (
+                    round(self.drain_rate(), 3)
+                    if self.drain.items_per_s() is not None or self._every[1] else None
+                ),
                 "refused": self.refused,
             }

@@ -1,6 +1,6 @@
 """Where the server is in its shutdown, as every front end sees it.
 
-``tensorserve/server.py`` owns the one ``Lifecycle`` of a running server (the
+``tensorserve/http/server.py`` owns the one ``Lifecycle`` of a running server (the
 ``DataPlane``'s, shared by the HTTP and gRPC front ends) and moves it through
 its phases on SIGTERM or SIGINT (docs/reliability.md, "Shutdown"):
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from typing import Any
+from types import TracebackType
 
 from tensorserve.errors import ModelNotReady
 
@@ -116,5 +116,8 @@ class Tracked:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self._lifecycle._untrack(self._task, exc)

@@ -57,7 +57,7 @@ class DataPlane:
     """The state every front end shares, each piece with one owner: the
     registry (its models' loading and closing are the app's start-up and
     clean-up, ``http/app.py``), the metrics, the lifecycle (the server's,
-    ``tensorserve/server.py``; None outside a running server: always
+    ``http/server.py``; None outside a running server: always
     serving), the rate limit of lines a client can cause, and the tracer
     (None unless tracing is configured; shut down with the registry)."""
 

@@ -54,7 +54,9 @@ class Failure:
         return cls.http_status if cls is not None else (200 if code == "ok" else 500)
 
     def trailing_metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
-        metadata = ((CODE_KEY, self.code), ("x-request-id", request_id))
+        metadata: tuple[tuple[str, str], ...] = (
+            (CODE_KEY, self.code), ("x-request-id", request_id),
+        )
         if self.retry_after is not None:
             metadata += ((RETRY_AFTER_KEY, str(math.ceil(self.retry_after))),)
         return metadata

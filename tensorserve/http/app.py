@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from tensorserve.dataplane import DataPlane
 from tensorserve.dataplane.lag import LoopLag
@@ -75,7 +76,7 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
     install_request_ids()  # every log record carries the request id (dataplane/logs.py)
     # observe (request id, metrics, access log) sees what error_middleware answered;
     # error_middleware answers a restricted API's refusal.
-    middlewares = [observe_middleware, error_middleware]
+    middlewares: list[Middleware] = [observe_middleware, error_middleware]
     restrictions = settings.restrictions()
     if restrictions:
         middlewares.append(restricted_api_middleware(restrictions, API_OF_PATH))
@@ -97,7 +98,7 @@ def create_app(settings: Settings | None = None, *, wait_for_models: bool = Fals
     loop_lag = LoopLag()  # the loop's (gRPC's calls run on it too); exported, dataplane/lag.py
     metrics = Metrics(registry, liveness, loop_lag=lambda: loop_lag.seconds)
     plane = DataPlane(settings, registry, metrics, liveness, tracer)
-    app[PLANE] = plane  # what the gRPC front end, when there is one, shares (tensorserve/server.py)
+    app[PLANE] = plane  # what the gRPC front end, when there is one, shares (http/server.py)
     app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, plane.metrics
     for method, path, handler, _ in ROUTES:
         if method == "GET":

@@ -133,7 +133,7 @@ def run(settings: Settings, front_ends: Sequence[FrontEndFactory] = ()) -> None:
         # lives as long as the process: kept out of the collector's full
         # passes, which otherwise stalled the loop ~50-100 ms every few
         # seconds (wrk at c=1 with the gRPC front end loaded: p99 55-70 ms
-        # -> 0.7 ms; docs/performance.md, "gRPC beside HTTP").
+        # -> 0.7 ms; benchmarks/results/HISTORY.md, "gRPC beside HTTP").
         gc.collect()
         gc.freeze()
         asyncio.run(_serve(app, sock, settings, front_ends))
@@ -178,8 +178,9 @@ async def _serve(
         host, port = sock.getsockname()[:2]
         log.info("serving %s on http://%s:%s", settings.model_repository, host, port)
         await stop.wait()
-        assert app[PLANE].lifecycle is not None
-        await _shut_down(app[PLANE].lifecycle, runner, site, sock, settings, others)
+        lifecycle = app[PLANE].lifecycle
+        assert lifecycle is not None  # set by the app's start-up, which has run
+        await _shut_down(lifecycle, runner, site, sock, settings, others)
     finally:
         for front_end in others:
             await front_end.close()

@@ -78,7 +78,7 @@ class OnnxModel:
         options.add_session_config_entry("session.intra_op.allow_spinning", spin)
         try:
             return ort.InferenceSession(str(self.path), options, providers=self.providers)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises many types
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"{self.label}: ONNX Runtime cannot load it: {reason}") from None
 

@@ -93,7 +93,7 @@ def load_torchscript(path: Path, config: ModelConfig, label: str) -> FileModel:
         return _load_exported(path, config, label)
     try:
         program = torch.jit.load(str(path), map_location="cpu")
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - torch raises many types
         raise ConfigError(f"{label}: not a TorchScript file torch.jit.load can read: "
                           f"{_reason(exc)}") from None
     schema = program.forward.schema
@@ -147,7 +147,7 @@ def _check_returns(returns: Sequence[Any], config: ModelConfig, label: str, sign
 def _load_exported(path: Path, config: ModelConfig, label: str) -> FileModel:
     try:
         program = torch.export.load(str(path))
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - torch raises many types
         raise ConfigError(f"{label}: not a torch.export program torch.export.load can read: "
                           f"{_reason(exc)}") from None
     signature = program.graph_signature

@@ -248,7 +248,7 @@ class ProcessExecutor:
                 return
             try:
                 executed = self._executed(message)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
                 done(None, exc)
             else:
                 done(executed, None)

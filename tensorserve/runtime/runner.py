@@ -51,15 +51,15 @@ class InstanceRunner:
         try:
             enter()
             broken: BaseException | None = None
-        except BaseException as exc:  # the thread cannot run batches: each fails, none hangs
-            broken = exc
+        except BaseException as exc:  # noqa: BLE001 - every batch then fails with it
+            broken = exc  # the thread cannot run batches: each fails, none hangs
         while (job := self._jobs.get()) is not None:
             features, parameters, future = job
             try:
                 if broken is not None:
                     raise broken
                 future.set_result(self._run(features, parameters))
-            except BaseException as exc:  # the model's failure: this batch's only
+            except BaseException as exc:  # noqa: BLE001 - the model's failure: this batch's only
                 future.set_exception(exc)
             del job, features, parameters, future  # free the batch's tensors now
 
@@ -75,7 +75,7 @@ def reply_on_loop(future: Future[Any], loop: asyncio.AbstractEventLoop, done: Do
             return  # finish_now got there first
         try:
             result, error = future.result(), None
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - handed to ``done`` as it came
             result, error = None, exc
         done(result, error)
 

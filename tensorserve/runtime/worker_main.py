@@ -94,7 +94,7 @@ def _run_batch(
         log.error("%s; this worker exits and the server replaces it", exc.message)
         logging.shutdown()
         os._exit(ipc.EXIT_DEVICE_LOST)
-    except Exception as exc:  # the model failed: this batch only
+    except Exception as exc:  # noqa: BLE001 - the model failed: this batch only
         return {"error": as_model_failure(exc, name).message}, {}
 
 
@@ -103,7 +103,7 @@ def serve(sock: socket.socket) -> int:
     _log_as(hello)
     try:
         config, executor = _load(hello)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
         ipc.send(sock, {"error": _reason(exc)})
         return 1
     ipc.send(sock, {"ready": True, "pid": os.getpid()})
@@ -153,7 +153,7 @@ def template(control: socket.socket) -> int:
         # the template never touches CUDA. torch is imported either way.
         if hello.get("template_loads"):
             loaded = _load(hello, enter=False)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
         socket.send_fds(control, [msgpack.packb({"error": _reason(exc)})], [])
         return 1
     exited: dict[int, int] = {}
@@ -197,7 +197,7 @@ def _fork_worker(control: socket.socket, sock: socket.socket, hello: dict[str, A
         try:
             config, executor = loaded if loaded is not None else _load(hello, enter=False)
             executor.start_instance(0)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
             ipc.send(sock, {"error": _reason(exc)})
         else:
             ipc.send(sock, {"ready": True, "pid": os.getpid()})

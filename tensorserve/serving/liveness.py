@@ -66,7 +66,7 @@ class Liveness:
         if not self.stall_s:
             return []
         found = []
-        for entry in sorted(list(self.registry.entries.values()), key=lambda e: e.name):
+        for entry in sorted(self.registry.entries.values(), key=lambda e: e.name):
             served = entry.served
             if served is None:
                 continue

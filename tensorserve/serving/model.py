@@ -33,7 +33,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from tensorserve.runtime.isolated import ProcessExecutor
 from tensorserve.runtime.kinds import ExecutorRequest, build_executor
 from tensorserve.runtime.placement import PlacedExecutor, resolve_isolation, resolve_placement
 from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self: Python 3.11
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +188,7 @@ class ServedModel:
             raise
 
     # ------------------------------------------------------------------ life cycle
-    def start(self) -> ServedModel:
+    def start(self) -> Self:
         self.batcher.start()
         return self
 
@@ -193,13 +196,13 @@ class ServedModel:
         self.batcher.close()  # queued items run first
         self.executor.close()
 
-    def __enter__(self) -> ServedModel:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    async def __aenter__(self) -> ServedModel:
+    async def __aenter__(self) -> Self:
         return self.start()
 
     async def __aexit__(self, *exc: object) -> None:

@@ -13,13 +13,22 @@ from tensorserve.tracing import Attributes
 
 
 class HttpRequest(Protocol):
-    method: str
-    path: str
-    scheme: str
-    host: str
-    remote: str | None
-    version: Any  # (major, minor)
-    headers: Mapping[str, str]
+    """What tracing reads of a request: read-only, as aiohttp's are."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def scheme(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def remote(self) -> str | None: ...
+    @property
+    def version(self) -> Any: ...  # (major, minor)
+    @property
+    def headers(self) -> Mapping[str, str]: ...
 
 
 class HttpOrigin:

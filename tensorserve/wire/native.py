@@ -43,7 +43,7 @@ def decode_request(
     ``ServedModel.validate``, like every caller's."""
     try:
         message = msgpack.unpackb(body, raw=False)  # map keys: str or bytes only
-    except Exception as exc:  # msgpack raises several unrelated types
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
         raise InvalidInput(f"body is not valid msgpack: {exc}") from None
     if not isinstance(message, dict):
         raise InvalidInput("body must be a msgpack map with an 'items' list")

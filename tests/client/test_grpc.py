@@ -155,7 +155,8 @@ def test_grpc_without_grpcio_is_one_line_saying_what_to_install() -> None:
 def test_the_clients_stubs_are_the_servers() -> None:
     server = ROOT / "tensorserve" / "grpc" / "generated"
     client = ROOT / "clients" / "python" / "tensorserve_client" / "_kserve"
-    for name in ("grpc_service_pb2.py", "model_config_pb2.py"):
+    for name in ("grpc_service_pb2.py", "model_config_pb2.py",
+                 "grpc_service_pb2.pyi", "model_config_pb2.pyi"):
         expected = (server / name).read_text().replace(
             "from tensorserve.grpc.generated import", "from tensorserve_client._kserve import")
         assert (client / name).read_text() == expected, f"{name}: run scripts/regenerate_grpc_stubs.py"

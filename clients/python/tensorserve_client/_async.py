@@ -83,14 +83,16 @@ class AsyncClient:
         return_errors: bool = False,
     ) -> list[Result | TensorServeError]:
         """Run many items in one request, results in order (see ``Client.infer_batch``)."""
-        options = {"version": version, "parameters": parameters, "timeout": timeout,
-                   "return_torch": return_torch}
+        options: _protocol.InferOptions = {
+            "version": version, "parameters": parameters, "timeout": timeout,
+            "return_torch": return_torch,
+        }
         items = list(items)
         batch = _bulk.Batch(_protocol.infer(model, items, **options), 0, len(items), items,
                             model, options)
         outcome = await self._transport.exchange(batch.call)
         try:
-            return batch.call.complete(outcome)
+            return list(batch.call.complete(outcome))
         except TensorServeError as error:
             if not return_errors:
                 raise
@@ -119,7 +121,7 @@ class AsyncClient:
         """
         _bulk.check_map_args(batch_size, concurrency)
         make_bar = _bulk.progress_bar(progress, iterable, model)
-        options = {
+        options: _protocol.InferOptions = {
             "version": version,
             "parameters": parameters,
             "timeout": timeout,
@@ -137,7 +139,7 @@ class AsyncClient:
         batch_size: int,
         concurrency: int,
         make_bar: Callable[[], _bulk.Bar],
-        options: dict[str, Any],
+        options: _protocol.InferOptions,
         summary: _bulk.BulkSummary,
         return_errors: bool,
     ) -> AsyncIterator[Result | TensorServeError]:

@@ -15,7 +15,7 @@ from itertools import islice
 from typing import Any, Generic, Protocol, TypeVar
 
 from tensorserve_client import _protocol
-from tensorserve_client._protocol import Call, Features, Outcome, Result
+from tensorserve_client._protocol import Call, Features, InferOptions, Outcome, Result
 from tensorserve_client.errors import TensorServeError
 
 T = TypeVar("T")
@@ -160,7 +160,7 @@ class Batch:
     size: int
     items: list[Features]  # kept to send each alone if the request fails
     model: str
-    options: dict[str, Any]
+    options: InferOptions
 
     def alone(self) -> list[Call[list[Result]]]:
         """One request per item, for a request that failed because of one."""
@@ -182,7 +182,7 @@ class Batch:
         return results
 
 
-def _batch(model: str, chunk: list[Features], first: int, options: dict[str, Any]) -> Batch:
+def _batch(model: str, chunk: list[Features], first: int, options: InferOptions) -> Batch:
     call = _protocol.infer(model, chunk, first_index=first, **options)
     return Batch(call, first, len(chunk), chunk, model, options)
 
@@ -221,7 +221,7 @@ def record(results: list[Any], summary: BulkSummary, bar: Bar) -> list[Any]:
 
 
 def batches(
-    model: str, iterable: Iterable[Features], size: int, options: dict[str, Any]
+    model: str, iterable: Iterable[Features], size: int, options: InferOptions
 ) -> Iterator[Batch]:
     first = 0
     for chunk in chunked(iterable, size):
@@ -233,7 +233,7 @@ async def abatches(
     model: str,
     iterable: Iterable[Features] | AsyncIterable[Features],
     size: int,
-    options: dict[str, Any],
+    options: InferOptions,
 ) -> AsyncIterator[Batch]:
     first = 0
     async for chunk in achunked(iterable, size):

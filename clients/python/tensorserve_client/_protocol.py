@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar
 from urllib.parse import quote
 
 import msgpack
@@ -236,6 +236,16 @@ def _check_timeout(timeout: float | None) -> None:
         or timeout <= 0
     ):
         raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+
+
+class InferOptions(TypedDict):
+    """What ``infer`` takes besides the items, kept by a bulk call to send
+    each item of a failed request again alone (``_bulk.Batch``)."""
+
+    version: str | int | None
+    parameters: Mapping[str, Any] | None
+    timeout: float | None
+    return_torch: bool
 
 
 def infer(

@@ -168,14 +168,16 @@ class Client:
         ``return_errors=True``: an item that fails does not fail the others;
         its ``TensorServeError`` takes its place in the list (a request that
         failed because of an item is sent again one item at a time)."""
-        options = {"version": version, "parameters": parameters, "timeout": timeout,
-                   "return_torch": return_torch}
+        options: _protocol.InferOptions = {
+            "version": version, "parameters": parameters, "timeout": timeout,
+            "return_torch": return_torch,
+        }
         items = list(items)
         batch = _bulk.Batch(_protocol.infer(model, items, **options), 0, len(items), items,
                             model, options)
         outcome = self._loop.run(self._transport.exchange(batch.call))
         try:
-            return batch.call.complete(outcome)
+            return list(batch.call.complete(outcome))
         except TensorServeError as error:
             if not return_errors:
                 raise
@@ -210,7 +212,7 @@ class Client:
         """
         _bulk.check_map_args(batch_size, concurrency)
         make_bar = _bulk.progress_bar(progress, iterable, model)
-        options = {
+        options: _protocol.InferOptions = {
             "version": version,
             "parameters": parameters,
             "timeout": timeout,
@@ -228,7 +230,7 @@ class Client:
         batch_size: int,
         concurrency: int,
         make_bar: Callable[[], _bulk.Bar],
-        options: dict[str, Any],
+        options: _protocol.InferOptions,
         summary: _bulk.BulkSummary,
         return_errors: bool,
     ) -> Iterator[Result | TensorServeError]:
@@ -270,7 +272,7 @@ class Client:
         results: list[Result | TensorServeError] = []
         for index, call in enumerate(batch.alone(), batch.first):
             try:
-                results.extend(self._call(call))
+                results.append(self._call(call)[0])  # one item per call
             except TensorServeError as alone:
                 results.append(_bulk.locate(alone, index))
         return results
