@@ -47,7 +47,7 @@ from tensorserve.batching.delivery import running_loop
 from tensorserve.batching.executor import BatchOutputs, DirectExecutor, Executor
 from tensorserve.batching.pipeline import InstanceState, Pipeline
 from tensorserve.batching.results import Batch
-from tensorserve.batching.stats import BatchStats
+from tensorserve.batching.stats import BatchStats, RequestTally
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import DeadlineExceeded, ModelNotReady
 
@@ -174,6 +174,10 @@ class Batcher:
             )
             for item in items
         ]
+        if len(entries) > 1:  # counted once in Triton's statistics (batching/stats.py)
+            tally = RequestTally(len(entries))
+            for entry in entries:
+                entry.request = tally
         if p.tracer is not None:  # the request's span, for its items' queue and batch spans
             trace = p.tracer.current_request()
             for entry in entries:

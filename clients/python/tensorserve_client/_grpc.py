@@ -203,6 +203,16 @@ def _statistics(reply: pb.ModelStatisticsResponse) -> dict[str, Any]:
             "name": stat.name, "version": stat.version,
             "last_inference": stat.last_inference, "inference_count": stat.inference_count,
             "execution_count": stat.execution_count, "inference_stats": inference,
+            "batch_stats": [
+                {
+                    "batch_size": batch.batch_size,
+                    **{
+                        key: {"count": getattr(batch, key).count, "ns": getattr(batch, key).ns}
+                        for key in ("compute_input", "compute_infer", "compute_output")
+                    },
+                }
+                for batch in stat.batch_stats
+            ],
         })
     return {"model_stats": entries}
 
