@@ -161,6 +161,7 @@ class Batcher:
         p = self.pipeline
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
+        tally = RequestTally(len(items)) if len(items) > 1 else None  # one request (stats.py)
         entries = [
             Pending(
                 item,
@@ -169,15 +170,10 @@ class Batcher:
                 loop,
                 now,
                 deadline,
-                priority=priority,
-                parameters=parameters,
+                priority=priority, parameters=parameters, request=tally,
             )
             for item in items
         ]
-        if len(entries) > 1:  # counted once in Triton's statistics (batching/stats.py)
-            tally = RequestTally(len(entries))
-            for entry in entries:
-                entry.request = tally
         if p.tracer is not None:  # the request's span, for its items' queue and batch spans
             trace = p.tracer.current_request()
             for entry in entries:
