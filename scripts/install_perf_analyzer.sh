@@ -35,7 +35,8 @@ print(pathlib.Path(list(m.__path__)[0], "lib"))
 EOF
 )
 
-if ! ldconfig -p 2>/dev/null | grep -q 'libb64\.so\.0d'; then
+ldconfig=$(command -v ldconfig || echo /sbin/ldconfig)
+if ! "$ldconfig" -p 2>/dev/null | grep -q 'libb64\.so\.0d'; then
   sudo=""
   if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
   echo "installing libb64-0d (perf_analyzer links libb64.so.0d)" >&2
