@@ -257,17 +257,16 @@ class BatchStats:
         with its last item, charged each batch its items finished in once."""
         batch = self.total_batches  # this batch's number, already counted
         ok = failed = 0
-        ok_s = failed_s = queue_s = 0.0
+        ok_enqueued = failed_enqueued = 0.0  # sums of the one-item requests' submit times
         for item, _, item_failed in answered:
             tally = item.request
             if tally is None:
                 if item_failed:
                     failed += 1
-                    failed_s += now - item.enqueued
+                    failed_enqueued += item.enqueued
                 else:
                     ok += 1
-                    ok_s += now - item.enqueued
-                    queue_s += dispatched - item.enqueued
+                    ok_enqueued += item.enqueued
                 continue
             if tally.last_batch != batch:
                 tally.last_batch = batch
@@ -293,10 +292,10 @@ class BatchStats:
         # The one-item requests: each charged the whole batch, as Triton charges
         # every request in a batch.
         self.requests_ok += ok
-        self.requests_ok_ns += round(1e9 * ok_s)
+        self.requests_ok_ns += round(1e9 * (ok * now - ok_enqueued))
         self.requests_failed += failed
-        self.requests_failed_ns += round(1e9 * failed_s)
-        self.request_queue_ns += round(1e9 * queue_s)
+        self.requests_failed_ns += round(1e9 * (failed * now - failed_enqueued))
+        self.request_queue_ns += round(1e9 * (ok * dispatched - ok_enqueued))
         self.request_input_ns += ok * durations_ns[0]
         self.request_infer_ns += ok * durations_ns[1]
         self.request_output_ns += ok * durations_ns[2]
