@@ -126,6 +126,13 @@ def measure(
     return point
 
 
+def commit() -> str | None:
+    """The measured tree's commit (None outside a git checkout)."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    return done.stdout.strip() or None
+
+
 def table(points: list[dict[str, Any]]) -> str:
     head = (
         f"{'protocol':8} {'c':>3} {'infer/s':>8} {'p50 ms':>7} {'p99 ms':>7} | server: "
@@ -171,7 +178,8 @@ def main() -> None:
             server.stop()
     print(table(points))
     save(args.output, {
-        "command": "python benchmarks/perf_analyzer.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/perf_analyzer.py", *sys.argv[1:]]),
+        "commit": commit(),
         "perf_analyzer": "tritonclient 2.50.0 wheel, bin/perf_analyzer",
         "model": "tagger (bundled repository as shipped)",
         "input_data": f"{ENTRIES} one-item requests, {LENGTHS[0]}..{LENGTHS[1]} tokens "

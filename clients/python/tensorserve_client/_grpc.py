@@ -192,7 +192,8 @@ def _metadata(reply: pb.ModelMetadataResponse) -> dict[str, Any]:
 
 
 def _statistics(reply: pb.ModelStatisticsResponse) -> dict[str, Any]:
-    """Triton's ``model_stats`` (counts in rows); the ``batching`` block is HTTP's only."""
+    """Triton's ``model_stats`` (``inference_stats`` per request, ``batch_stats`` per
+    batch size); the ``batching`` block is HTTP's only."""
     entries = []
     for stat in reply.model_stats:
         inference = {
