@@ -24,6 +24,7 @@ from typing import Any, cast
 
 from tensorserve.batching.drain import DrainRate
 from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
+from tensorserve.batching.stats import RequestTally
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import (
     DeadlineExceeded,
@@ -98,6 +99,9 @@ class Pending:
     # entry, so a batch split in recovery keeps each row's values.
     parameters: Mapping[str, Any] = field(default_factory=lambda: NO_PARAMETERS)
     trace: Any = None  # its request's trace context, when traced (batching/tracer.py)
+    # Shared by the items of a request of several, which Triton's statistics
+    # count once (batching/stats.py); None for a one-item request.
+    request: RequestTally | None = None
 
     def caller_left(self) -> bool:
         """True if the caller cancelled; for a thread's future this also marks

@@ -47,7 +47,7 @@ from tensorserve.batching.delivery import running_loop
 from tensorserve.batching.executor import BatchOutputs, DirectExecutor, Executor
 from tensorserve.batching.pipeline import InstanceState, Pipeline
 from tensorserve.batching.results import Batch
-from tensorserve.batching.stats import BatchStats
+from tensorserve.batching.stats import BatchStats, RequestTally
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import DeadlineExceeded, ModelNotReady
 
@@ -161,6 +161,7 @@ class Batcher:
         p = self.pipeline
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
+        tally = RequestTally(len(items)) if len(items) > 1 else None  # one request (stats.py)
         entries = [
             Pending(
                 item,
@@ -169,8 +170,7 @@ class Batcher:
                 loop,
                 now,
                 deadline,
-                priority=priority,
-                parameters=parameters,
+                priority=priority, parameters=parameters, request=tally,
             )
             for item in items
         ]

@@ -132,7 +132,7 @@ class BatchResults:
             batch.seconds, real, elements,
             enqueued=[e.enqueued for e in entries], dispatched=batch.dispatched,
             pad_seconds=batch.pad_seconds, unpad_seconds=unpad_seconds,
-            padded_length=padded_length(padded),
+            padded_length=padded_length(padded), answered=outcomes,
         )
         failures = sum(failed for _, _, failed in outcomes)
         if failures:

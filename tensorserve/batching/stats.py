@@ -7,6 +7,13 @@ keeps them: one ``bisect`` and two additions per observation. A short
 window of recent items and batches (``WINDOW_S``) gives the stats endpoint
 p50/p99 and padding efficiency over the last minute; Prometheus computes its
 own windows from the cumulative counters.
+
+Triton's statistics extension counts *requests* (``TritonCounts``): a request
+is counted once, when its last item is answered, and charged the pad, run and
+un-pad time of each batch its items finished in (as Triton charges every
+request in a batch the batch's whole time). The one-item request, the common
+case, needs no bookkeeping of its own; a request of several items shares a
+``RequestTally`` between them.
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from tensorserve.wire.triton import TritonCounts
 
 # Upper bounds of the executed-batch-size histogram buckets.
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 65536)
@@ -84,6 +93,30 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return float(sorted_values[int(rank) - 1])
 
 
+class RequestTally:
+    """What a request of several items has cost so far, until its last item is
+    answered (``BatchStats`` reads and writes it under its lock only)."""
+
+    __slots__ = (
+        "failed", "infer_ns", "input_ns", "items", "last_batch", "left", "output_ns", "queue_s",
+    )
+
+    def __init__(self, items: int) -> None:
+        self.items = items
+        self.left = items  # items not yet answered
+        self.failed = False
+        self.queue_s = 0.0  # the longest wait of its items: until its last one left the queue
+        self.input_ns = self.infer_ns = self.output_ns = 0
+        self.last_batch = 0  # the batch last charged to it (BatchStats.total_batches)
+
+
+class Answered(Protocol):
+    """An item whose answer is final (``admission.Pending``)."""
+
+    enqueued: float  # time.monotonic() at submit
+    request: RequestTally | None  # None: a one-item request
+
+
 @dataclass
 class BatchStats:
     total_requests: int = 0
@@ -114,6 +147,19 @@ class BatchStats:
     recent_batches: deque[tuple[float, int, int]] = field(
         default_factory=lambda: deque(maxlen=WINDOW_ITEMS)
     )
+    # Triton's request counters (``TritonCounts``).
+    requests_ok: int = 0
+    requests_ok_ns: int = 0
+    requests_failed: int = 0
+    requests_failed_ns: int = 0
+    request_queue_ns: int = 0
+    request_input_ns: int = 0
+    request_infer_ns: int = 0
+    request_output_ns: int = 0
+    inferences: int = 0
+    # batch size -> [batches, input ns, infer ns, output ns]
+    batch_sizes: dict[int, list[int]] = field(default_factory=dict)
+    last_inference_ms: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def reset(self) -> None:
@@ -139,14 +185,27 @@ class BatchStats:
         pad_seconds: float | None = None,
         unpad_seconds: float | None = None,
         padded_length: int | None = None,
+        answered: Sequence[tuple[Answered, Any, bool]] = (),
     ) -> None:
         """One finished batch. ``enqueued`` (each item's ``time.monotonic()``
         at submit) and ``dispatched`` (when the batch left the queue) give its
-        size, its items' queue waits and the recent latency window."""
+        size, its items' queue waits and the recent latency window.
+        ``answered``: (item, result, failed) for each item whose answer is
+        final (not those of a failed batch that run again), for Triton's
+        request counters."""
         now = time.monotonic()
         size = len(enqueued)
+        durations_ns = (
+            round(1e9 * pad_seconds) if pad_seconds is not None else 0,
+            round(1e9 * seconds),
+            round(1e9 * unpad_seconds) if unpad_seconds is not None else 0,
+        )
+        finished_ms = time.time_ns() // 1_000_000
         with self._lock:
             self.total_batches += 1
+            self._record_execution(size, durations_ns, finished_ms)
+            if answered:
+                self._record_requests(answered, now, dispatched, durations_ns)
             self.batch_items += size
             self.batch_seconds += seconds
             self.real_elements += real
@@ -172,6 +231,96 @@ class BatchStats:
                 wait_histogram.observe(wait)
                 recent.append((now, now - submitted))
             self.recent_batches.append((now, real, padded))
+
+    def _record_execution(
+        self, size: int, durations_ns: tuple[int, int, int], finished_ms: int
+    ) -> None:
+        """Triton's ``batch_stats`` and ``last_inference`` (the lock held)."""
+        row = self.batch_sizes.get(size)
+        if row is None:
+            row = self.batch_sizes[size] = [0, 0, 0, 0]
+        row[0] += 1
+        row[1] += durations_ns[0]
+        row[2] += durations_ns[1]
+        row[3] += durations_ns[2]
+        self.last_inference_ms = max(self.last_inference_ms, finished_ms)
+
+    def _record_requests(
+        self,
+        answered: Sequence[tuple[Answered, Any, bool]],
+        now: float,
+        dispatched: float,
+        durations_ns: tuple[int, int, int],
+    ) -> None:
+        """Triton's request counters for the items answered by one batch (the
+        lock held): a one-item request ends here; a request of several ends
+        with its last item, charged each batch its items finished in once."""
+        batch = self.total_batches  # this batch's number, already counted
+        ok = failed = 0
+        ok_enqueued = failed_enqueued = 0.0  # sums of the one-item requests' submit times
+        for item, _, item_failed in answered:
+            tally = item.request
+            if tally is None:
+                if item_failed:
+                    failed += 1
+                    failed_enqueued += item.enqueued
+                else:
+                    ok += 1
+                    ok_enqueued += item.enqueued
+                continue
+            if tally.last_batch != batch:
+                tally.last_batch = batch
+                tally.input_ns += durations_ns[0]
+                tally.infer_ns += durations_ns[1]
+                tally.output_ns += durations_ns[2]
+            tally.queue_s = max(tally.queue_s, dispatched - item.enqueued)
+            tally.failed = tally.failed or item_failed
+            tally.left -= 1
+            if tally.left:
+                continue
+            if tally.failed:
+                self.requests_failed += 1
+                self.requests_failed_ns += round(1e9 * (now - item.enqueued))
+            else:
+                self.requests_ok += 1
+                self.requests_ok_ns += round(1e9 * (now - item.enqueued))
+                self.request_queue_ns += round(1e9 * tally.queue_s)
+                self.request_input_ns += tally.input_ns
+                self.request_infer_ns += tally.infer_ns
+                self.request_output_ns += tally.output_ns
+                self.inferences += tally.items
+        # The one-item requests: each charged the whole batch, as Triton charges
+        # every request in a batch.
+        self.requests_ok += ok
+        self.requests_ok_ns += round(1e9 * (ok * now - ok_enqueued))
+        self.requests_failed += failed
+        self.requests_failed_ns += round(1e9 * (failed * now - failed_enqueued))
+        self.request_queue_ns += round(1e9 * (ok * dispatched - ok_enqueued))
+        self.request_input_ns += ok * durations_ns[0]
+        self.request_infer_ns += ok * durations_ns[1]
+        self.request_output_ns += ok * durations_ns[2]
+        self.inferences += ok
+
+    def triton_counts(self) -> TritonCounts:
+        """A consistent copy of Triton's counters (``wire/triton.py``)."""
+        with self._lock:
+            return TritonCounts(
+                success=self.requests_ok,
+                success_ns=self.requests_ok_ns,
+                fail=self.requests_failed,
+                fail_ns=self.requests_failed_ns,
+                queue_ns=self.request_queue_ns,
+                compute_input_ns=self.request_input_ns,
+                compute_infer_ns=self.request_infer_ns,
+                compute_output_ns=self.request_output_ns,
+                inferences=self.inferences,
+                executions=self.total_batches,
+                batch_sizes={
+                    size: (row[0], row[1], row[2], row[3])
+                    for size, row in sorted(self.batch_sizes.items())
+                },
+                last_inference_ms=self.last_inference_ms,
+            )
 
     def record_recovery(self, kind: str) -> None:
         with self._lock:

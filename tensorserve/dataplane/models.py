@@ -85,7 +85,9 @@ def _stat(served: ServedModel) -> dict[str, Any]:
     snapshot["budget"] = budget_report(served.batcher.options.policy)
     if (target := served.batcher.latency_target) is not None:
         snapshot["latency_target"] = target.report()
-    return triton.model_stat(served.name, str(served.version), snapshot)
+    return triton.model_stat(
+        served.name, str(served.version), served.stats.triton_counts(), snapshot
+    )
 
 
 def model_stats(plane: DataPlane, name: str, version: str | None) -> dict[str, Any]:

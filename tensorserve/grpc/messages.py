@@ -70,6 +70,13 @@ def model_statistics(stats: list[dict[str, Any]]) -> pb.ModelStatisticsResponse:
         for key, value in inference.items():
             if hasattr(entry.inference_stats, key):
                 getattr(entry.inference_stats, key).CopyFrom(_duration(value))
+        for batch in stat.get("batch_stats", []):
+            entry.batch_stats.add(
+                batch_size=batch["batch_size"],
+                compute_input=_duration(batch["compute_input"]),
+                compute_infer=_duration(batch["compute_infer"]),
+                compute_output=_duration(batch["compute_output"]),
+            )
     return reply
 
 

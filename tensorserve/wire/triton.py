@@ -9,6 +9,7 @@ endpoint serves both the native client and Triton tooling.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tensorserve.repository.config import ModelConfig
@@ -38,37 +39,68 @@ def model_config(name: str, config: ModelConfig) -> dict[str, Any]:
     return data
 
 
-def _duration(count: int, ns: float) -> dict[str, int]:
-    return {"count": int(count), "ns": round(ns)}
+@dataclass(frozen=True)
+class TritonCounts:
+    """The counters of Triton's statistics extension, in its units: requests
+    (successful ones, for queue and compute), their cumulative nanoseconds,
+    items (``inferences``), batches (``executions``), and per batch size the
+    batches and their durations."""
+
+    success: int
+    success_ns: int  # from submit to the answer, summed over successful requests
+    fail: int
+    fail_ns: int
+    queue_ns: int
+    compute_input_ns: int  # padding (collate.pad, which fills the host buffers)
+    compute_infer_ns: int  # the model's run (launch to collect: device copies included)
+    compute_output_ns: int  # un-padding the outputs into each item's rows
+    inferences: int  # items of successful requests
+    executions: int  # batches run
+    # batch size -> (batches, input ns, infer ns, output ns), each batch counted once
+    batch_sizes: dict[int, tuple[int, int, int, int]]
+    last_inference_ms: int  # when the last batch finished, ms since the epoch (0: none yet)
 
 
-def model_stat(name: str, version: str, batching: Mapping[str, Any]) -> dict[str, Any]:
-    """Triton's ``$model_stat`` derived from the ``batching`` snapshot (which
-    is kept too). Counts are items (Triton's "inferences"), not requests;
-    durations tensorserve does not measure are 0, and ``batch_stats`` is
-    empty because the batcher keeps a bucketed histogram, not exact sizes
-    (see ``batching.batch_size_histogram``)."""
-    batches = int(batching["total_batches"])
-    items = round(batching["avg_batch_size"] * batches)  # items that reached the model
-    failed = int(batching["failed_items"])
+def _duration(count: int, ns: int) -> dict[str, int]:
+    return {"count": count, "ns": ns}
+
+
+def model_stat(
+    name: str, version: str, counts: TritonCounts, batching: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Triton's ``$model_stat`` in Triton's units (``batching/stats.py``):
+    ``inference_stats`` counts requests, each charged the whole time of the
+    batches it ran in; ``inference_count`` items; ``execution_count`` and
+    ``batch_stats`` batches. perf_analyzer requires the three compute counts to
+    agree: they, and the queue's, are the successful requests, as in Triton.
+    tensorserve's own ``batching`` snapshot is kept beside them."""
+    ok = counts.success
     zero = _duration(0, 0)
     return {
         "name": name,
         "version": version,
-        "last_inference": 0,
-        "inference_count": items - failed,
-        "execution_count": batches,
+        "last_inference": counts.last_inference_ms,
+        "inference_count": counts.inferences,
+        "execution_count": counts.executions,
         "inference_stats": {
-            "success": _duration(items - failed, 0),
-            "fail": _duration(failed, 0),
-            "queue": _duration(items, batching["avg_queue_ms"] * items * 1e6),
-            "compute_input": zero,
-            "compute_infer": _duration(batches, batching["avg_batch_duration_ms"] * batches * 1e6),
-            "compute_output": zero,
+            "success": _duration(ok, counts.success_ns),
+            "fail": _duration(counts.fail, counts.fail_ns),
+            "queue": _duration(ok, counts.queue_ns),
+            "compute_input": _duration(ok, counts.compute_input_ns),
+            "compute_infer": _duration(ok, counts.compute_infer_ns),
+            "compute_output": _duration(ok, counts.compute_output_ns),
             "cache_hit": zero,
             "cache_miss": zero,
         },
-        "batch_stats": [],
+        "batch_stats": [
+            {
+                "batch_size": size,
+                "compute_input": _duration(batches, input_ns),
+                "compute_infer": _duration(batches, infer_ns),
+                "compute_output": _duration(batches, output_ns),
+            }
+            for size, (batches, input_ns, infer_ns, output_ns) in counts.batch_sizes.items()
+        ],
         "memory_usage": [],
         "batching": dict(batching),
     }

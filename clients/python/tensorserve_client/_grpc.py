@@ -192,7 +192,8 @@ def _metadata(reply: pb.ModelMetadataResponse) -> dict[str, Any]:
 
 
 def _statistics(reply: pb.ModelStatisticsResponse) -> dict[str, Any]:
-    """Triton's ``model_stats`` (counts in rows); the ``batching`` block is HTTP's only."""
+    """Triton's ``model_stats`` (``inference_stats`` per request, ``batch_stats`` per
+    batch size); the ``batching`` block is HTTP's only."""
     entries = []
     for stat in reply.model_stats:
         inference = {
@@ -203,6 +204,16 @@ def _statistics(reply: pb.ModelStatisticsResponse) -> dict[str, Any]:
             "name": stat.name, "version": stat.version,
             "last_inference": stat.last_inference, "inference_count": stat.inference_count,
             "execution_count": stat.execution_count, "inference_stats": inference,
+            "batch_stats": [
+                {
+                    "batch_size": batch.batch_size,
+                    **{
+                        key: {"count": getattr(batch, key).count, "ns": getattr(batch, key).ns}
+                        for key in ("compute_input", "compute_infer", "compute_output")
+                    },
+                }
+                for batch in stat.batch_stats
+            ],
         })
     return {"model_stats": entries}
 
