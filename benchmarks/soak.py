@@ -23,7 +23,7 @@ and with the bad traffic, and prints per run:
 connection that broke or a request with no response; ``hung`` is no answer
 within HUNG_AFTER_S. The goals (docs/reliability.md): 0 lost, 0 hung, 0 good
 items failed, and good throughput with the bad traffic at least 80% of the
-same run without it. The scenario is ``tensorserve.bench.soak``; the test
+same run without it. The scenario is ``tensorserve_bench.soak``; the test
 suite runs a short one (tests/bench/test_soak.py).
 """
 
@@ -33,8 +33,8 @@ import argparse
 import sys
 from typing import Any
 
-from tensorserve.bench import soak
-from tensorserve.bench.results import save
+from tensorserve_bench import soak
+from tensorserve_bench.results import save
 
 
 def _print(results: list[dict[str, Any]]) -> None:

@@ -39,12 +39,11 @@ from typing import Any
 
 import msgpack
 import numpy as np
-
-from tensorserve.bench.protocols import decode_error
-from tensorserve.bench.rawhttp import RawHttpPool
-from tensorserve.bench.repositories import write_xy_model
-from tensorserve.bench.results import save
-from tensorserve.bench.server import ServerProcess
+from tensorserve_bench.protocols import decode_error
+from tensorserve_bench.rawhttp import RawHttpPool
+from tensorserve_bench.repositories import write_xy_model
+from tensorserve_bench.results import save
+from tensorserve_bench.server import ServerProcess
 
 MODEL = """
 import time

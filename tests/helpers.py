@@ -17,7 +17,7 @@ import numpy as np
 # A model folder from config.toml text and model.py (no weights): the
 # benchmarks' writer. Prefer ``write_toy_model``; ``write_model`` is for a
 # config's text that ``toy_config`` cannot write (invalid TOML).
-from tensorserve.bench.repositories import write_model
+from tensorserve_bench.repositories import write_model
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 

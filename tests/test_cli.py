@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tensorserve_bench.server import override_flags
 
-from tensorserve.bench.server import override_flags
 from tensorserve.cli import add_serve_parser, main, settings_from_args
 from tensorserve.repository.config import DynamicBatching, ModelConfig
 from tensorserve.settings import BOUNDS, MAX_TIMEOUT_MS, MODEL_OVERRIDES, Settings

@@ -51,8 +51,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tensorserve_bench.server import free_port
 
-from tensorserve.bench.server import free_port
 from tensorserve.repository.config import InstanceGroup, parse_config
 from tensorserve.settings import Settings
 from tests.conftest import ROOT, ServerProcess

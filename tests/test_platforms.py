@@ -17,8 +17,8 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from tensorserve_bench.server import ServerProcess
 
-from tensorserve.bench.server import ServerProcess
 from tensorserve.errors import ConfigError
 from tensorserve.repository.config import parse_config
 from tensorserve.repository.loader import discover, load_model, read_config

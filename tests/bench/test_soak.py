@@ -5,8 +5,7 @@ can meet, against a real server."""
 from __future__ import annotations
 
 import pytest
-
-from tensorserve.bench import soak
+from tensorserve_bench import soak
 
 
 @pytest.mark.slow

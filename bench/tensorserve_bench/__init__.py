@@ -2,7 +2,7 @@
 
 For scripts (everything here is importable without matplotlib or tqdm):
 
-    from tensorserve.bench import InProcessTarget, HttpTarget, Variant, run_bench, uniform
+    from tensorserve_bench import InProcessTarget, HttpTarget, Variant, run_bench, uniform
 
     result = asyncio.run(run_bench(
         lambda v: InProcessTarget("model_repository", "tagger", overrides=v.overrides),
@@ -27,19 +27,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tensorserve.bench.items import FeatureSpec, ItemFactory
-    from tensorserve.bench.lengths import (
+    from tensorserve_bench.items import FeatureSpec, ItemFactory
+    from tensorserve_bench.lengths import (
         LengthDistribution,
         parse_lengths,
         read_lengths_file,
         uniform,
     )
-    from tensorserve.bench.loadgen import PointResult, PreparedRequest, run_point
-    from tensorserve.bench.plots import write_plots
-    from tensorserve.bench.report import format_table
-    from tensorserve.bench.server import ServedHttpTarget, ServerProcess
-    from tensorserve.bench.sweep import BenchResult, Variant, build_pool, run_bench
-    from tensorserve.bench.targets import BatchingDelta, Counters, HttpTarget, InProcessTarget
+    from tensorserve_bench.loadgen import PointResult, PreparedRequest, run_point
+    from tensorserve_bench.plots import write_plots
+    from tensorserve_bench.report import format_table
+    from tensorserve_bench.server import ServedHttpTarget, ServerProcess
+    from tensorserve_bench.sweep import BenchResult, Variant, build_pool, run_bench
+    from tensorserve_bench.targets import BatchingDelta, Counters, HttpTarget, InProcessTarget
 
 # Resolved on first use, so `tensorserve --help` imports none of it.
 _EXPORTS = {
@@ -93,5 +93,5 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'tensorserve.bench' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"tensorserve.bench.{module}"), name)
+        raise AttributeError(f"module 'tensorserve_bench' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tensorserve_bench.{module}"), name)

@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
-from tensorserve.bench.protocols import decode_error, msgpack_body
-from tensorserve.bench.rawhttp import RawHttpPool, RawResponse
-from tensorserve.bench.repositories import write_xy_model
-from tensorserve.bench.server import ServerProcess
+from tensorserve_bench.protocols import decode_error, msgpack_body
+from tensorserve_bench.rawhttp import RawHttpPool, RawResponse
+from tensorserve_bench.repositories import write_xy_model
+from tensorserve_bench.server import ServerProcess
 
 # The model misbehaves on marker values in an item's first element. Its
 # "memory" holds a padded batch of at most MEMORY_ELEMENTS elements.
