@@ -300,7 +300,7 @@ def check_install(block: Block) -> None:
             if match:
                 known = extras(ROOT / match.group(1) / "pyproject.toml")
                 assert set(match.group(2).split(",")) <= known, f"{block}: {word}: extras {known}"
-            elif not word.startswith("-") and "==" not in word and "/" in word or word == ".":
+            elif not word.startswith("-") and "==" not in word and ("/" in word or word in (".", "bench")):
                 assert (ROOT / word).exists(), f"{block}: {word}"
 
 

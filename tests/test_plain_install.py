@@ -22,7 +22,7 @@ import pytest
 from tensorserve_bench.server import free_port
 
 from tests.conftest import ROOT
-from tests.helpers import wait_until
+from tests.helpers import build_server_wheel, wait_until
 
 INSTALL_TIMEOUT_S = 900  # torch from the machine's wheel, the rest from the index
 READY_TIMEOUT_S = 180
@@ -50,10 +50,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[
     """A fresh virtual environment with torch and the server's wheel, nothing else."""
     folder = tmp_path_factory.mktemp("plain_install")
     env = _clean_env(folder)
-    wheels = folder / "wheels"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
-         env, folder)
-    (wheel,) = wheels.glob("tensorserve-*.whl")
+    wheel = build_server_wheel(folder, ROOT)
     _run([sys.executable, "-m", "venv", str(folder / "venv")], env, folder)
     python = folder / "venv" / "bin" / "python"
     _run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], env, folder)

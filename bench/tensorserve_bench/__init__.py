@@ -1,4 +1,8 @@
-"""``tensorserve bench``: load generation and measurement.
+"""tensorserve-bench: ``tensorserve bench`` (load generation and
+measurement) and the library behind ``benchmarks/``. A distribution of its
+own (``bench/`` in the repository), so the server's wheel is the server; the
+server's CLI finds ``cli.add_parser`` through the ``tensorserve.commands``
+entry point (bench/pyproject.toml).
 
 For scripts (everything here is importable without matplotlib or tqdm):
 
@@ -13,12 +17,14 @@ For scripts (everything here is importable without matplotlib or tqdm):
 Modules: ``lengths`` (length distributions) · ``items`` (synthetic items from
 a model's inputs) · ``protocols`` (one request encoder per protocol) ·
 ``targets`` (HTTP and in-process targets, batching counters) · ``grpc_target``
-(KServe v2 gRPC) · ``loadgen``
-(closed and open loop, ``run_point``) · ``percentiles`` · ``sweep`` (variants
+(KServe v2 gRPC, and its raw ``ModelInfer`` caller) · ``loadgen``
+(closed and open loop, ``run_point``) · ``summaries`` (latency summaries with
+the server's percentile, medians of repeats) · ``sweep`` (variants
 x load levels, ``BenchResult``) · ``report`` (table) · ``plots`` (PNGs) ·
 ``server`` (the one way to start a server: ``--serve`` and every script of
 ``benchmarks/``) · ``results`` (result files) · ``repositories`` (toy models,
-cached copies of bundled ones) · ``soak`` (the fault soak) · ``wrk`` · ``cli``.
+cached copies of bundled ones) · ``soak`` (one toy model, its good and bad
+requests, the fault and the overload scenarios) · ``wrk`` · ``cli``.
 """
 
 from __future__ import annotations
