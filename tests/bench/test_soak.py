@@ -9,7 +9,6 @@ import random
 import msgpack
 import numpy as np
 import pytest
-
 from tensorserve_bench.soak import faults
 from tensorserve_bench.soak.model import KILL, POISON, SLOW
 from tensorserve_bench.soak.requests import (
