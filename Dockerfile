@@ -42,6 +42,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY tensorserve ./tensorserve
 COPY clients/python ./clients/python
+# No extras, in both variants: the server's own dependencies (gRPC's included)
+# serve every model of model_repository. ONNX models (examples/model_repository)
+# need onnxruntime-gpu here, or onnxruntime in the CPU variant.
 # DL3013 (pin versions): these are local paths, not registry names; their
 # dependency ranges live in pyproject.toml.
 # hadolint ignore=DL3013

@@ -34,10 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from generate_example_weights import make_variant
-
-from tensorserve.bench import ServedHttpTarget, Variant, run_bench, uniform
-from tensorserve.bench.repositories import TUNED_KEYS, cached_copy
-from tensorserve.bench.results import save
+from tensorserve_bench import ServedHttpTarget, Variant, run_bench, uniform
+from tensorserve_bench.repositories import TUNED_KEYS, cached_copy
+from tensorserve_bench.results import save
 
 CACHE = ROOT / "benchmarks" / ".cache" / "defaults-per-model"
 RESULTS = ROOT / "benchmarks" / "results" / "defaults.json"

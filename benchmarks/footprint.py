@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tensorserve.bench.results import save
-from tensorserve.bench.server import ServerProcess
+from tensorserve_bench.results import save
+from tensorserve_bench.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "footprint.json"

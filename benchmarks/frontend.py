@@ -45,14 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tensorserve.bench.items import ItemFactory, vocab_limit
-from tensorserve.bench.lengths import uniform
-from tensorserve.bench.percentiles import medians_by
-from tensorserve.bench.repositories import write_flat_model, write_zeros_model
-from tensorserve.bench.results import save
-from tensorserve.bench.server import ServerProcess
-from tensorserve.bench.targets import HttpTarget
-from tensorserve.bench.wrk import find_wrk, measure, write_script, wrk_version
+from tensorserve_bench.items import ItemFactory, vocab_limit
+from tensorserve_bench.lengths import uniform
+from tensorserve_bench.repositories import write_flat_model, write_zeros_model
+from tensorserve_bench.results import save
+from tensorserve_bench.server import ServerProcess
+from tensorserve_bench.summaries import medians_by
+from tensorserve_bench.targets import HttpTarget
+from tensorserve_bench.wrk import find_wrk, measure, write_script, wrk_version
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "frontend.json"

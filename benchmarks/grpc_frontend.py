@@ -9,7 +9,7 @@ around a model that costs nothing (``write_zeros_model``).
 
 One server; the same one-item requests (lengths uniform 8..128) on each
 protocol, sent one at a time by this process (gRPC through
-``tensorserve.grpc.loadclient``, HTTP through ``RawHttpPool``: the cheapest
+``tensorserve_bench.grpc_target``, HTTP through ``RawHttpPool``: the cheapest
 callers we have). The protocols take turns within each repeat, in a rotating
 order, so a busy moment of the machine costs them alike. Server CPU is the
 server tree's CPU seconds over the measured requests, per request; the
@@ -28,14 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tensorserve.bench.grpc_target import GrpcTarget
-from tensorserve.bench.items import ItemFactory
-from tensorserve.bench.lengths import uniform
-from tensorserve.bench.percentiles import medians_by
-from tensorserve.bench.repositories import write_zeros_model
-from tensorserve.bench.results import save
-from tensorserve.bench.server import ServerProcess
-from tensorserve.bench.targets import HttpTarget
+from tensorserve_bench.grpc_target import GrpcTarget
+from tensorserve_bench.items import ItemFactory
+from tensorserve_bench.lengths import uniform
+from tensorserve_bench.repositories import write_zeros_model
+from tensorserve_bench.results import save
+from tensorserve_bench.server import ServerProcess
+from tensorserve_bench.summaries import medians_by
+from tensorserve_bench.targets import HttpTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "grpc_frontend.json"

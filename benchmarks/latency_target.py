@@ -10,7 +10,7 @@ minutes a model:
 
 Capacity is a model's items/s as shipped with 32 closed-loop callers. Each
 point offers one-item requests (8..128 tokens, or pixels a side) at a
-Poisson rate through the shared load generator (tensorserve.bench.loadgen:
+Poisson rate through the shared load generator (tensorserve_bench.loadgen:
 latency from each request's scheduled arrival, refusals apart, the
 generator's own lateness reported); the variants alternate at each load so
 their ratios come from one run. Saves benchmarks/results/latency_target.json
@@ -26,12 +26,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tensorserve.bench.items import ItemFactory
-from tensorserve.bench.lengths import uniform
-from tensorserve.bench.loadgen import PointResult, PreparedRequest, run_point
-from tensorserve.bench.results import save
-from tensorserve.bench.server import ServerProcess
-from tensorserve.bench.targets import HttpTarget
+from tensorserve_bench.items import ItemFactory
+from tensorserve_bench.lengths import uniform
+from tensorserve_bench.loadgen import PointResult, PreparedRequest, run_point
+from tensorserve_bench.results import save
+from tensorserve_bench.server import ServerProcess
+from tensorserve_bench.targets import HttpTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "benchmarks" / ".cache" / "latency_target"

@@ -20,11 +20,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from tensorserve.bench.percentiles import percentiles_ms
-from tensorserve.bench.protocols import CONTENT_TYPES, msgpack_body
-from tensorserve.bench.repositories import write_model
-from tensorserve.bench.server import ServerProcess
+from tensorserve_bench.protocols import CONTENT_TYPES, msgpack_body
+from tensorserve_bench.repositories import write_model
+from tensorserve_bench.server import ServerProcess
+from tensorserve_bench.summaries import percentiles_ms
 
 CONFIG = """max_batch_size = 32
 device = "cpu"

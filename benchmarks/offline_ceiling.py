@@ -20,9 +20,9 @@ import os
 import time
 
 import torch
+from tensorserve_bench.items import ItemFactory, specs_from_config
+from tensorserve_bench.lengths import uniform
 
-from tensorserve.bench.items import ItemFactory, specs_from_config
-from tensorserve.bench.lengths import uniform
 from tensorserve.serving.model import ServedModel
 
 ITEMS = 2048

@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 import torch
+from tensorserve_bench.results import save
 
 from tensorserve import ServedModel
-from tensorserve.bench.percentiles import percentile
-from tensorserve.bench.results import save
+from tensorserve.percentiles import percentile
 
 FLOOD_CALLERS = 64
 

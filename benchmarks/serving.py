@@ -49,9 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from generate_example_weights import make_variant
-
-from tensorserve import ServedModel
-from tensorserve.bench import (
+from tensorserve_bench import (
     InProcessTarget,
     ServedHttpTarget,
     Variant,
@@ -59,10 +57,12 @@ from tensorserve.bench import (
     run_bench,
     uniform,
 )
-from tensorserve.bench.loadgen import PointResult
-from tensorserve.bench.repositories import TUNED_KEYS, cached_copy
-from tensorserve.bench.results import machine_info, save
-from tensorserve.bench.server import override_flags
+from tensorserve_bench.loadgen import PointResult
+from tensorserve_bench.repositories import TUNED_KEYS, cached_copy
+from tensorserve_bench.results import machine_info, save
+from tensorserve_bench.server import override_flags
+
+from tensorserve import ServedModel
 from tensorserve.runtime.device import default_intra_op_threads
 from tensorserve.settings import Settings
 

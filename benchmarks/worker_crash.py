@@ -20,10 +20,10 @@ import time
 
 import numpy as np
 import psutil
+from tensorserve_bench.repositories import write_xy_model
+from tensorserve_bench.results import save
 
 from tensorserve import ServedModel
-from tensorserve.bench.repositories import write_xy_model
-from tensorserve.bench.results import save
 
 MODEL = """
 import torch

@@ -183,7 +183,7 @@ def free_port() -> int:
 
 def live_check(queries: list[Query], load_seconds: float) -> int:
     sys.path.insert(0, str(ROOT))
-    from tensorserve.bench.server import ServerProcess
+    from tensorserve_bench.server import ServerProcess
 
     prometheus_bin = shutil.which("prometheus")
     if prometheus_bin is None:

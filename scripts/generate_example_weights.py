@@ -7,8 +7,9 @@ For every model directory ``<repo>/<model>/`` that has ``config.toml`` and
 ``torch.manual_seed(seed)``, and writes ``1/model.safetensors`` (fp32) with
 ``safetensors.torch.save_file``.  Running it twice yields byte-identical files.
 
-It also exports ``tagger_onnx/1/model.onnx``: the tagger's own weights (the
-same seed) as an ONNX graph with dynamic batch and token axes, through
+It also exports ``examples/model_repository/tagger_onnx/1/model.onnx`` (an
+example beside the default repository: serving it needs the ``onnx`` extra):
+the tagger's own weights (the same seed) as an ONNX graph with dynamic batch and token axes, through
 ``torch.onnx.export(dynamo=True)``, which needs ``onnxscript``
 (``pip install onnxscript``); without it that model is skipped, saying so.
 
@@ -17,6 +18,7 @@ Usage::
     python scripts/generate_example_weights.py                 # all bundled models
     python scripts/generate_example_weights.py tagger embedder # selected models
     python scripts/generate_example_weights.py --repo /tmp/repo --seed 0
+    python scripts/generate_example_weights.py tagger_onnx     # the ONNX export only
 
 Reusable from Python (e.g. benchmarks building a bigger variant)::
 
@@ -47,6 +49,9 @@ from safetensors.torch import save_file
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+# Models that need an extra to serve (tagger_onnx: onnxruntime), kept out of the
+# default repository so that a plain install serves every model of it.
+EXAMPLES_REPOSITORY = REPO_ROOT / "examples" / "model_repository"
 VERSION = "1"
 
 
@@ -205,15 +210,15 @@ class ExportableTagger(torch.nn.Module):
         return t.head(t.encoder(x, src_key_padding_mask=attention_mask == 0))
 
 
-def export_tagger_onnx(repository: Path, seed: int = 0) -> Path:
-    """Write ``<repository>/tagger_onnx/1/model.onnx`` from the tagger's model.py
-    and seed: dynamic ``batch`` and ``tokens`` axes, the mask an input."""
+def export_tagger_onnx(repository: Path, examples: Path, seed: int = 0) -> Path:
+    """Write ``<examples>/tagger_onnx/1/model.onnx`` from ``<repository>/tagger``'s
+    model.py and seed: dynamic ``batch`` and ``tokens`` axes, the mask an input."""
     import warnings
 
     model = ExportableTagger(build_model(Path(repository) / "tagger", seed=seed)).eval()
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 9, 0, 0, 0]])
     batch, tokens = torch.export.Dim("batch", max=4096), torch.export.Dim("tokens", max=512)
-    path = Path(repository) / "tagger_onnx" / VERSION / "model.onnx"
+    path = Path(examples) / "tagger_onnx" / VERSION / "model.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's notes on torchvision and the like
         torch.onnx.export(
@@ -238,11 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", help="model names (default: all)")
     parser.add_argument("--repo", type=Path, default=DEFAULT_MODEL_REPOSITORY)
+    parser.add_argument("--examples", type=Path, default=EXAMPLES_REPOSITORY,
+                        help="where tagger_onnx lives (default: examples/model_repository)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     dirs = model_dirs(args.repo)
-    export_onnx = (args.repo / "tagger_onnx").is_dir() and (
+    export_onnx = (args.examples / "tagger_onnx").is_dir() and (
         not args.models or "tagger_onnx" in args.models
     )
     asked = [m for m in args.models if m != "tagger_onnx"]
@@ -263,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("tagger_onnx: skipped: the ONNX export needs onnxscript (pip install onnxscript)")
             return 0
-        path = export_tagger_onnx(args.repo, seed=args.seed)
-        print(f"tagger_onnx: {path.relative_to(args.repo)} ({path.stat().st_size} bytes)")
+        path = export_tagger_onnx(args.repo, args.examples, seed=args.seed)
+        print(f"tagger_onnx: {path} ({path.stat().st_size} bytes)")
     return 0
 
 

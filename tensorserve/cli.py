@@ -1,4 +1,9 @@
-"""``tensorserve`` command line: ``serve``, ``bench`` (tensorserve/bench) and ``top``.
+"""``tensorserve`` command line: ``serve``, ``top``, and ``bench`` when installed.
+
+``bench`` lives in its own distribution, tensorserve-bench (bench/ in the
+repository): tooling, not product. Any distribution adds commands through
+the ``tensorserve.commands`` entry-point group; a known command whose
+distribution is missing says which to install and exits 2.
 
 ``serve``'s flags are generated from ``Settings``: one per field, with its
 type, choices, description, default and environment variable, so a setting
@@ -14,6 +19,7 @@ import sys
 import types
 import typing
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -23,6 +29,11 @@ from tensorserve.settings import MODEL_OVERRIDES, Settings
 from tensorserve.tracing import missing_sdk
 
 ENV_PREFIX = str(Settings.model_config.get("env_prefix", ""))
+# Each entry point of this group is ``add_parser(subparsers)`` for one command.
+COMMANDS_GROUP = "tensorserve.commands"
+# Commands that other distributions bring, named so that asking for one that
+# is not installed says what to install: {command: distribution}.
+OPTIONAL_COMMANDS = {"bench": "tensorserve-bench"}
 
 
 def flag_name(field: str) -> str:
@@ -138,7 +149,7 @@ def serve(settings: Settings) -> int:
             from tensorserve.grpc.server import GrpcFrontEnd  # grpcio: only when serving gRPC
         except ImportError as exc:
             print(f"tensorserve serve: error: the gRPC front end needs grpcio and protobuf "
-                  f"({exc}): pip install 'tensorserve[grpc]', or serve HTTP only with "
+                  f"({exc}): pip install grpcio 'protobuf<7', or serve HTTP only with "
                   f"--grpc-port -1 (TENSORSERVE_GRPC_PORT=-1)", file=sys.stderr)
             return 1
         front_ends.append(GrpcFrontEnd)
@@ -150,16 +161,45 @@ def serve(settings: Settings) -> int:
     return 0
 
 
+def add_installed_commands(sub: Any) -> dict[str, str]:
+    """Add the parser of every command in ``COMMANDS_GROUP``; return, for
+    each optional command that could not be added, why and what to install."""
+    missing = {
+        command: f"tensorserve {command} needs the {distribution} package: pip install {distribution}"
+        for command, distribution in OPTIONAL_COMMANDS.items()
+    }
+    for entry in metadata.entry_points(group=COMMANDS_GROUP):
+        if entry.name in sub.choices:
+            continue  # two installs of one distribution: the first wins, as for imports
+        try:
+            add_parser = entry.load()
+        except ImportError as exc:  # a broken install must not stop `tensorserve serve`
+            distribution = OPTIONAL_COMMANDS.get(entry.name, "the package that brings it")
+            missing[entry.name] = (
+                f"tensorserve {entry.name} could not be loaded ({exc}): "
+                f"pip install --force-reinstall {distribution}"
+            )
+            continue
+        add_parser(sub)
+        missing.pop(entry.name, None)
+    for command, reason in missing.items():
+        # Listed by --help all the same; main() answers it before parsing.
+        sub.add_parser(command, help=f"(not installed) {reason}", add_help=False)
+    return missing
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = OneLineErrors(prog="tensorserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
     serve_parser = add_serve_parser(sub)
-    from tensorserve.bench.cli import add_parser as add_bench_parser
-
-    add_bench_parser(sub)
     from tensorserve.top import add_parser as add_top_parser
 
     add_top_parser(sub)
+    missing = add_installed_commands(sub)
+    if argv and argv[0] in missing:
+        print(missing[argv[0]], file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.command == "serve":
         try:

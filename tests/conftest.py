@@ -8,8 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
-from tensorserve.bench.server import ServerProcess as BenchServerProcess
+from tensorserve_bench.server import ServerProcess as BenchServerProcess
 
 # Every server a test starts (docs' examples, start-up tests) takes any free
 # gRPC port rather than 8001, which servers of other tests or engineers hold.

@@ -17,7 +17,7 @@ import numpy as np
 # A model folder from config.toml text and model.py (no weights): the
 # benchmarks' writer. Prefer ``write_toy_model``; ``write_model`` is for a
 # config's text that ``toy_config`` cannot write (invalid TOML).
-from tensorserve.bench.repositories import write_model
+from tensorserve_bench.repositories import write_model
 
 MSGPACK = {"Content-Type": "application/msgpack"}
 
@@ -239,3 +239,27 @@ class FileGate:
 
     def seen_values(self) -> list[float]:
         return [float(v) for v in self.seen.read_text().split()] if self.seen.exists() else []
+
+
+def build_server_wheel(folder: Path, root: Path, timeout: float = 600) -> Path:
+    """The server's wheel, built as the Dockerfile builds it: from a copy of
+    what it copies (pyproject.toml, README.md, tensorserve/), so the build
+    leaves nothing (build/, *.egg-info) in the checkout."""
+    import shutil
+    import subprocess
+    import sys
+
+    source = folder / "source"
+    source.mkdir(parents=True)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    shutil.copytree(root / "tensorserve", source / "tensorserve",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    wheels = folder / "wheels"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(source)],
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (wheel,) = wheels.glob("tensorserve-*.whl")
+    return wheel

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tensorserve_bench.server import override_flags
 
-from tensorserve.bench.server import override_flags
 from tensorserve.cli import add_serve_parser, main, settings_from_args
 from tensorserve.repository.config import DynamicBatching, ModelConfig
 from tensorserve.settings import BOUNDS, MAX_TIMEOUT_MS, MODEL_OVERRIDES, Settings
@@ -214,3 +214,61 @@ def test_the_bench_starts_a_server_with_flags_serve_accepts() -> None:
     args = serve_parser().parse_args(flags)
     settings = settings_from_args(args)
     assert (settings.access_log, settings.log_probes, settings.max_batch_size) == (True, False, 8)
+
+
+# ------------------------------------------------------------------ commands of other packages
+def add_hello_parser(sub: Any) -> argparse.ArgumentParser:
+    """A command another distribution could bring (the entry point's value below)."""
+    parser = sub.add_parser("hello", help="say hello")
+    parser.add_argument("name")
+    parser.set_defaults(run=lambda args: print(f"hello {args.name}") or 0)
+    return parser
+
+
+def with_entry_points(monkeypatch: pytest.MonkeyPatch, *values: tuple[str, str]) -> None:
+    """``tensorserve.commands`` holds exactly these (name, value) entry points."""
+    from importlib import metadata
+
+    import tensorserve.cli
+
+    found = [metadata.EntryPoint(name, value, "tensorserve.commands") for name, value in values]
+    monkeypatch.setattr(tensorserve.cli.metadata, "entry_points",
+                        lambda group: found if group == "tensorserve.commands" else [])
+
+
+def test_a_command_of_another_package_is_found_through_its_entry_point(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with_entry_points(monkeypatch, ("hello", "tests.test_cli:add_hello_parser"))
+    assert main(["hello", "you"]) == 0
+    assert capsys.readouterr().out == "hello you\n"
+
+
+def test_without_tensorserve_bench_the_bench_command_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with_entry_points(monkeypatch)
+    assert main(["bench", "tagger", "--serve", "--help"]) == 2
+    assert capsys.readouterr().err == (
+        "tensorserve bench needs the tensorserve-bench package: pip install tensorserve-bench\n"
+    )
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "bench" in capsys.readouterr().out  # still listed, saying it is not installed
+
+
+def test_a_broken_bench_install_does_not_stop_serve_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with_entry_points(monkeypatch, ("bench", "tensorserve_bench_missing.cli:add_parser"))
+    assert main(["bench", "tagger"]) == 2
+    error = capsys.readouterr().err
+    assert "could not be loaded" in error and "pip install --force-reinstall tensorserve-bench" in error
+    assert isinstance(serve_parser().parse_args(["--port", "8080"]), argparse.Namespace)
+
+
+def test_the_installed_bench_is_the_bench_command() -> None:
+    out = subprocess.run([sys.executable, "-m", "tensorserve", "bench", "--help"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "usage: tensorserve bench" in out.stdout and "--concurrency" in out.stdout

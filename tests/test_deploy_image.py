@@ -19,13 +19,14 @@ import shlex
 import signal
 import subprocess
 import sys
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tensorserve_bench.server import free_port
 
-from tensorserve.bench.server import free_port
 from tensorserve.settings import Settings
 from tests.conftest import ROOT
 from tests.helpers import wait_until
@@ -96,6 +97,13 @@ def healthcheck_command(stage: Stage) -> list[str]:
     args = stage.last("HEALTHCHECK")
     _, _, command = args.partition("CMD ")
     return exec_form(command)
+
+
+def test_both_variants_install_the_server_without_extras() -> None:
+    """The GPU and the CPU image differ only in build arguments: one install
+    line, the plain one, which serves every model of the default repository."""
+    installs = [args for args in stages()[0].all("RUN") if "pip install" in args and " ." in args]
+    assert installs == ["pip install . ./clients/python"], installs
 
 
 def test_the_image_is_multi_stage_non_root_and_complete() -> None:
@@ -201,6 +209,10 @@ def test_the_image_entrypoint_serves_the_bundled_repository(tmp_path: Path) -> N
             ids = np.array([101, 7, 8, 102], dtype=np.int64)
             out = client.infer("tagger", {"input_ids": ids, "attention_mask": np.ones_like(ids)})
         assert out["logits"].shape[0] == 4
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models", timeout=10) as reply:
+            states = {m["name"]: m["state"] for m in json.load(reply)["models"]}
+        assert set(states) == {p.name for p in (ROOT / "model_repository").iterdir() if p.is_dir()}
+        assert set(states.values()) == {"READY"}, states  # what the image installs serves them all
 
         server.send_signal(getattr(signal, final.last("STOPSIGNAL")))
         assert server.wait(timeout=STOP_TIMEOUT_S) == 0, (tmp_path / "server.log").read_text()

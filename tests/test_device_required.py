@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from tensorserve_bench.server import ServerProcess as BareServer
 
 from tensorserve import ServedModel
-from tensorserve.bench.server import ServerProcess as BareServer
 from tensorserve.repository.config import parse_config
 from tensorserve.runtime.cuda_diagnosis import describe, driver_version, parse_proc_version
 from tests.helpers import ECHO, POISON_MODEL, wait_until, write_toy_model

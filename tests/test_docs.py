@@ -51,8 +51,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tensorserve_bench.server import free_port
 
-from tensorserve.bench.server import free_port
 from tensorserve.repository.config import InstanceGroup, parse_config
 from tensorserve.settings import Settings
 from tests.conftest import ROOT, ServerProcess
@@ -300,7 +300,7 @@ def check_install(block: Block) -> None:
             if match:
                 known = extras(ROOT / match.group(1) / "pyproject.toml")
                 assert set(match.group(2).split(",")) <= known, f"{block}: {word}: extras {known}"
-            elif not word.startswith("-") and "==" not in word and "/" in word or word == ".":
+            elif not word.startswith("-") and "==" not in word and ("/" in word or word in (".", "bench")):
                 assert (ROOT / word).exists(), f"{block}: {word}"
 
 

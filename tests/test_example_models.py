@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent / "model_repository"
+EXAMPLES = REPO.parent / "examples" / "model_repository"  # models that need an extra
 MODELS = ["tagger", "embedder", "image_filter", "gru_tagger", "attention_tagger"]
 ATOL = 1e-5
 RTOL = 1e-5
@@ -164,14 +165,14 @@ def test_make_variant_rewrites_parameters_and_weights(tmp_path):
 
 
 def test_tagger_onnx_is_the_tagger_exported(tmp_path):
-    """model_repository/tagger_onnx/1/model.onnx, run by ONNX Runtime on a padded
+    """examples/model_repository/tagger_onnx/1/model.onnx, run by ONNX Runtime on a padded
     batch, gives each row what the tagger's model.py gives the item alone."""
     ort = pytest.importorskip("onnxruntime")
-    session = ort.InferenceSession(str(REPO / "tagger_onnx" / "1" / "model.onnx"),
+    session = ort.InferenceSession(str(EXAMPLES / "tagger_onnx" / "1" / "model.onnx"),
                                    providers=["CPUExecutionProvider"])
     cfg, model = _config("tagger"), _load("tagger")
     items = _make_items("tagger", cfg, torch.Generator().manual_seed(99))
-    batch = _pad_batch(_config("tagger_onnx"), items)
+    batch = _pad_batch(tomllib.loads((EXAMPLES / "tagger_onnx" / "config.toml").read_text()), items)
     (logits,) = session.run(["logits"], {k: v.numpy() for k, v in batch.items()})
     with torch.inference_mode():
         for i, item in enumerate(items):

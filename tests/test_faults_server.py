@@ -15,8 +15,8 @@ import msgpack
 import numpy as np
 import psutil
 import pytest
+from tensorserve_bench.server import ServerProcess as BareServer
 
-from tensorserve.bench.server import ServerProcess as BareServer
 from tests.conftest import ServerProcess
 from tests.helpers import ECHO, MSGPACK, POISON_MODEL, body, from_wire, wait_until, write_toy_model
 from tests.test_faults import CRASHY

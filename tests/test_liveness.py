@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from tensorserve_bench.server import ServerProcess as BareServer
 
 from tensorserve import ServedModel
-from tensorserve.bench.server import ServerProcess as BareServer
 from tensorserve.errors import ModelFailure
 from tensorserve.serving.liveness import Liveness
 from tensorserve.serving.registry import ModelEntry, ModelRegistry, ModelState

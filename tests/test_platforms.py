@@ -17,8 +17,8 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from tensorserve_bench.server import ServerProcess
 
-from tensorserve.bench.server import ServerProcess
 from tensorserve.errors import ConfigError
 from tensorserve.repository.config import parse_config
 from tensorserve.repository.loader import discover, load_model, read_config
@@ -227,3 +227,23 @@ def test_what_a_platform_cannot_do_is_a_config_error(fields: dict[str, Any], rea
     with pytest.raises(ConfigError) as raised:
         parse_config(data, "m/config.toml")
     assert reason in str(raised.value)
+
+
+@pytest.mark.timeout(240)
+def test_the_examples_repository_serves_tagger_onnx_with_the_onnx_extra() -> None:
+    """examples/model_repository (the docs serve it with the onnx extra): the
+    bundled tagger exported to ONNX, READY, answering as the tagger does."""
+    examples = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
+    server = ServerProcess(str(examples)).start()  # ready: every model of it loaded
+    try:
+        models = httpx.get(f"{server.url}/v2/models").json()["models"]
+        assert {m["name"]: m["state"] for m in models} == {"tagger_onnx": "READY"}
+        rng = np.random.default_rng(3)
+        batch = [{"input_ids": rng.integers(1, 4096, n, dtype=np.int64),
+                  "attention_mask": np.ones(n, np.int64)} for n in (5, 17, 2)]
+        rows = infer(server.url, "tagger_onnx", batch)
+        assert [row["logits"].shape for row in rows] == [(5, 9), (17, 9), (2, 9)]
+        alone = infer(server.url, "tagger_onnx", batch[2:])[0]
+        np.testing.assert_allclose(rows[2]["logits"], alone["logits"], rtol=1e-4, atol=1e-4)
+    finally:
+        server.stop()

@@ -19,8 +19,8 @@ import httpx
 import msgpack
 import psutil
 import pytest
+from tensorserve_bench.server import ServerProcess as BenchServerProcess
 
-from tensorserve.bench.server import ServerProcess as BenchServerProcess
 from tests.conftest import ServerProcess
 from tests.helpers import MSGPACK, SLEEPY_IO, SLEEPY_MODEL, body, wait_until, write_toy_model
 

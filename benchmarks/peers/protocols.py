@@ -2,7 +2,7 @@
 request for ``targets.PeerTarget`` and how its answer is decoded for the
 correctness check. Pure functions of numpy arrays and bytes. tensorserve's
 own protocols (msgpack, KServe v2 JSON and binary) are spelled by
-``tensorserve.bench.protocols``, the encoders of ``tensorserve bench``.
+``tensorserve_bench.protocols``, the encoders of ``tensorserve bench``.
 
 Every request carries ``input_ids`` and ``attention_mask`` (int64, ones over the
 real tokens).  With ``pad_to`` the *client* right-pads both to that length
@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 import msgpack
 import numpy as np
-
-from tensorserve.bench.protocols import binary_body, json_body, msgpack_body
+from tensorserve_bench.protocols import binary_body, json_body, msgpack_body
 
 NUM_LABELS = 9
 VOCAB_SIZE = 30000  # the benchmark tagger's (run.prepare_repository)
@@ -38,7 +37,7 @@ VOCAB_SIZE = 30000  # the benchmark tagger's (run.prepare_repository)
 def make_items(n: int, seed: int = 1234, min_len: int = 8, max_len: int = 128,
                vocab_size: int = VOCAB_SIZE) -> list[np.ndarray]:
     """``n`` id arrays, lengths uniform in [min_len, max_len] (the correctness
-    check's requests; the measured stream is tensorserve.bench's ``build_pool``)."""
+    check's requests; the measured stream is tensorserve_bench's ``build_pool``)."""
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_len, max_len + 1, size=n)
     # id 0 is the pad id; real tokens use 1..vocab_size-1

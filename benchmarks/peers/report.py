@@ -1,7 +1,7 @@
 """The peer comparison's summary table and plot, from the runs' rows.
 
 A row is one (peer, variant, concurrency, repeat): its correctness ``check``,
-its ``load`` (a ``tensorserve.bench.loadgen.PointResult`` as a dict), the
+its ``load`` (a ``tensorserve_bench.loadgen.PointResult`` as a dict), the
 server tree's peak memory and how the server stopped.
 """
 

@@ -21,14 +21,14 @@ into ``benchmarks/.cache/peers/repo``), same request stream (one item per
 request, token lengths uniform in 8..128, fixed seed), same batching limits
 (max batch and queue delay read from the tagger's ``config.toml``), same torch
 thread count, and the same load generator as ``tensorserve bench`` and
-``benchmarks/serving.py``: ``tensorserve.bench.loadgen.run_point`` with its
+``benchmarks/serving.py``: ``tensorserve_bench.loadgen.run_point`` with its
 raw HTTP client and its window rules, each peer's protocol spelled by
 ``targets.PeerTarget``.
 
 For every concurrency (and repeat) each server is started in its own session,
 waited for, checked for correctness (a fixed request alone, then a burst of
 different lengths, each compared with the model run alone), warmed up,
-measured, then stopped; ``tensorserve.bench.server.ChildServer`` stops every
+measured, then stopped; ``tensorserve_bench.server.ChildServer`` stops every
 process of the server's tree, killing leftovers by PID (LitServe leaves its
 workers behind on SIGTERM), and measures the tree's CPU and peak memory.
 
@@ -96,8 +96,7 @@ def prepare_repository() -> Path:
     """``<cache>/repo/tagger``: the shared tagger with vocab_size=30000 + seeded weights."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from generate_example_weights import make_variant, read_parameters
-
-    from tensorserve.bench.repositories import cached_copy
+    from tensorserve_bench.repositories import cached_copy
 
     def bigger(source: Path, dest: Path) -> None:
         make_variant(source, dest, {"vocab_size": VOCAB_SIZE}, seed=0)
@@ -111,7 +110,7 @@ def prepare_repository() -> Path:
 def prepare_defaults_repository(tuned: Path) -> Path:
     """``<cache>/repo-defaults/tagger``: the same tagger with nothing tuned
     (its config.toml without ``isolation`` and ``max_batch_tokens``)."""
-    from tensorserve.bench.repositories import TUNED_KEYS, cached_copy
+    from tensorserve_bench.repositories import TUNED_KEYS, cached_copy
 
     return cached_copy(tuned, CACHE / "repo-defaults" / "tagger", without=TUNED_KEYS).parent
 
@@ -131,7 +130,7 @@ class Ctx:
 class Launch:
     """A peer's server, not started yet, and where to reach it."""
 
-    server: Any  # tensorserve.bench.server.ChildServer
+    server: Any  # tensorserve_bench.server.ChildServer
     base_url: str
     stats_file: str | None = None  # a glob of the peer's counters files; None: tensorserve's stats
 
@@ -199,7 +198,7 @@ def _peer_py(peer: str) -> str:
 
 def _peer_server(name: str, argv: list[str], setting: Setting, ready_url: str,
                  log: Path) -> Any:
-    from tensorserve.bench.server import ChildServer
+    from tensorserve_bench.server import ChildServer
 
     return ChildServer([*argv, *setting.args], ready_url=ready_url, env=_env(setting.threads),
                        cwd=HERE, log=log, name=name, ready_timeout=180.0, **SERVER_OPTIONS)
@@ -217,7 +216,7 @@ def launch_tensorserve(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -
     serving benchmark and the tests start it with. The setting's first
     argument picks the repository: ``defaults`` or ``tuned`` (the bundled
     tagger's config as it ships)."""
-    from tensorserve.bench.server import ServerProcess
+    from tensorserve_bench.server import ServerProcess
 
     which, *extra = setting.args
     repo = ctx.defaults_repo if which == "defaults" else ctx.repo
@@ -228,7 +227,7 @@ def launch_tensorserve(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -
 
 
 def launch_pytriton(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> Launch:
-    from tensorserve.bench.server import free_port
+    from tensorserve_bench.server import free_port
 
     port, grpc, metrics = free_port(), free_port(), free_port()
     stats = str(stats_dir / "pytriton.json")
@@ -241,7 +240,7 @@ def launch_pytriton(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> L
 
 
 def launch_mlserver(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> Launch:
-    from tensorserve.bench.server import free_port
+    from tensorserve_bench.server import free_port
 
     port, grpc, metrics = free_port(), free_port(), free_port()
     stats = str(stats_dir / "mlserver-{pid}.json")
@@ -255,7 +254,7 @@ def launch_mlserver(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> L
 
 
 def launch_litserve(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> Launch:
-    from tensorserve.bench.server import free_port
+    from tensorserve_bench.server import free_port
 
     port = free_port()
     stats = str(stats_dir / "litserve-{pid}.json")
@@ -268,7 +267,7 @@ def launch_litserve(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> L
 
 
 def launch_batched(ctx: Ctx, stats_dir: Path, log: Path, setting: Setting) -> Launch:
-    from tensorserve.bench.server import free_port
+    from tensorserve_bench.server import free_port
 
     port = free_port()
     stats = str(stats_dir / "batched.json")
@@ -352,10 +351,9 @@ async def measure(launch: Launch, peer: Peer, variant: str, pad_to: int | None, 
                   args: argparse.Namespace, ref: Reference, items: list[Any]) -> dict[str, Any]:
     """Check one variant, then measure it with tensorserve's load generator."""
     from targets import PeerTarget
-
-    from tensorserve.bench.lengths import uniform
-    from tensorserve.bench.loadgen import run_point
-    from tensorserve.bench.sweep import build_pool
+    from tensorserve_bench.lengths import uniform
+    from tensorserve_bench.loadgen import run_point
+    from tensorserve_bench.sweep import build_pool
 
     target = PeerTarget(launch.base_url, peer.protocol, pad_to=pad_to,
                         stats_file=launch.stats_file, server=launch.server, timeout=args.timeout)
@@ -501,7 +499,7 @@ def main() -> int:
             "max_delay_ms": ctx.max_delay_ms, "seed": args.seed, "pool": args.pool,
             "vocab_size": VOCAB_SIZE, "lengths": list(LENGTHS), "items_per_request": 1,
             "check_tolerance": CHECK_TOL, "versions": versions(),
-            "loadgen": "tensorserve.bench.loadgen.run_point (closed loop, RawHttpPool)",
+            "loadgen": "tensorserve_bench.loadgen.run_point (closed loop, RawHttpPool)",
             "tensorserve_command": [sys.executable, "-m", "tensorserve", "serve"]}
     print(f"model: {repo_model} (max batch {ctx.max_batch}, delay {ctx.max_delay_ms} ms, "
           f"peers' torch threads {args.threads})", flush=True)
@@ -534,7 +532,7 @@ def main() -> int:
         if s.get("error_sample"):
             print(f"  {s['peer']} {s['variant']} c={s['concurrency']}: e.g. {s['error_sample']}")
 
-    from tensorserve.bench.results import write_json
+    from tensorserve_bench.results import write_json
 
     out = write_json(args.out, {"meta": meta, "summary": summary, "best": best, "runs": rows},
                      indent=1)

@@ -10,7 +10,7 @@
 # (any other version pulls gigabytes of CUDA wheels).
 # None of these packages is a dependency of tensorserve itself. The runner,
 # the load generator and tensorserve run in the interpreter that has
-# tensorserve installed (pip install -e '.[bench]'), not in a venv of here.
+# tensorserve and tensorserve-bench installed (pip install -e . -e bench), not in a venv of here.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -1,7 +1,7 @@
 """The peers as targets of tensorserve's own load generator.
 
 Every server of the comparison, tensorserve included, is measured by
-``tensorserve.bench.loadgen.run_point`` through ``PeerTarget``: an
+``tensorserve_bench.loadgen.run_point`` through ``PeerTarget``: an
 ``HttpTarget`` (so the same raw HTTP client and the same ``send``) whose
 requests are spelled in the peer's protocol (``protocols.py``). The window
 rules are therefore those of ``tensorserve bench`` and of
@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from protocols import PROTOCOLS, VOCAB_SIZE
-
-from tensorserve.bench.items import FeatureSpec, Item
-from tensorserve.bench.rawhttp import RawHttpPool
-from tensorserve.bench.server import ChildServer
-from tensorserve.bench.targets import Counters, HttpTarget
+from tensorserve_bench.items import FeatureSpec, Item
+from tensorserve_bench.rawhttp import RawHttpPool
+from tensorserve_bench.server import ChildServer
+from tensorserve_bench.targets import Counters, HttpTarget
 
 # The tagger's inputs, as every peer serves it (token ids and their mask).
 TAGGER_SPECS = [

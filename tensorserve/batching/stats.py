@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tensorserve.percentiles import percentile
 from tensorserve.wire.triton import TritonCounts
 
 # Upper bounds of the executed-batch-size histogram buckets.
@@ -83,14 +84,6 @@ def _histograms() -> dict[str, Buckets]:
         "unpad_seconds": Buckets(SECONDS_BUCKETS),  # per batch: un-pad into rows
         "padded_length": Buckets(LENGTH_BUCKETS),  # per batch
     }
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of already sorted values (0.0 when empty)."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, -(-len(sorted_values) * q // 100))  # ceil
-    return float(sorted_values[int(rank) - 1])
 
 
 class RequestTally:
@@ -343,7 +336,7 @@ class BatchStats:
         """p50/p99 latency and padding efficiency over the last ``window`` s
         (the lock held)."""
         since = now - window
-        latencies = sorted(s for t, s in self.recent_items if t >= since)
+        latencies = [s for t, s in self.recent_items if t >= since]
         real = padded = batches = 0
         for t, r, p in self.recent_batches:
             if t >= since:
@@ -352,8 +345,9 @@ class BatchStats:
             "window_s": window,
             "items": len(latencies),
             "batches": batches,
-            "p50_ms": 1000 * percentile(latencies, 50),
-            "p99_ms": 1000 * percentile(latencies, 99),
+            # 0 when the window saw no item: the stats endpoint is JSON (no NaN).
+            "p50_ms": 1000 * percentile(latencies, 50) if latencies else 0.0,
+            "p99_ms": 1000 * percentile(latencies, 99) if latencies else 0.0,
             "padding_efficiency": real / padded if padded else 1.0,
         }
 

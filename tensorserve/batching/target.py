@@ -60,13 +60,13 @@ whole values.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 from tensorserve.batching.drain import DrainRate
+from tensorserve.percentiles import percentile
 
 
 class LatencyTarget:
@@ -141,8 +141,7 @@ class LatencyTarget:
     def _p99(self) -> float | None:
         if not self._latencies:
             return None
-        ordered = sorted(self._latencies)
-        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+        return percentile(self._latencies, 99)
 
     # ------------------------------------------------------------------ deciding
     def predicted_s(self, ahead: int, items: int) -> float | None:

@@ -6,7 +6,6 @@ beside HTTP on the same event loop and data plane.
     codec.py      ModelInferRequest / ModelInferResponse <-> InferRequest
     messages.py   the data plane's answers as the service's messages
     errors.py     tensorserve errors -> gRPC statuses, from errors.CODES
-    loadclient.py the bench's raw ModelInfer caller (bench/grpc_target.py)
     generated/    stubs from Triton's grpc_service.proto and model_config.proto
                   (scripts/regenerate_grpc_stubs.py; the definition: protos/)
 """

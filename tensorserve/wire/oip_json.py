@@ -2,7 +2,8 @@
 header, write a response's, as fast as two C libraries do it and with
 exactly the results of Python's own ``json`` module.
 
-Measured (``66cf52f:benchmarks/oip_codec.py``; benchmarks/results/HISTORY.md): for a
+Measured (``66cf52f:benchmarks/oip_codec.py``, a one-off since removed;
+benchmarks/results/HISTORY.md): for a
 128-token tagger request and its 128 x 9 float32 logits, the stdlib spent
 ~30 us parsing the request and ~680 us writing the answer (a Python float's
 ``repr`` per value), 40 times the native msgpack codec's whole cost. So:

@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tensorserve_bench.items import FeatureSpec, Item
+from tensorserve_bench.targets import Counters, RequestFailed
 
-from tensorserve.bench.items import FeatureSpec, Item
-from tensorserve.bench.targets import Counters, RequestFailed
 from tests.helpers import write_toy_model
 
 # Two int64 token features in, one out: a cheap stand-in for a tagger.

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tensorserve_bench.cli import parse_assignments
+from tensorserve_bench.plots import matplotlib_available
 
-from tensorserve.bench.cli import parse_assignments
-from tensorserve.bench.plots import matplotlib_available
 from tensorserve.cli import main
 from tests.conftest import REPOSITORY, ROOT
 
@@ -171,7 +171,7 @@ def test_commands_in_the_docs_parse() -> None:
     import argparse
     import shlex
 
-    from tensorserve.bench.cli import add_parser
+    from tensorserve_bench.cli import add_parser
 
     parser = argparse.ArgumentParser(prog="tensorserve", exit_on_error=False)
     add_parser(parser.add_subparsers(dest="command"))

@@ -1,15 +1,14 @@
 from __future__ import annotations
 
 import numpy as np
-
-from tensorserve.bench.items import (
+from tensorserve_bench.items import (
     FeatureSpec,
     ItemFactory,
     specs_from_config,
     specs_from_metadata,
     vocab_limit,
 )
-from tensorserve.bench.lengths import from_values, uniform
+from tensorserve_bench.lengths import from_values, uniform
 
 TOKENS = [
     FeatureSpec("input_ids", "int64", (-1,), max_length=100),

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from tensorserve.bench.lengths import parse_lengths, read_lengths_file, uniform
+from tensorserve_bench.lengths import parse_lengths, read_lengths_file, uniform
 
 
 def test_uniform_spec_covers_both_ends() -> None:

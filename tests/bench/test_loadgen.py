@@ -3,12 +3,11 @@ from __future__ import annotations
 import math
 
 import pytest
-
-from tensorserve.bench.lengths import uniform
-from tensorserve.bench.loadgen import run_point
-from tensorserve.bench.percentiles import percentiles_ms
-from tensorserve.bench.sweep import Variant, build_pool, run_bench
-from tensorserve.bench.targets import InProcessTarget
+from tensorserve_bench.lengths import uniform
+from tensorserve_bench.loadgen import run_point
+from tensorserve_bench.summaries import percentiles_ms
+from tensorserve_bench.sweep import Variant, build_pool, run_bench
+from tensorserve_bench.targets import InProcessTarget
 
 
 async def test_closed_loop_keeps_concurrency_requests_in_flight(fake_target, token_specs) -> None:
@@ -83,7 +82,7 @@ async def test_open_loop_drops_beyond_max_outstanding(fake_target, token_specs) 
 
 
 async def test_pool_items_come_from_the_lengths_file(fake_target, token_specs, tmp_path) -> None:
-    from tensorserve.bench.lengths import parse_lengths
+    from tensorserve_bench.lengths import parse_lengths
 
     path = tmp_path / "lengths.txt"
     path.write_text("5\n23\n61\n")
@@ -109,9 +108,11 @@ async def test_progress_adds_up_to_the_planned_time(fake_target, token_specs) ->
     assert len(ticks) >= 2 and sum(ticks) == pytest.approx(0.7)
 
 
-def test_percentiles() -> None:
-    stats = percentiles_ms([i / 1000 for i in range(1, 101)])
-    assert stats["p50"] == pytest.approx(50.5) and stats["max"] == 100.0
+def test_latency_summaries_use_the_servers_percentile() -> None:
+    stats = percentiles_ms([i / 1000 for i in reversed(range(1, 101))])
+    # Nearest rank (tensorserve.percentiles): a latency a request had, not 50.5.
+    assert stats["p50"] == pytest.approx(50.0) and stats["p99"] == pytest.approx(99.0)
+    assert stats["max"] == 100.0 and stats["mean"] == pytest.approx(50.5)
     assert math.isnan(percentiles_ms([])["p50"])
 
 

@@ -9,8 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-from tensorserve.bench.protocols import (
+from tensorserve_bench.protocols import (
     HEADER_LENGTH,
     PROTOCOLS,
     decode_error,
@@ -18,6 +17,7 @@ from tensorserve.bench.protocols import (
     json_body,
     msgpack_body,
 )
+
 from tensorserve.repository.config import ModelConfig, parse_config
 from tensorserve.wire import native, oip
 from tensorserve.wire.validate import validate_item

@@ -7,8 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-
-from tensorserve.bench.rawhttp import RawHttpPool
+from tensorserve_bench.rawhttp import RawHttpPool
 
 RESPONSES = {
     b"/length": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n"

@@ -8,17 +8,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from tensorserve.bench.loadgen import PointResult
-from tensorserve.bench.plots import (
+from tensorserve_bench.loadgen import PointResult
+from tensorserve_bench.plots import (
     latency_figure,
     matplotlib_available,
     padding_figure,
     run_context,
     throughput_figure,
 )
-from tensorserve.bench.report import format_point
-from tensorserve.bench.sweep import BenchResult
+from tensorserve_bench.report import format_point
+from tensorserve_bench.sweep import BenchResult
 
 
 def point(concurrency: int, efficiency: float | None, model_ms: float) -> PointResult:

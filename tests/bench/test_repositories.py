@@ -8,16 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
-
-from tensorserve.bench.percentiles import percentile
-from tensorserve.bench.repositories import (
+from tensorserve_bench.repositories import (
     TUNED_KEYS,
     cached_copy,
     write_flat_model,
     write_xy_model,
     write_zeros_model,
 )
-from tensorserve.bench.results import save, write_json
+from tensorserve_bench.results import save, write_json
+
 from tensorserve.repository.config import load_config
 from tests.conftest import REPOSITORY
 
@@ -82,14 +81,8 @@ def test_results_are_dated_and_strict_json(
     }
 
 
-def test_the_one_percentile_interpolates_between_ranks() -> None:
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert percentile(range(101), 99) == 99.0
-    assert percentile([], 99) != percentile([], 99)  # NaN
-
-
 def test_medians_by_groups_repeats_in_first_seen_order_and_skips_missing_values() -> None:
-    from tensorserve.bench.percentiles import medians_by
+    from tensorserve_bench.summaries import medians_by
 
     rows = [
         {"case": "b", "c": 1, "x": 3.0, "y": None},

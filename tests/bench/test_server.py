@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from tensorserve_bench.server import ChildServer, free_port
 
-from tensorserve.bench.server import ChildServer, free_port
 from tests.helpers import wait_until
 
 SERVER = """

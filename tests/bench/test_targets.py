@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 import pytest
-
-from tensorserve.bench.targets import BatchingDelta, Counters, counters_from_snapshot
+from tensorserve_bench.targets import BatchingDelta, Counters, counters_from_snapshot
 
 
 def test_delta_uses_raw_element_counts_when_present() -> None:
@@ -73,8 +72,8 @@ class Model(nn.Module):
 
 async def test_in_process_target_takes_the_servers_thread_setting(echo_repository) -> None:
     import numpy as np
+    from tensorserve_bench.targets import InProcessTarget
 
-    from tensorserve.bench.targets import InProcessTarget
     from tensorserve.runtime.device import default_intra_op_threads
 
     threads = default_intra_op_threads() + 1  # not what the model thread would get anyway
@@ -109,7 +108,7 @@ async def test_in_process_target_takes_the_servers_thread_setting(echo_repositor
 async def test_only_load_shedding_counts_as_a_refusal(status: int, code: str, refused: bool) -> None:
     import json
 
-    from tensorserve.bench.targets import HttpTarget, RequestFailed
+    from tensorserve_bench.targets import HttpTarget, RequestFailed
 
     class Answering:  # the raw pool's part that send uses
         async def send(self, payload: bytes) -> tuple[int, bytes]:

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from tensorserve.bench.items import FeatureSpec, ItemFactory
-from tensorserve.bench.lengths import uniform
-from tensorserve.bench.targets import HttpTarget
-from tensorserve.bench.wrk import (
+from tensorserve_bench.items import FeatureSpec, ItemFactory
+from tensorserve_bench.lengths import uniform
+from tensorserve_bench.targets import HttpTarget
+from tensorserve_bench.wrk import (
     WrkFailed,
     lua_string,
     parse_wrk_output,
     run_wrk,
     write_script,
 )
+
 from tensorserve.repository.config import parse_config
 from tensorserve.wire import native, oip
 from tensorserve.wire.validate import validate_item

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from tensorserve_bench.server import free_port
 from tensorserve_client import (
     AsyncClient,
     BadRequest,
@@ -20,7 +21,6 @@ from tensorserve_client import (
     TensorServeError,
 )
 
-from tensorserve.bench.server import free_port
 from tests.client.helpers import FAST, FaultyServer, tokens
 
 

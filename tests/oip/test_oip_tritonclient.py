@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 from tests.helpers import MSGPACK, body, from_wire
 
 rng = np.random.default_rng(4)
-MODELS = ["attention_tagger", "embedder", "gru_tagger", "image_filter", "tagger", "tagger_onnx"]
+MODELS = ["attention_tagger", "embedder", "gru_tagger", "image_filter", "tagger"]
 
 
 @pytest.fixture(scope="module")

@@ -1,21 +1,15 @@
-"""The benchmarks' one percentile: numpy's default, linear interpolation
-between the two nearest ranks (``statistics.quantiles(..., method="inclusive")``
-gives the same). Every latency table of ``tensorserve bench`` and of
-``benchmarks/`` is computed with it, so their p99s mean the same thing."""
+"""Summaries of measured values: latencies as mean, percentiles and max, and
+medians over repeated runs. The percentiles are the server's own
+(``tensorserve.percentiles``: nearest rank), so a p99 of ``tensorserve
+bench``, of ``benchmarks/`` and of the server's stats mean the same thing."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
-
-def percentile(values: Iterable[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values``; NaN when there are none."""
-    array = np.fromiter(values, dtype=np.float64)
-    return float(np.percentile(array, q)) if array.size else float("nan")
+from tensorserve.percentiles import percentile
 
 
 def percentiles_ms(
@@ -25,12 +19,10 @@ def percentiles_ms(
     ``p<point>`` and max (all NaN when there are none)."""
     if not len(seconds):
         return {k: float("nan") for k in ("mean", *(f"p{p}" for p in points), "max")}
-    values = np.asarray(seconds, dtype=np.float64) * 1000.0
-    summary = {"mean": float(values.mean())}
-    summary.update(
-        {f"p{p}": float(v) for p, v in zip(points, np.percentile(values, list(points)))}
-    )
-    summary["max"] = float(values.max())
+    values = sorted(1000.0 * s for s in seconds)
+    summary = {"mean": statistics.fmean(values)}
+    summary.update({f"p{p}": percentile(values, p) for p in points})
+    summary["max"] = values[-1]
     return summary
 
 

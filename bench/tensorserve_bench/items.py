@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorserve.bench.lengths import LengthDistribution
+from tensorserve_bench.lengths import LengthDistribution
 
 VARIABLE = -1
 Item = dict[str, np.ndarray]

@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tensorserve.bench.items import ItemFactory, length_summary, vocab_limit
-from tensorserve.bench.lengths import LengthDistribution
-from tensorserve.bench.loadgen import PointResult, PreparedRequest, Progress, run_point
-from tensorserve.bench.results import machine_info, write_json
-from tensorserve.bench.targets import Target
+from tensorserve_bench.items import ItemFactory, length_summary, vocab_limit
+from tensorserve_bench.lengths import LengthDistribution
+from tensorserve_bench.loadgen import PointResult, PreparedRequest, Progress, run_point
+from tensorserve_bench.results import machine_info, write_json
+from tensorserve_bench.targets import Target
 
 SCHEMA = 1
 

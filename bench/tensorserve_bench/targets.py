@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
-from tensorserve.bench.items import FeatureSpec, Item, specs_from_config, specs_from_metadata
-from tensorserve.bench.protocols import CONTENT_TYPES, PROTOCOLS, decode_error, encode_request
-from tensorserve.bench.rawhttp import RawHttpPool
+from tensorserve_bench.items import FeatureSpec, Item, specs_from_config, specs_from_metadata
+from tensorserve_bench.protocols import CONTENT_TYPES, PROTOCOLS, decode_error, encode_request
+from tensorserve_bench.rawhttp import RawHttpPool
 
 if TYPE_CHECKING:
     from tensorserve.serving import ServedModel

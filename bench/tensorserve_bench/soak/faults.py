@@ -1,8 +1,6 @@
 """The fault soak: steady callers of good items against a real server, with
-and without one bad request every ``bad_every_s`` mixed in — a poisoned item,
-an item whose padded batch runs out of memory, one too large to fit even
-alone, a deadline that cannot be met, a caller that leaves, and (process
-isolation) an item that kills its worker.
+and without one bad request every ``bad_every_s`` mixed in (the kinds of
+``requests.FAULT_KINDS``).
 
     result = run("thread", seconds=20)     # benchmarks/soak.py prints and saves it
     assert not failures(result)
@@ -22,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import random
 import tempfile
 import time
 import urllib.error
@@ -29,73 +28,22 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from tensorserve_bench.rawhttp import RawHttpPool
+from tensorserve_bench.server import ServerProcess
+from tensorserve_bench.soak.model import NAME, ROUTE, write_soak_model
+from tensorserve_bench.soak.requests import (
+    FAULT_KINDS,
+    MSGPACK,
+    THREAD_KINDS,
+    answered_correctly,
+    fault_body,
+    good_body,
+    good_item,
+    status_of,
+)
 
-from tensorserve.bench.protocols import decode_error, msgpack_body
-from tensorserve.bench.rawhttp import RawHttpPool, RawResponse
-from tensorserve.bench.repositories import write_xy_model
-from tensorserve.bench.server import ServerProcess
-
-# The model misbehaves on marker values in an item's first element. Its
-# "memory" holds a padded batch of at most MEMORY_ELEMENTS elements.
-MODEL = """
-import os
-import time
-import torch
-
-MEMORY_ELEMENTS = 4096
-
-
-class Model(torch.nn.Module):
-    def forward(self, x):
-        first = x[:, 0, 0]
-        if (first == 13).any():
-            raise RuntimeError("poison value 13 in batch")
-        if (first == 7).any():
-            os._exit(7)  # kills the worker (process isolation only)
-        if (first == 55).any():
-            time.sleep(0.02)  # slow: the caller's 5 ms deadline passes
-        if x.numel() > MEMORY_ELEMENTS:
-            raise torch.OutOfMemoryError(f"tried to allocate {x.numel()} elements")
-        time.sleep({cost})
-        return x * 2
-"""
-# What a forward costs, by kind of model: "cpu" pays per row (a model on a
-# CPU), "flat" the same 100 ms whatever the batch (a GPU-like model: the
-# cost of a batch is its launch, not its rows).
-COSTS = {"cpu": "0.001 + 0.00002 * x.shape[0]", "flat": "0.1"}
-CONFIG = """
-max_batch_size = 16
-isolation = "{isolation}"
-[dynamic_batching]
-max_queue_delay_ms = 2.0
-"""
-ROUTE = "/v2/models/soak/infer"
-MSGPACK = "application/msgpack"
-DTYPES = {"x": "float32"}
 HUNG_AFTER_S = 30.0
 CALLERS = 16
-GOOD_LENGTHS = (4, 32)  # 16 items pad to at most 16 x 32 x 4 = 2048 elements: they fit
-BAD_KINDS_THREAD = ("poison", "oom_split", "oom_alone", "deadline", "disconnect")
-BAD_KINDS_PROCESS = (*BAD_KINDS_THREAD, "worker_kill")
-
-
-def bad_request(kind: str, rng: np.random.Generator) -> bytes:
-    """The body of a bad request of ``kind``."""
-    x = rng.uniform(20, 100, size=(8, 4)).astype(np.float32)
-    parameters = None
-    if kind == "poison":
-        x[0, 0] = 13
-    elif kind == "worker_kill":
-        x[0, 0] = 7
-    elif kind == "oom_split":  # fits alone (3200), not padded with company
-        x = rng.uniform(20, 100, size=(800, 4)).astype(np.float32)
-    elif kind == "oom_alone":  # 8000 elements: never fits
-        x = rng.uniform(20, 100, size=(2000, 4)).astype(np.float32)
-    elif kind == "deadline":
-        x[0, 0] = 55
-        parameters = {"timeout_ms": 5}
-    return msgpack_body([{"x": x}], DTYPES, parameters=parameters)
 
 
 @dataclass
@@ -116,21 +64,14 @@ class Tally:
         }  # fmt: skip
 
 
-def _status(response: RawResponse) -> str:
-    error = decode_error(response.body) or {}
-    return f"{response.status} {error.get('code', '')}".strip()
-
-
 async def _good_caller(url: str, seed: int, until: float, tally: Tally) -> None:
-    import msgpack
-
-    rng = np.random.default_rng(seed)
+    rng = random.Random(seed)
     pool = RawHttpPool(url)
     try:
         while time.monotonic() < until:
-            x = rng.uniform(20, 100, size=(int(rng.integers(*GOOD_LENGTHS)), 4)).astype(np.float32)
+            x = good_item(rng)
             tally.sent += 1
-            request = pool.request(ROUTE, msgpack_body([{"x": x}], DTYPES), MSGPACK)
+            request = pool.request(ROUTE, good_body(x), MSGPACK)
             try:
                 response = await asyncio.wait_for(pool.exchange(request), HUNG_AFTER_S)
             except asyncio.TimeoutError:
@@ -142,11 +83,8 @@ async def _good_caller(url: str, seed: int, until: float, tally: Tally) -> None:
                 pool = RawHttpPool(url)
                 continue
             if response.status != 200:
-                tally.failed[_status(response)] += 1
-                continue
-            output = msgpack.unpackb(response.body)["outputs"][0]["y"]
-            y = np.frombuffer(output["data"], np.float32).reshape(output["shape"])
-            if y.shape == x.shape and np.array_equal(y, x * 2):
+                tally.failed[status_of(response.status, response.body)] += 1
+            elif answered_correctly(response.body, x):
                 tally.correct += 1
             else:
                 tally.failed["200 wrong rows"] += 1
@@ -157,14 +95,14 @@ async def _good_caller(url: str, seed: int, until: float, tally: Tally) -> None:
 async def _bad_caller(
     url: str, kinds: tuple[str, ...], until: float, tally: Tally, every_s: float
 ) -> None:
-    rng = np.random.default_rng(99)
+    rng = random.Random(99)
     pool = RawHttpPool(url)
     turn = 0
     try:
         while time.monotonic() < until - 1:
             kind = kinds[turn % len(kinds)]
             turn += 1
-            request = pool.request(ROUTE, bad_request(kind, rng), MSGPACK)
+            request = pool.request(ROUTE, fault_body(kind, rng), MSGPACK)
             codes = tally.bad.setdefault(kind, collections.Counter())
             if kind == "disconnect":  # send it, then leave before the answer
                 _, writer = await asyncio.open_connection(pool.host, pool.port)
@@ -175,7 +113,7 @@ async def _bad_caller(
             else:
                 try:
                     response = await asyncio.wait_for(pool.exchange(request), HUNG_AFTER_S)
-                    codes[_status(response)] += 1
+                    codes[status_of(response.status, response.body)] += 1
                 except asyncio.TimeoutError:
                     codes["hung"] += 1
                     tally.hung += 1
@@ -200,6 +138,9 @@ async def load(
     beside them sending those kinds in turn, one every ``bad_every_s``
     (stopping a second before the good ones)."""
     tally = Tally()
+    # The first body imports the server's codec (seconds on a busy machine):
+    # before the clock, or the first caller's import eats a short run.
+    good_body(good_item(random.Random(0)))
     started = time.monotonic()
     until = started + seconds
     work = [_good_caller(url, seed, until, tally) for seed in range(callers)]
@@ -219,14 +160,13 @@ def run(
     cost: str = "cpu",
 ) -> dict[str, Any]:
     """One server with the soak model in ``isolation`` whose forward costs
-    ``cost`` (a key of ``COSTS``); the same load without, then with, the bad
-    requests (``only`` these kinds, if given)."""
+    ``cost`` (a key of ``model.COSTS``); the same load without, then with, the
+    bad requests (``only`` these kinds, if given)."""
     with tempfile.TemporaryDirectory() as repo:
-        model = MODEL.replace("{cost}", COSTS[cost])
-        write_xy_model(repo, "soak", model, CONFIG.format(isolation=isolation))
+        write_soak_model(repo, isolation=isolation, cost=cost)
         server = ServerProcess(repo, ("--log-level", "ERROR"), sample_interval=0.1).start()
         try:
-            kinds = BAD_KINDS_PROCESS if isolation == "process" else BAD_KINDS_THREAD
+            kinds = tuple(FAULT_KINDS) if isolation == "process" else THREAD_KINDS
             kinds = tuple(k for k in kinds if only is None or k in only)
             if isolation == "process":  # let the standby worker load before measuring
                 time.sleep(5)
@@ -259,7 +199,7 @@ def failures(result: dict[str, Any]) -> dict[str, Any]:
 
 def _recoveries(url: str) -> dict[str, int]:
     """The failed batches the server recovered, by kind (both loads)."""
-    with urllib.request.urlopen(f"{url}/v2/models/soak/stats", timeout=5) as response:
+    with urllib.request.urlopen(f"{url}/v2/models/{NAME}/stats", timeout=5) as response:
         return dict(json.load(response)["batching"]["recoveries"])
 
 

@@ -202,8 +202,8 @@ def _merged(overrides: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _make_target_factory(args: argparse.Namespace) -> Callable[[Any], Any]:
-    from tensorserve.bench.server import ServedHttpTarget, override_flags
-    from tensorserve.bench.targets import HttpTarget, InProcessTarget
+    from tensorserve_bench.server import ServedHttpTarget, override_flags
+    from tensorserve_bench.targets import HttpTarget, InProcessTarget
 
     common = _merged(args.overrides)
     if args.in_process:
@@ -274,16 +274,16 @@ def _progress_bar(args: argparse.Namespace, total: float) -> _Bar | None:
         return None
     try:
         return _Bar(total)
-    except ImportError:  # tqdm is in the bench extra
+    except ImportError:  # a dependency of tensorserve-bench, but it may have been removed
         return None
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tensorserve.bench.lengths import parse_lengths
-    from tensorserve.bench.report import format_point, format_table
-    from tensorserve.bench.sweep import Variant, run_bench
+    from tensorserve_bench.lengths import parse_lengths
+    from tensorserve_bench.report import format_point, format_table
+    from tensorserve_bench.sweep import Variant, run_bench
 
     problem = _check(args)
     if problem is None:
@@ -337,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write_outputs(result: Any, args: argparse.Namespace) -> None:
-    from tensorserve.bench.plots import matplotlib_available, run_context, write_plots
+    from tensorserve_bench.plots import matplotlib_available, run_context, write_plots
 
     result.settings["cli"] = {
         key: str(value) if isinstance(value, Path) else value
@@ -350,7 +350,7 @@ def _write_outputs(result: Any, args: argparse.Namespace) -> None:
         return
     if not matplotlib_available():
         print(
-            "no plots: matplotlib is not installed (pip install 'tensorserve[bench]')",
+            "no plots: matplotlib is not installed (pip install matplotlib)",
             file=sys.stderr,
         )
         return

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from tensorserve.bench.percentiles import percentiles_ms
-from tensorserve.bench.targets import BatchingDelta, RequestFailed, Target
+from tensorserve_bench.summaries import percentiles_ms
+from tensorserve_bench.targets import BatchingDelta, RequestFailed, Target
 
 Progress = Callable[[float, str], None]  # (seconds of the plan done since last call, status)
 MAX_ERROR_SAMPLES = 5

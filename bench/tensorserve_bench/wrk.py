@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tensorserve.bench.server import ChildServer
+from tensorserve_bench.server import ChildServer
 
 # wrk's time units (units.c: us, ms, s, then m and h for long times).
 _SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -121,7 +121,7 @@ def lua_string(text: str) -> str:
 
 
 SCRIPT = """\
--- Written by tensorserve.bench.wrk: POST {count} prebuilt bodies in turn.
+-- Written by tensorserve_bench.wrk: POST {count} prebuilt bodies in turn.
 local path = {path}
 local content_type = {content_type}
 local files = {{

@@ -9,7 +9,7 @@ The load axis is logarithmic (base 2), ticked at the measured levels, so 1,
 8, 32 and 64 are evenly readable. Every title says the model, the date and
 the machine (``run_context``).
 
-matplotlib is imported here only (the ``bench`` extra), with the Agg backend
+matplotlib is imported here only (a dependency of tensorserve-bench), with the Agg backend
 through the object API, so no display and no global pyplot state are involved.
 """
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tensorserve.bench.loadgen import PointResult
+from tensorserve_bench.loadgen import PointResult
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

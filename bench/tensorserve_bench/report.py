@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from tensorserve.bench.loadgen import PointResult
+from tensorserve_bench.loadgen import PointResult
 
 COLUMNS = (
     ("variant", "<"),

@@ -1,8 +1,12 @@
-"""``tensorserve bench``: load generation and measurement.
+"""tensorserve-bench: ``tensorserve bench`` (load generation and
+measurement) and the library behind ``benchmarks/``. A distribution of its
+own (``bench/`` in the repository), so the server's wheel is the server; the
+server's CLI finds ``cli.add_parser`` through the ``tensorserve.commands``
+entry point (bench/pyproject.toml).
 
 For scripts (everything here is importable without matplotlib or tqdm):
 
-    from tensorserve.bench import InProcessTarget, HttpTarget, Variant, run_bench, uniform
+    from tensorserve_bench import InProcessTarget, HttpTarget, Variant, run_bench, uniform
 
     result = asyncio.run(run_bench(
         lambda v: InProcessTarget("model_repository", "tagger", overrides=v.overrides),
@@ -13,12 +17,14 @@ For scripts (everything here is importable without matplotlib or tqdm):
 Modules: ``lengths`` (length distributions) · ``items`` (synthetic items from
 a model's inputs) · ``protocols`` (one request encoder per protocol) ·
 ``targets`` (HTTP and in-process targets, batching counters) · ``grpc_target``
-(KServe v2 gRPC) · ``loadgen``
-(closed and open loop, ``run_point``) · ``percentiles`` · ``sweep`` (variants
+(KServe v2 gRPC, and its raw ``ModelInfer`` caller) · ``loadgen``
+(closed and open loop, ``run_point``) · ``summaries`` (latency summaries with
+the server's percentile, medians of repeats) · ``sweep`` (variants
 x load levels, ``BenchResult``) · ``report`` (table) · ``plots`` (PNGs) ·
 ``server`` (the one way to start a server: ``--serve`` and every script of
 ``benchmarks/``) · ``results`` (result files) · ``repositories`` (toy models,
-cached copies of bundled ones) · ``soak`` (the fault soak) · ``wrk`` · ``cli``.
+cached copies of bundled ones) · ``soak`` (one toy model, its good and bad
+requests, the fault and the overload scenarios) · ``wrk`` · ``cli``.
 """
 
 from __future__ import annotations
@@ -27,19 +33,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tensorserve.bench.items import FeatureSpec, ItemFactory
-    from tensorserve.bench.lengths import (
+    from tensorserve_bench.items import FeatureSpec, ItemFactory
+    from tensorserve_bench.lengths import (
         LengthDistribution,
         parse_lengths,
         read_lengths_file,
         uniform,
     )
-    from tensorserve.bench.loadgen import PointResult, PreparedRequest, run_point
-    from tensorserve.bench.plots import write_plots
-    from tensorserve.bench.report import format_table
-    from tensorserve.bench.server import ServedHttpTarget, ServerProcess
-    from tensorserve.bench.sweep import BenchResult, Variant, build_pool, run_bench
-    from tensorserve.bench.targets import BatchingDelta, Counters, HttpTarget, InProcessTarget
+    from tensorserve_bench.loadgen import PointResult, PreparedRequest, run_point
+    from tensorserve_bench.plots import write_plots
+    from tensorserve_bench.report import format_table
+    from tensorserve_bench.server import ServedHttpTarget, ServerProcess
+    from tensorserve_bench.sweep import BenchResult, Variant, build_pool, run_bench
+    from tensorserve_bench.targets import BatchingDelta, Counters, HttpTarget, InProcessTarget
 
 # Resolved on first use, so `tensorserve --help` imports none of it.
 _EXPORTS = {
@@ -93,5 +99,5 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'tensorserve.bench' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"tensorserve.bench.{module}"), name)
+        raise AttributeError(f"module 'tensorserve_bench' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"tensorserve_bench.{module}"), name)

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
-"""Overload soak: a real server on loopback under a flood, callers that leave,
-deadlines that expire, oversized, malformed and trickled bodies, and a
-SIGTERM in the middle of a flood. One command, about a minute and a half:
+"""The overload soak: a real server on loopback under a flood, callers that
+leave, deadlines that expire, oversized, malformed and trickled bodies, and a
+SIGTERM in the middle of a flood. About a minute and a half:
 
-    python benchmarks/soak_overload.py [--out benchmarks/results/soak_overload.json]
+    results = asyncio.run(soak(repository))   # benchmarks/soak.py --scenario overload
 
 Every request is classified by what its client saw:
 
@@ -17,59 +16,50 @@ Every request is classified by what its client saw:
 plus ``left`` (the client closed its connection on purpose) and, after the
 SIGTERM's drain delay, ``not accepted`` (connection refused: the listening
 socket is closed, as it should be once load balancers have stopped sending).
-Prints a table and the peak RSS of the server and its worker processes
-(sampled every 50 ms), and saves everything as JSON.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
-import json
 import random
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 
-from tensorserve.bench.protocols import decode_error
-from tensorserve.bench.rawhttp import RawHttpPool
-from tensorserve.bench.repositories import write_xy_model
-from tensorserve.bench.results import save
-from tensorserve.bench.server import ServerProcess
+from tensorserve_bench.rawhttp import RawHttpPool
+from tensorserve_bench.server import ServerProcess
+from tensorserve_bench.soak.model import ROUTE, write_soak_model
+from tensorserve_bench.soak.requests import (
+    MSGPACK,
+    answered_correctly,
+    good_body,
+    good_item,
+    malformed_native,
+    malformed_oip,
+    status_of,
+)
 
-MODEL = """
-import time
-import torch
-
-
-class Model(torch.nn.Module):
-    def forward(self, x):
-        time.sleep(0.002)  # a model that costs something: queues form under a flood
-        return x * 2
-"""
-CONFIG = """
-max_batch_size = 16
-isolation = "process"
-[dynamic_batching]
-max_queue_delay_ms = 1.0
-max_queue_size = 64
-"""
 MAX_REQUEST_BYTES = 1 << 16
 BODY_TIMEOUT_S = 2.0
 DRAIN_DELAY_S = 2.0
 SHUTDOWN_GRACE_S = 5.0
 HUNG_AFTER_S = 30.0
-ROUTE = "/v2/models/echo/infer"
-MSGPACK = "application/msgpack"
+# A body and the item it carries (None: a body the server must refuse).
+MakeBody = Callable[[random.Random], tuple[bytes, "np.ndarray | None"]]
+
+
+def write_model(repository: Path) -> None:
+    """The soak model in its worker process, a 2 ms forward, a queue of 64."""
+    write_soak_model(
+        repository, isolation="process", cost="light", max_queue_delay_ms=1.0, max_queue_size=64
+    )
 
 
 @dataclass
@@ -83,27 +73,19 @@ class Scenario:
         return sum(self.outcomes.values())
 
 
-def good_body(rng: random.Random, **parameters: Any) -> tuple[bytes, np.ndarray]:
-    x = np.asarray(
-        [[rng.uniform(-9, 9) for _ in range(4)] for _ in range(rng.randint(1, 24))], np.float32
-    )
-    message: dict[str, Any] = {"items": [{"x": x.tolist()}]}
-    if parameters:
-        message["parameters"] = parameters
-    return msgpack.packb(message), x
+def good(rng: random.Random, **parameters: Any) -> tuple[bytes, np.ndarray]:
+    x = good_item(rng)
+    return good_body(x, **parameters), x
 
 
 def classify(status: int, body: bytes, expected: np.ndarray | None) -> str:
     if status == 200:
         if expected is None:
             return "wrong: 200 for a malformed body"
-        y = msgpack.unpackb(body)["outputs"][0]["y"]
-        got = np.frombuffer(y["data"], dtype=y["dtype"]).reshape(y["shape"])
-        return "answered correctly" if np.array_equal(got, expected * 2) else "wrong: output"
-    code = (decode_error(body) or {}).get("code", "?")  # the native protocol's errors, or JSON
+        return "answered correctly" if answered_correctly(body, expected) else "wrong: output"
     if status >= 500 and expected is None and status != 503:
-        return f"wrong: {status} {code} for a malformed body"
-    return f"refused {status} {code}"
+        return f"wrong: {status_of(status, body)} for a malformed body"
+    return f"refused {status_of(status, body)}"
 
 
 async def exchange(
@@ -127,9 +109,8 @@ async def flood(
     scenario: Scenario,
     total: int,
     concurrency: int,
-    make: Callable[[random.Random], tuple[bytes, np.ndarray | None]],
+    make: MakeBody,
     content_type: str = MSGPACK,
-    headers: dict[str, str] | None = None,
     removed: asyncio.Event | None = None,
 ) -> None:
     """``total`` requests from ``concurrency`` callers, each on its own
@@ -143,7 +124,7 @@ async def flood(
         try:
             for _ in counter:
                 body, expected = make(rng)
-                request = pool.request(ROUTE, body, content_type, headers)
+                request = pool.request(ROUTE, body, content_type)
                 outcome, closes = await exchange(pool, request, expected)
                 scenario.outcomes[outcome] += 1
                 if outcome.startswith("not accepted"):
@@ -161,16 +142,17 @@ async def flood(
 
 async def leave(url: str, scenario: Scenario, total: int, concurrency: int) -> None:
     """Callers that send a request and close the connection before the answer."""
-    host, port = RawHttpPool(url).host, RawHttpPool(url).port
+    pool = RawHttpPool(url)
     semaphore = asyncio.Semaphore(concurrency)
 
     async def one(seed: int) -> None:
         async with semaphore:
-            body, _ = good_body(random.Random(seed))
-            _, writer = await asyncio.open_connection(host, port)
-            writer.write(RawHttpPool(url).request(ROUTE, body, MSGPACK))
+            rng = random.Random(seed)
+            body, _ = good(rng)
+            _, writer = await asyncio.open_connection(pool.host, pool.port)
+            writer.write(pool.request(ROUTE, body, MSGPACK))
             await writer.drain()
-            await asyncio.sleep(random.Random(seed).uniform(0, 0.005))
+            await asyncio.sleep(rng.uniform(0, 0.005))
             writer.close()
             scenario.outcomes["left (closed by the client)"] += 1
 
@@ -182,7 +164,7 @@ async def trickle(url: str, scenario: Scenario, total: int) -> None:
     pool = RawHttpPool(url)
 
     async def one(seed: int) -> None:
-        body, _ = good_body(random.Random(seed))
+        body, _ = good(random.Random(seed))
         reader, writer = await asyncio.open_connection(pool.host, pool.port)
         request = pool.request(ROUTE, body, MSGPACK)
         head_end = request.index(b"\r\n\r\n") + 4
@@ -208,48 +190,6 @@ async def trickle(url: str, scenario: Scenario, total: int) -> None:
             writer.close()
 
     await asyncio.gather(*(one(seed) for seed in range(total)))
-
-
-def malformed(rng: random.Random) -> tuple[bytes, None]:
-    """A plausible native body with one thing wrong (or not msgpack at all)."""
-    x = [[1.0, 2.0, 3.0, 4.0]]
-    not_a_timeout: list[Any] = [True, -1, 0, 2**63, 1e300, float("nan"), float("inf"), "5", [5]]
-    not_an_id: list[Any] = [True, 5, [], {}, b"id"]
-    typed = {"dtype": "float32", "shape": [1, 4], "data": np.ones((1, 4), np.float32).tobytes()}
-    junk: list[Any] = [
-        None, True, -1, 2**63, 1e300, float("nan"), float("inf"), "x", [], {}, ["float32"],
-        {"float32": 1}, [[1, 2], [3]], b"\x00" * 7,
-    ]  # fmt: skip
-    variants: list[Any] = [
-        {"items": rng.choice(junk)},
-        {"items": [rng.choice(junk)]},
-        {"items": [{"x": rng.choice(junk)}]},
-        {"items": [{"x": {**typed, "dtype": rng.choice(junk)}}]},
-        {"items": [{"x": {**typed, "shape": rng.choice(junk)}}]},
-        {"items": [{"x": {**typed, "shape": [rng.randint(0, 2**40), 4]}}]},
-        {"items": [{"x": {**typed, "data": rng.choice(junk)}}]},
-        {"items": [{"x": x, "extra": x}]},
-        {"items": [{"x": [[1, 2, 3, 4, 5]]}]},
-        {"items": [{"x": x}], "parameters": {"timeout_ms": rng.choice(not_a_timeout)}},
-        {"items": [{"x": x}], "id": rng.choice(not_an_id)},
-        rng.choice(junk),
-    ]
-    if rng.random() < 0.1:
-        return bytes(rng.randrange(256) for _ in range(rng.randint(1, 64))), None
-    return msgpack.packb(rng.choice(variants)), None
-
-
-def malformed_oip(rng: random.Random) -> tuple[bytes, None]:
-    junk: list[Any] = [None, True, -1, 1e300, "FP32 ", [], {}, ["FP32"], {"FP32": 1}, [[1], [2, 3]]]
-    good = {"name": "x", "datatype": "FP32", "shape": [1, 1, 4], "data": [1, 2, 3, 4]}
-    key = rng.choice(["name", "datatype", "shape", "data"])
-    variants: list[Any] = [
-        {"inputs": [{**good, key: rng.choice(junk)}]},
-        {"inputs": rng.choice(junk)},
-        {"inputs": [good], "parameters": {"timeout": rng.choice(junk[1:])}},
-        {"inputs": [good], "outputs": [{"name": rng.choice(junk)}]},
-    ]
-    return json.dumps(rng.choice(variants)).encode(), None
 
 
 async def load_balancer(url: str, removed: asyncio.Event, every: float = 0.1) -> None:
@@ -280,9 +220,7 @@ async def sigterm_in_a_flood(
     assert server.process is not None
     removed = asyncio.Event() if behind_a_load_balancer else None
     probing = asyncio.create_task(load_balancer(server.url, removed)) if removed else None
-    flooding = asyncio.create_task(
-        flood(server.url, scenario, 100_000, 32, good_body, removed=removed)
-    )
+    flooding = asyncio.create_task(flood(server.url, scenario, 100_000, 32, good, removed=removed))
     await asyncio.sleep(1.0)  # the flood is under way
     signalled = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
@@ -311,6 +249,8 @@ def start_server(repository: Path) -> ServerProcess:
 
 
 async def soak(repository: Path) -> dict[str, Any]:
+    """Every scenario against one server (the SIGTERM last), then a SIGTERM
+    against a second one whose callers have no load balancer."""
     scenarios: list[Scenario] = []
 
     async def run(name: str, work: Callable[[Scenario], Awaitable[Any]]) -> Any:
@@ -322,31 +262,29 @@ async def soak(repository: Path) -> dict[str, Any]:
         print(f"  {name}: {dict(scenario.outcomes)}", file=sys.stderr)
         return result
 
+    def with_deadline(rng: random.Random) -> tuple[bytes, np.ndarray]:
+        return good(rng, timeout_ms=rng.choice([1, 2, 5, 10, 20]))
+
+    def refused(make: Callable[[random.Random], bytes]) -> MakeBody:
+        return lambda rng: (make(rng), None)
+
+    oversized = b"\x00" * (MAX_REQUEST_BYTES + 1)
     server = await asyncio.to_thread(start_server, repository)
     idle = server.usage()
     url = server.url
     try:
-        await run("flood (c=256, queue 64)", lambda s: flood(url, s, 6000, 256, good_body))
-        await run(
-            "deadlines (timeout_ms 1-20, c=128)",
-            lambda s: flood(
-                url, s, 3000, 128,
-                lambda rng: good_body(rng, timeout_ms=rng.choice([1, 2, 5, 10, 20])),
-            ),
-        )  # fmt: skip
+        await run("flood (c=256, queue 64)", lambda s: flood(url, s, 6000, 256, good))
+        await run("deadlines (timeout_ms 1-20, c=128)",
+                  lambda s: flood(url, s, 3000, 128, with_deadline))
         await run("callers that leave (c=128)", lambda s: leave(url, s, 2000, 128))
-        oversized = b"\x00" * (MAX_REQUEST_BYTES + 1)
-        await run(
-            "oversized bodies",
-            lambda s: flood(url, s, 50, 8, lambda rng: (oversized, None)),
-        )
-        await run("malformed native bodies", lambda s: flood(url, s, 2000, 16, malformed))
-        await run(
-            "malformed KServe v2 bodies",
-            lambda s: flood(url, s, 1000, 16, malformed_oip, "application/json"),
-        )
+        await run("oversized bodies",
+                  lambda s: flood(url, s, 50, 8, refused(lambda rng: oversized)))
+        await run("malformed native bodies",
+                  lambda s: flood(url, s, 2000, 16, refused(malformed_native)))
+        await run("malformed KServe v2 bodies",
+                  lambda s: flood(url, s, 1000, 16, refused(malformed_oip), "application/json"))
         await run("trickled bodies (1 byte / 100 ms)", lambda s: trickle(url, s, 16))
-        await run("after all that: good requests", lambda s: flood(url, s, 500, 8, good_body))
+        await run("after all that: good requests", lambda s: flood(url, s, 500, 8, good))
         ended = await run(
             "SIGTERM during a flood (c=32), behind a load balancer",
             lambda s: sigterm_in_a_flood(server, s, behind_a_load_balancer=True),
@@ -377,6 +315,7 @@ async def soak(repository: Path) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
+    """The scenarios as a markdown table (docs/reliability.md quotes it)."""
     rows = [
         (
             "| scenario | sent | answered correctly | refused (status code: count) "
@@ -397,29 +336,3 @@ def table(results: dict[str, Any]) -> str:
             f"| {other} | {s.get('lost', 0)} | {s.get('hung', 0)} | {wrong} |"
         )
     return "\n".join(rows)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/soak_overload.json")
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as folder:
-        repository = Path(folder)
-        write_xy_model(repository, "echo", MODEL, CONFIG)
-        started = time.monotonic()
-        results = asyncio.run(soak(repository))
-    results["wall_s"] = round(time.monotonic() - started, 1)
-    print(table(results))
-    print(
-        f"\nserver + workers ({results['processes']} processes) RSS: "
-        f"idle {results['idle_rss_mb']} MB, "
-        f"peak {results['peak_rss_mb']} MB;"
-        f" SIGTERM: exit status {results['shutdown']['returncode']} after "
-        f"{results['shutdown']['exited_after_s']} s; leftover processes: "
-        f"{len(results['leftover_processes'])}; {results['wall_s']} s in all"
-    )
-    save(args.out, results)
-
-
-if __name__ == "__main__":
-    main()

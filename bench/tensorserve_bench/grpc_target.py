@@ -1,12 +1,15 @@
-"""The cheapest gRPC caller we have, for the bench (``bench/grpc_target.py``):
-``ModelInfer`` with requests serialised before the clock starts and replies
-left as bytes, as ``bench/rawhttp.py`` is for HTTP. It lives here because
-only this package imports grpcio (pyproject's import contracts).
+"""``GrpcTarget``: a running tensorserve spoken to over KServe v2 gRPC
+(``ModelInfer``, raw tensor bytes), beside ``HttpTarget``. Its model's
+inputs and batching counters are read over HTTP, as ``HttpTarget`` reads
+them; only the measured ``send`` goes over gRPC, through the cheapest caller
+we have: ``RawInferChannel``, with requests serialised before the clock
+starts and replies left as bytes (as ``rawhttp.py`` is for HTTP).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from grpc import aio
@@ -14,6 +17,8 @@ from grpc import aio
 from tensorserve.grpc.errors import CODE_KEY
 from tensorserve.grpc.generated import grpc_service_pb2 as pb
 from tensorserve.tensors.dtypes import dtype
+from tensorserve_bench.items import Item
+from tensorserve_bench.targets import REFUSED_CODES, HttpTarget, RequestFailed
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -55,3 +60,39 @@ class RawInferChannel:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+class GrpcTarget(HttpTarget):
+    kind = "grpc"
+
+    def __init__(self, url: str, grpc_address: str, model: str, *, timeout: float = 60.0) -> None:
+        super().__init__(url, model, timeout=timeout, protocol="msgpack")
+        self.protocol = "grpc"
+        self.grpc_address = grpc_address
+        self._channel: Any = None
+
+    async def open(self) -> None:
+        await super().open()
+        self._channel = RawInferChannel(self.grpc_address)
+
+    def encode(self, items: Sequence[Item]) -> bytes:
+        dtypes = {s.name: s.dtype for s in self.specs}
+        return infer_request(self.model, items, dtypes, batched=self.batched)
+
+    async def send(self, payload: bytes) -> None:
+        assert self._channel is not None, "open() first"
+        failure = await self._channel.infer(payload, self.timeout)
+        if failure is not None:
+            # "gRPC UNAVAILABLE <tensorserve code>: <details>" (RawInferChannel.infer)
+            code = failure.split(":", 1)[0].split()[-1]
+            raise RequestFailed(failure, refused=failure.startswith("gRPC UNAVAILABLE ")
+                                and code in REFUSED_CODES)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "grpc_address": self.grpc_address}
+
+    async def aclose(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        await super().aclose()

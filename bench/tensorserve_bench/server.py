@@ -29,8 +29,8 @@ from typing import Any
 
 import psutil
 
-from tensorserve.bench.items import FeatureSpec, Item
-from tensorserve.bench.targets import Counters, HttpTarget
+from tensorserve_bench.items import FeatureSpec, Item
+from tensorserve_bench.targets import Counters, HttpTarget
 
 
 def free_port() -> int:
