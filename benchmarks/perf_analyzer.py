@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from tensorserve.bench.results import save
-from tensorserve.bench.server import ServerProcess
+from tensorserve_bench.results import save
+from tensorserve_bench.server import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = ROOT / "scripts" / "install_perf_analyzer.sh"
