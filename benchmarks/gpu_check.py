@@ -269,22 +269,26 @@ def _run(command: list[str]) -> str | None:
         return None
 
 
-def onnx_without_cuda(models: Sequence[ModelInfo], device: str) -> tuple[list[ModelInfo], list[Check]]:
-    """The ONNX models that cannot run on ``device``, each reported failed for
-    both isolations (never passed, never silently run on the CPU)."""
+def unrunnable_onnx(models: Sequence[ModelInfo], device: str) -> tuple[list[ModelInfo], list[Check]]:
+    """The ONNX models that cannot run on ``device`` here (no onnxruntime, or
+    on CUDA no CUDA execution provider), each reported failed for both
+    isolations: never passed, never silently run on the CPU."""
     onnx = [m for m in models if m.platform == "onnxruntime_onnx"]
-    if not onnx or not device.startswith("cuda"):
+    if not onnx:
         return [], []
     try:
         import onnxruntime
 
         providers, version = onnxruntime.get_available_providers(), onnxruntime.__version__
     except ImportError:
-        providers, version = [], "not installed"
-    if "CUDAExecutionProvider" in providers:
+        providers, version = [], None
+    if version is None:
+        why = "onnxruntime is not installed (pip install 'tensorserve[onnx]')"
+    elif device.startswith("cuda") and "CUDAExecutionProvider" not in providers:
+        why = (f"ONNX Runtime {version} has no CUDAExecutionProvider (providers: "
+               f"{', '.join(providers) or 'none'}): install onnxruntime-gpu; not run on {device}")
+    else:
         return [], []
-    why = (f"ONNX Runtime ({version}) has no CUDAExecutionProvider (providers: "
-           f"{', '.join(providers) or 'none'}): install onnxruntime-gpu; not checked on {device}")
     return onnx, [Check("correctness", m.name, iso, False, why)
                   for m in onnx for iso in ("thread", "process")]
 
@@ -357,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         phase("export")
         skipped += [{"name": "export", "model": line.split(":")[0], "reason": line}
                     for line in not_exported]
-        unrunnable, onnx_checks = onnx_without_cuda(models, device)
+        unrunnable, onnx_checks = unrunnable_onnx(models, device)
         checks += onnx_checks
         served = [m for m in [*models, *variants] if m not in unrunnable]
         reference = CpuReference(repository)

@@ -105,10 +105,12 @@ def copies_per_batch(served_repository: Path, models: Sequence[ModelInfo]) -> li
                     results = served.infer_many_sync(items, timeout=120, parameters=parameters)
                 torch.cuda.synchronize()
                 batches = max(1, served.stats.total_batches - before)
-            names = [e.name for e in prof.events() if e.name.startswith("Memcpy")]
-            to_device = [n for n in names if "HtoD" in n]
-            to_host = [n for n in names if "DtoH" in n]
-            pageable = [n for n in to_device + to_host if "Pageable" in n]
+            # Kineto names a copy "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH
+            # (Device -> Pageable)"...; device-to-device copies are not counted.
+            names = [e.name.lower() for e in prof.events() if e.name.lower().startswith("memcpy")]
+            to_device = [n for n in names if "htod" in n]
+            to_host = [n for n in names if "dtoh" in n]
+            pageable = [n for n in to_device + to_host if "pageable" in n]
             returned = len(getattr(results[0], "parameters", {}) or {})
             want_in, want_out = len(model.inputs), len(model.outputs) + returned
             passed = (len(to_device) == want_in * batches and len(to_host) == want_out * batches
