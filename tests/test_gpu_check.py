@@ -10,10 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK = ROOT / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_check_support import override_config, pad
+
 TOP_LEVEL = {"device", "driver", "cuda", "torch", "commit", "date", "checks", "skipped", "load"}
 LOAD_FIELDS = {"model", "batch_size", "concurrency", "items_per_s", "p50_ms", "p99_ms", "gpu_util",
                "server_cpu_us_per_request"}
@@ -27,7 +32,8 @@ def test_gpu_check_on_cpu_passes_every_check(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), str(ROOT / "clients" / "python"), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, str(CHECK), "--device", "cpu", "--out", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
+                         check=False)
     assert out.is_file(), f"no JSON written (exit {run.returncode}):\n{run.stdout}\n{run.stderr}"
     result = json.loads(out.read_text())
 
@@ -64,3 +70,26 @@ def test_gpu_check_on_cpu_passes_every_check(tmp_path: Path) -> None:
         assert point["items_per_s"] > 0 and point["p99_ms"] >= point["p50_ms"] > 0, point
         assert point["gpu_util"] is None and point["server_cpu_us_per_request"] > 0, point
     assert "skipped: needs CUDA" in run.stdout  # the table shows them
+
+
+def test_override_config_sets_top_level_fields_and_drops_keys_in_tables() -> None:
+    text = (
+        '# a comment\nmax_batch_size = 32\ndevice = "auto"\n\n'
+        "[dynamic_batching]\nmax_queue_delay_ms = 5.0\nmax_batch_tokens = 1024\n\n"
+        '[[input]]\nname = "x"\n'
+    )
+    out = override_config(text, {"device": "cuda:0", "max_batch_size": 64, "isolation": "thread"},
+                          drop=["max_batch_tokens"])
+    assert out.splitlines()[:4] == ['isolation = "thread"', "# a comment", "max_batch_size = 64",
+                                    'device = "cuda:0"']
+    assert "max_batch_tokens" not in out
+    assert "[dynamic_batching]\nmax_queue_delay_ms = 5.0" in out  # the tables stay where they were
+    assert out.count("max_batch_size") == 1
+
+
+def test_pad_right_pads_every_axis_with_the_pad_value() -> None:
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((3, 1), dtype=np.float32)
+    out = pad([a, b], -1.0)
+    assert out.shape == (2, 3, 3)
+    assert (out[0, :2] == a).all() and (out[0, 2] == -1).all()
+    assert (out[1, :, :1] == 1).all() and (out[1, :, 1:] == -1).all()
