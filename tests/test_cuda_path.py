@@ -479,3 +479,32 @@ def test_on_cuda_an_exported_program_with_positions_runs(tmp_path: Path) -> None
     out = model(input_ids=ids.cuda())["out"]
     assert out.device.type == "cuda"
     assert device_module.CONTEXT_LOSS.reason is None
+
+
+def test_exported_programs_load_on_parallel_threads(tmp_path: Path) -> None:
+    """The registry loads models on parallel threads; torch.export.load alone
+    fails there ("_CURRENT_DESERIALIZER is already set")."""
+    ids = torch.randint(0, 16, (2, 5))
+    program = torch.export.export(Positions(), (ids,), dynamic_shapes=(
+        {0: torch.export.Dim("b", min=1, max=8), 1: torch.export.Dim("n", min=2, max=64)},))
+    config = parse_config(FILE_CONFIG, "positions")
+    paths = []
+    for i in range(6):
+        paths.append(tmp_path / f"{i}" / "model.pt2")
+        paths[-1].parent.mkdir()
+        torch.export.save(program, paths[-1])
+    start, errors = threading.Barrier(len(paths)), []
+
+    def load(path: Path) -> None:
+        start.wait()
+        try:
+            load_torchscript(path, config, str(path))
+        except Exception as exc:  # noqa: BLE001 - the outcome under test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load, args=(path,)) for path in paths]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []

@@ -17,6 +17,7 @@ gives every tensor's dtype and rank, and which axes are dynamic.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,11 @@ import torch
 
 from tensorserve.errors import ConfigError, ModelFailure
 from tensorserve.repository.config import VARIABLE, ModelConfig, TensorSpec
+
+# torch.export.load keeps its deserializer in a module global: two loads at
+# once (the registry loads models on parallel threads) fail with
+# "_CURRENT_DESERIALIZER is already set". One load at a time.
+_EXPORT_LOAD = threading.Lock()
 
 
 class FileModel(torch.nn.Module):
@@ -146,7 +152,8 @@ def _check_returns(returns: Sequence[Any], config: ModelConfig, label: str, sign
 
 def _load_exported(path: Path, config: ModelConfig, label: str) -> FileModel:
     try:
-        program = torch.export.load(str(path))
+        with _EXPORT_LOAD:
+            program = torch.export.load(str(path))
     except Exception as exc:  # noqa: BLE001 - torch raises many types
         raise ConfigError(f"{label}: not a torch.export program torch.export.load can read: "
                           f"{_reason(exc)}") from None
