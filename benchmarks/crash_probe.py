@@ -343,7 +343,7 @@ def main() -> int:
                         help="least ratio (with the killer / clean) that passes")
     parser.add_argument("--out", default="benchmarks/results/crash_probe.json")
     args = parser.parse_args()
-    rounds = []
+    rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         repository, log = Path(tmp, "repository"), Path(tmp, "server.log")
         write_repository(repository, args.max_queue_delay_ms, args.worker_template)
