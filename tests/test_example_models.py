@@ -155,7 +155,11 @@ def test_make_variant_rewrites_parameters_and_weights(tmp_path):
     dst = gen.make_variant(REPO / "gru_tagger", tmp_path / "gru_big", {"vocab_size": 5000})
     cfg = tomllib.loads((dst / "config.toml").read_text())
     assert cfg["parameters"]["vocab_size"] == 5000
-    assert cfg["input"] == _config("gru_tagger")["input"]
+    # The ids' bound follows the vocabulary; nothing else of the inputs changes.
+    assert [i.pop("max_value", None) for i in cfg["input"]] == [4999, None]
+    assert [i.pop("max_value", None) for i in _config("gru_tagger")["input"]] == [4095, None]
+    assert cfg["input"] == [{k: v for k, v in i.items() if k != "max_value"}
+                            for i in _config("gru_tagger")["input"]]
     weights = load_file(str(dst / "1" / "model.safetensors"))
     assert weights["embed.weight"].shape == (5000, 128)
     first = (dst / "1" / "model.safetensors").read_bytes()

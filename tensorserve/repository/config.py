@@ -6,11 +6,22 @@ field (``tagger/config.toml: input[0].dtype: unknown dtype 'int46'``).
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.batching_config import DEFAULTS_ONLY, DynamicBatching
@@ -73,6 +84,49 @@ class InputSpec(TensorSpec):
     max_length: int | None = Field(
         None, ge=1, description="Upper bound on every variable axis (default: server's limit)."
     )
+    # Strict: a number, not true (1) nor a string.
+    min_value: StrictInt | StrictFloat | None = Field(
+        None,
+        description="Smallest value an item may hold (integer and float inputs): a smaller "
+        "one is that caller's 400, checked before it is queued (unset: no bound).",
+    )
+    max_value: StrictInt | StrictFloat | None = Field(
+        None,
+        description="Largest value an item may hold, e.g. an embedding's vocab_size - 1: a "
+        "larger one is that caller's 400, never an out-of-range index in a batch.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds_fit(self) -> InputSpec:
+        problem = bounds_problem(self.dt, self.min_value, self.max_value)
+        if problem is not None:
+            raise ValueError(f"input {self.name!r}: {problem}")
+        return self
+
+
+def bounds_problem(dt: DType, low: float | None, high: float | None) -> str | None:
+    """Why ``min_value`` / ``max_value`` cannot bound an input of ``dt``, or
+    None: numbers only on integer and float inputs, whole numbers within an
+    integer dtype's range, finite ones within a float's, and low <= high."""
+    bounds = {name: v for name, v in (("min_value", low), ("max_value", high)) if v is not None}
+    if not bounds:
+        return None
+    if dt.torch == torch.bool:
+        return "min_value and max_value are for integer and float inputs, not bool"
+    for name, value in bounds.items():
+        if dt.torch.is_floating_point:
+            info: Any = torch.finfo(dt.torch)
+            if not math.isfinite(value):
+                return f"{name} must be a finite number, got {value}"
+        else:
+            info = torch.iinfo(dt.torch)
+            if not isinstance(value, int):
+                return f"{name} must be a whole number for dtype {dt.name}, got {value}"
+        if not info.min <= value <= info.max:
+            return f"{name} {value} is outside the range of {dt.name} ({info.min} to {info.max})"
+    if low is not None and high is not None and low > high:
+        return f"min_value {low} is above max_value {high}"
+    return None
 
 
 class OutputSpec(TensorSpec):

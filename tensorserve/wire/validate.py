@@ -4,8 +4,9 @@ so a bad item is that caller's 400 and never a failed batch.
 Every error message names the item index and the feature. Each rule has one
 function that every protocol calls: ``shape_problem`` (rank, variable lengths,
 fixed sizes; the OIP codec also calls it on a whole request's shape, to say
-what is wrong in the request's own axis numbers) and ``priority_level`` (the
-OIP codec calls ``check_priority``, its first half, while decoding).
+what is wrong in the request's own axis numbers), ``check_range`` (an input's
+``min_value`` / ``max_value``) and ``priority_level`` (the OIP codec calls
+``check_priority``, its first half, while decoding).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.
         array = array_from_list(value, dt, where, what="the list", v2=False)
     problem = shape_problem(array.shape, spec)
     if problem is None:
+        if spec.min_value is not None or spec.max_value is not None:
+            check_range(array, spec, where)
         return array
     kind, axis, got, _, limit = problem
     if kind == "rank":
@@ -90,6 +93,30 @@ def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.
     else:
         message = f"axis {axis} has size {got}, expected {spec.shape[axis]} (shape {spec.shape})"
     raise InvalidInput(f"{where}: {message}")
+
+
+def check_range(array: np.ndarray, spec: InputSpec, where: str) -> None:
+    """The one range rule: every value of an item within the input's
+    ``min_value`` / ``max_value``, else ``InvalidInput`` naming the input,
+    the offending value and the bound. A few numpy passes over the array,
+    no Python loop. A NaN is outside any bound."""
+    values = array
+    if spec.dtype == "bfloat16":  # the host carries its bit patterns as uint16
+        values = (array.astype(np.uint32) << 16).view(np.float32)
+    if values.dtype.kind == "f" and np.isnan(values).any():
+        raise InvalidInput(f"{where}: value nan is outside the input's bounds ({_bounds(spec)})")
+    if spec.min_value is not None and (least := values.min()) < spec.min_value:
+        raise InvalidInput(f"{where}: value {least} is below min_value {spec.min_value}")
+    if spec.max_value is not None and (most := values.max()) > spec.max_value:
+        raise InvalidInput(f"{where}: value {most} is above max_value {spec.max_value}")
+
+
+def _bounds(spec: InputSpec) -> str:
+    return ", ".join(
+        f"{name} {value}"
+        for name, value in (("min_value", spec.min_value), ("max_value", spec.max_value))
+        if value is not None
+    )
 
 
 def validate_item(
