@@ -6,12 +6,10 @@ field (``tagger/config.toml: input[0].dtype: unknown dtype 'int46'``).
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -32,6 +30,7 @@ from tensorserve.repository.platforms import (
     OnnxRuntimeOptions,
     Platform,
 )
+from tensorserve.repository.value_bounds import bounds_problem
 from tensorserve.settings import BOUNDS, check_device
 from tensorserve.tensors.dtypes import DTYPES, DType
 
@@ -102,31 +101,6 @@ class InputSpec(TensorSpec):
         if problem is not None:
             raise ValueError(f"input {self.name!r}: {problem}")
         return self
-
-
-def bounds_problem(dt: DType, low: float | None, high: float | None) -> str | None:
-    """Why ``min_value`` / ``max_value`` cannot bound an input of ``dt``, or
-    None: numbers only on integer and float inputs, whole numbers within an
-    integer dtype's range, finite ones within a float's, and low <= high."""
-    bounds = {name: v for name, v in (("min_value", low), ("max_value", high)) if v is not None}
-    if not bounds:
-        return None
-    if dt.torch == torch.bool:
-        return "min_value and max_value are for integer and float inputs, not bool"
-    for name, value in bounds.items():
-        if dt.torch.is_floating_point:
-            info: Any = torch.finfo(dt.torch)
-            if not math.isfinite(value):
-                return f"{name} must be a finite number, got {value}"
-        else:
-            info = torch.iinfo(dt.torch)
-            if not isinstance(value, int):
-                return f"{name} must be a whole number for dtype {dt.name}, got {value}"
-        if not info.min <= value <= info.max:
-            return f"{name} {value} is outside the range of {dt.name} ({info.min} to {info.max})"
-    if low is not None and high is not None and low > high:
-        return f"min_value {low} is above max_value {high}"
-    return None
 
 
 class OutputSpec(TensorSpec):
@@ -269,7 +243,8 @@ class ModelConfig(_Strict):
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field(
         "off",
         description="torch.compile the model with this mode (reduce-overhead: CUDA graphs; "
-        "pair it with pad_to_multiple_of so shapes fall into few buckets).",
+        "on a GPU an unset pad_to_multiple_of becomes 64 with it, so shapes fall into few "
+        "buckets).",
     )
 
     @field_validator("device")

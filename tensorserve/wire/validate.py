@@ -21,6 +21,7 @@ import torch
 from tensorserve.errors import InvalidInput
 from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, DynamicBatching, InputSpec
 from tensorserve.repository.parameters import RequestParameterSpec, check_value
+from tensorserve.repository.value_bounds import values_problem
 from tensorserve.tensors.dtypes import BY_TORCH, from_torch
 from tensorserve.tensors.wire_tensor import WireTensor
 from tensorserve.wire.lists import array_from_list
@@ -96,27 +97,12 @@ def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.
 
 
 def check_range(array: np.ndarray, spec: InputSpec, where: str) -> None:
-    """The one range rule: every value of an item within the input's
-    ``min_value`` / ``max_value``, else ``InvalidInput`` naming the input,
-    the offending value and the bound. A few numpy passes over the array,
-    no Python loop. A NaN is outside any bound."""
-    values = array
-    if spec.dtype == "bfloat16":  # the host carries its bit patterns as uint16
-        values = (array.astype(np.uint32) << 16).view(np.float32)
-    if values.dtype.kind == "f" and np.isnan(values).any():
-        raise InvalidInput(f"{where}: value nan is outside the input's bounds ({_bounds(spec)})")
-    if spec.min_value is not None and (least := values.min()) < spec.min_value:
-        raise InvalidInput(f"{where}: value {least} is below min_value {spec.min_value}")
-    if spec.max_value is not None and (most := values.max()) > spec.max_value:
-        raise InvalidInput(f"{where}: value {most} is above max_value {spec.max_value}")
-
-
-def _bounds(spec: InputSpec) -> str:
-    return ", ".join(
-        f"{name} {value}"
-        for name, value in (("min_value", spec.min_value), ("max_value", spec.max_value))
-        if value is not None
-    )
+    """The one range rule (``repository.value_bounds``): every value of an
+    item within the input's ``min_value`` / ``max_value``, else
+    ``InvalidInput`` naming the input, the offending value and the bound."""
+    problem = values_problem(array, spec.dt, spec.min_value, spec.max_value)
+    if problem is not None:
+        raise InvalidInput(f"{where}: {problem}")
 
 
 def validate_item(
