@@ -49,6 +49,7 @@ from tensorserve.repository.config import (
     ModelConfig,
     parse_config,
 )
+from tensorserve.repository.device_defaults import for_device
 from tensorserve.repository.loader import ModelSource, discover, read_config
 from tensorserve.runtime.cuda_diagnosis import cuda_missing
 from tensorserve.runtime.device import default_intra_op_threads, resolve_device
@@ -106,8 +107,10 @@ class ServedModel:
         config, placements = resolve_placement(config)
         if config.isolation == "auto":  # a function handed over here runs in a model thread
             config = config.model_copy(update={"isolation": "thread"})
-        self.config = config
         self.device = resolve_device(placements[0].device)
+        # What the config leaves to the server (a budget of "auto", lengths
+        # unrounded) suits this device: the batcher and collator see the result.
+        self.config = config = for_device(config, self.device.type)
         if placements[0].device == "auto" and self.device.type == "cpu":
             # Said once per model load: a GPU node whose driver is too old for
             # this torch, or a pod without its GPU, would otherwise serve on
