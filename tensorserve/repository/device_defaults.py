@@ -12,9 +12,11 @@ pad_to_multiple_of     none                                8; 64 with compile's 
 
 Why they differ. On a CPU a batch costs about what its padded elements cost,
 and past the caches more per element, so a budget on the padded volume pays
-(learnt, it served every bundled model as well as or better than a
-hand-set one: docs/performance.md, "Defaults"). On a GPU a batch of a few
-thousand tokens costs about what one item does: the device is fastest with
+(learnt, it served four of the five bundled models better than the hand-set
+1024 tokens and the GRU tagger within noise of it: docs/performance.md,
+"Defaults, measured on every bundled model"). On a GPU a batch of a few
+thousand tokens typically costs about what one item does (not yet measured
+with the bundled models): the device is fastest with
 the biggest batches, so the budget only keeps a batch to ``max_batch_size``
 items of full length (at most ``max_batch_elements``), and learning one
 would only cost the smaller batches it explores. Every distinct padded shape
