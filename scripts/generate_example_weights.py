@@ -178,7 +178,8 @@ def make_variant(
     """Copy model dir ``src_dir`` to ``dst_dir``, apply ``parameters_override`` to
     its config's ``[parameters]`` table, and write matching weights.
 
-    Note: output shapes in the config that depend on a parameter (e.g. the
+    A new ``vocab_size`` moves the inputs' ``max_value`` (the last id) with it;
+    output shapes in the config that depend on a parameter (e.g. the
     embedder's ``shape = [64]`` = d_model) are not rewritten.
     """
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
@@ -189,9 +190,25 @@ def make_variant(
         dirs_exist_ok=True,
     )
     if parameters_override:
+        vocab_before = read_parameters(dst_dir).get("vocab_size")
         set_config_parameters(dst_dir / "config.toml", parameters_override)
+        vocab = parameters_override.get("vocab_size")
+        if vocab is not None and vocab_before is not None:
+            set_id_bounds(dst_dir / "config.toml", vocab_before - 1, vocab - 1)
     write_weights(dst_dir, None, seed)
     return dst_dir
+
+
+def set_id_bounds(config_path: Path, old: int, new: int) -> None:
+    """Rewrite the inputs' ``max_value = old`` lines (the last id of the old
+    vocabulary) to ``new``: ids of a variant with a bigger vocabulary would
+    otherwise be refused by its config."""
+    config_path = Path(config_path)
+    pattern = re.compile(rf"^(\s*max_value\s*=\s*){old}(?![0-9])", re.MULTILINE)
+    text = pattern.sub(lambda m: f"{m.group(1)}{new}", config_path.read_text())
+    if any(i.get("max_value") == old for i in tomllib.loads(text).get("input", [])):
+        raise RuntimeError(f"failed to set max_value = {new} in {config_path}")
+    config_path.write_text(text)
 
 
 class ExportableTagger(torch.nn.Module):

@@ -270,8 +270,8 @@ class Settings(BaseSettings):
     )
     max_batch_tokens: int | Literal["auto"] | None = Field(
         None,
-        description="Padded-volume budget per batch (batch x padded item size), >= 0; auto: learnt; "
-        "0: none.",
+        description="Padded-volume budget per batch (batch x padded item size), >= 0; auto: learnt "
+        "on a CPU, max_batch_size full-length items on a GPU; 0: none.",
     )
     isolation: Literal["auto", "thread", "process"] | None = Field(
         None, description="Run each model instance in a thread of the server or its own process."

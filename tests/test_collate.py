@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tensorserve.batching.collate import Collator, pad, unpad
+from tensorserve.batching.collate import Collator, pad, padded_shape, unpad
 from tensorserve.errors import ModelFailure
 from tensorserve.repository.config import InputSpec, ModelConfig, OutputSpec
 
@@ -69,6 +69,16 @@ def test_pad_to_multiple_of_rounds_variable_axes_up() -> None:
     batch = pad([{"x": np.ones((5, 3), np.float32)}], inputs, pad_to_multiple_of=8)
     assert tuple(batch.features["x"].shape) == (1, 8, 3)
     assert batch.features["x"][0, 5:].abs().sum() == 0
+
+
+def test_rounding_up_never_passes_max_length() -> None:
+    """A model sized to max_length (a positional table of 500) must never see
+    501: 497 tokens round up to 500, not to 504."""
+    inputs = [InputSpec(name="x", dtype="float32", shape=[-1], max_length=500)]
+    assert padded_shape([497], inputs[0], 8) == [500]
+    assert padded_shape([490], inputs[0], 8) == [496]
+    batch = pad([{"x": np.ones(497, np.float32)}], inputs, pad_to_multiple_of=8)
+    assert tuple(batch.features["x"].shape) == (1, 500)
 
 
 def test_bfloat16_features_pad_with_the_right_bit_pattern() -> None:

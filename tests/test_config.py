@@ -96,3 +96,73 @@ def test_isolation_comes_from_the_config_the_environment_or_a_flag(
     assert read_config(source, from_flag.model_overrides()).isolation == "process"
     with pytest.raises(SystemExit):  # argparse refuses anything else
         main(["serve", "--isolation", "fork"])
+
+
+# ---------------------------------------------------------------------- min_value / max_value
+def ids_config(**bounds: Any) -> str:
+    """A token model's config.toml whose input ``ids`` declares ``bounds``."""
+    dtype = bounds.pop("dtype", "int64")
+    return toy_config(
+        inputs={"ids": {"dtype": dtype, "shape": [-1], **bounds}},
+        outputs={"y": {"dtype": "float32", "shape": [-1]}},
+    )
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [{"min_value": 0, "max_value": 4095}, {"max_value": 4095}, {"min_value": -3},
+     {"min_value": 7, "max_value": 7}, {"dtype": "float32", "min_value": -1.5, "max_value": 2},
+     {"dtype": "bfloat16", "max_value": 1.0}, {"dtype": "uint8", "min_value": 0, "max_value": 255}],
+    ids=["both", "max", "min", "equal", "float", "bfloat16", "uint8-range"],
+)
+def test_an_input_may_declare_the_values_it_accepts(tmp_path: Path, bounds: dict[str, Any]) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.toml").write_text(ids_config(**bounds))
+    spec = load_config(folder / "config.toml").input[0]
+    assert (spec.min_value, spec.max_value) == (bounds.get("min_value"), bounds.get("max_value"))
+
+
+@pytest.mark.parametrize(
+    "bounds, reason",
+    [
+        ({"min_value": 5, "max_value": 3}, "min_value 5 is above max_value 3"),
+        ({"dtype": "bool", "max_value": 1}, "min_value and max_value are for integer and float inputs, not bool"),
+        ({"max_value": 4095.5}, "max_value must be a whole number for dtype int64, got 4095.5"),
+        ({"dtype": "uint8", "max_value": 256}, "max_value 256 is outside the range of uint8 (0 to 255)"),
+        ({"dtype": "int32", "min_value": -(1 << 40)}, "min_value -1099511627776 is outside the range of int32"),
+        ({"dtype": "float16", "max_value": 1e6}, "max_value 1000000.0 is outside the range of float16"),
+        ({"dtype": "float32", "max_value": float("inf")}, "max_value must be a finite number, got inf"),
+    ],
+    ids=["min-above-max", "bool", "fraction", "uint8", "int32", "float16", "infinite"],
+)
+def test_bounds_that_cannot_hold_are_refused_at_load_saying_why(
+    tmp_path: Path, bounds: dict[str, Any], reason: str
+) -> None:
+    message = config_error(tmp_path, ids_config(**bounds))
+    assert message.startswith(f"m/config.toml: input[0]: input 'ids': {reason}")
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("value", ['"4095"', "true"], ids=["string", "bool"])
+def test_a_bound_is_a_number_not_a_string_or_a_boolean(tmp_path: Path, value: str) -> None:
+    text = ids_config().replace('shape = [-1]', f"shape = [-1]\nmax_value = {value}", 1)
+    assert config_error(tmp_path, text).startswith("m/config.toml: input[0].max_value")
+
+
+def test_the_bundled_token_models_bound_their_ids_by_their_vocabulary() -> None:
+    """Every bundled input that indexes an embedding declares 0 .. vocab_size - 1
+    (tagger_onnx: the tagger's, exported), so an id past the table is its
+    caller's 400, never an index error in a batch (a device assert on a GPU)."""
+    from tests.conftest import REPOSITORY
+
+    vocab = {}
+    for name, source in discover(REPOSITORY).items():
+        config = load_config(source.path / "config.toml")
+        ids = {s.name: s for s in config.input}.get("input_ids")
+        if ids is None:
+            continue
+        size = config.parameters.get("vocab_size") or vocab["tagger"]
+        vocab[name] = size
+        assert (ids.min_value, ids.max_value) == (0, size - 1), name
+    assert {"tagger", "embedder", "attention_tagger", "gru_tagger", "tagger_onnx"} <= set(vocab)

@@ -156,7 +156,11 @@ def test_make_variant_rewrites_parameters_and_weights(tmp_path):
     dst = gen.make_variant(REPO / "gru_tagger", tmp_path / "gru_big", {"vocab_size": 5000})
     cfg = tomllib.loads((dst / "config.toml").read_text())
     assert cfg["parameters"]["vocab_size"] == 5000
-    assert cfg["input"] == _config("gru_tagger")["input"]
+    # The ids' bound follows the vocabulary; nothing else of the inputs changes.
+    assert [i.pop("max_value", None) for i in cfg["input"]] == [4999, None]
+    assert [i.pop("max_value", None) for i in _config("gru_tagger")["input"]] == [4095, None]
+    assert cfg["input"] == [{k: v for k, v in i.items() if k != "max_value"}
+                            for i in _config("gru_tagger")["input"]]
     weights = load_file(str(dst / "1" / "model.safetensors"))
     assert weights["embed.weight"].shape == (5000, 128)
     first = (dst / "1" / "model.safetensors").read_bytes()
@@ -179,3 +183,99 @@ def test_tagger_onnx_is_the_tagger_exported(tmp_path):
             alone = model(**{k: v.unsqueeze(0) for k, v in item.items()})[0]
             n = item["input_ids"].shape[0]
             torch.testing.assert_close(torch.from_numpy(logits[i, :n]), alone, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- no host syncs in forward
+# On a GPU, reading a tensor's value on the host (bool(t), t.item(), t.tolist(),
+# t.cpu(), a Python branch on a value) waits for the device to finish. There is
+# no GPU here, so the check is structural: forward runs on the meta device
+# (not the CPU, as a GPU is not, and it holds no values, so any read raises)
+# with the ways Python reads a value patched to raise as well.
+_HOST_READS = ("__bool__", "item", "tolist", "cpu", "numpy")
+
+
+def _meta_inputs(name: str, cfg: dict) -> dict:
+    if name == "image_filter":
+        return {"image": torch.zeros(3, 5, 7)}
+    ids = torch.zeros(3, 9, dtype=torch.int64)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if any(p["name"] == "normalize" for p in cfg.get("request_parameter", [])):
+        inputs["normalize"] = [True, False, True]  # the served embedder's per-row flags
+    return inputs
+
+
+def _module(name: str):
+    path = REPO / name / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location(f"_ex_{name}_{uuid.uuid4().hex}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_forward_off_the_cpu_reads_no_value_on_the_host(name, monkeypatch):
+    cfg = _config(name)
+    with torch.device("meta"):
+        model = _module(name).Model(**cfg.get("parameters", {})).eval()
+        inputs = _meta_inputs(name, cfg)
+
+    def read(self, *args, **kwargs):
+        raise AssertionError(f"forward read a tensor's value on the host ({self.shape})")
+
+    for method in _HOST_READS:
+        monkeypatch.setattr(torch.Tensor, method, read)
+    with torch.inference_mode():
+        result = model(**inputs)
+    monkeypatch.undo()
+    first = next(iter(_outputs(cfg, getattr(result, "outputs", result)).values()))
+    assert first.device.type == "meta" and first.shape[0] == 3
+
+
+@pytest.mark.parametrize("name", ["tagger", "embedder"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_path_off_the_cpu_matches_items_alone_too(name, mode, monkeypatch):
+    """The tagger and embedder skip padded positions on the CPU (a nested
+    tensor, whose lengths a GPU would have to send to the host); elsewhere
+    every layer runs on the padded batch with the mask. Run that path here."""
+    cfg, model = _config(name), _load(name)
+    monkeypatch.setattr(model, "_encode", model._encode_padded)
+    items = _make_items(name, cfg, torch.Generator().manual_seed(4321))
+    items.append({"input_ids": torch.tensor([0, 0]), "attention_mask": torch.zeros(2, dtype=torch.int64)})
+    with MODES[mode]():
+        batched = _outputs(cfg, model(**_pad_batch(cfg, items)))
+        reference = _outputs(cfg, _load(name)(**_pad_batch(cfg, items)))  # the CPU's own path
+        for i, item in enumerate(items):
+            alone = _outputs(cfg, model(**{k: v.unsqueeze(0) for k, v in item.items()}))
+            for spec in cfg["output"]:
+                row = batched[spec["name"]][i][tuple(slice(0, n) for n in _true_shape(cfg, spec, item))]
+                torch.testing.assert_close(row, alone[spec["name"]][0].detach(), atol=ATOL, rtol=RTOL)
+    for key, value in batched.items():
+        assert torch.isfinite(value).all()  # the row with no real token too
+        if name == "embedder":  # one vector per row, padding or not: the paths agree
+            torch.testing.assert_close(value, reference[key], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("name", MODELS)
+def test_forward_on_cuda_never_synchronises(name):
+    """What the meta-device test stands in for: forward on a GPU under
+    torch.cuda.set_sync_debug_mode("error"), which raises at any operation
+    that makes the host wait for the device."""
+    cfg, model = _config(name), _load(name).to("cuda")
+    items = _make_items(name, cfg, torch.Generator().manual_seed(7))
+    batch = {k: v.to("cuda") for k, v in _pad_batch(cfg, items).items()}
+    if name == "embedder":
+        batch["normalize"] = [True, False] * (len(items) // 2) + [True] * (len(items) % 2)
+    torch.cuda.synchronize()
+    with torch.inference_mode():
+        model(**batch)  # first call: lazy initialisation may synchronise
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            result = model(**batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    first = next(iter(_outputs(cfg, getattr(result, "outputs", result)).values()))
+    assert first.is_cuda and torch.isfinite(first).all()

@@ -24,7 +24,13 @@ import numpy as np
 import torch
 
 from tensorserve.errors import ModelFailure
-from tensorserve.repository.config import VARIABLE, InputSpec, ModelConfig, OutputSpec
+from tensorserve.repository.config import (
+    DEFAULT_MAX_LENGTH,
+    VARIABLE,
+    InputSpec,
+    ModelConfig,
+    OutputSpec,
+)
 from tensorserve.tensors.dtypes import DType, from_torch
 
 Item = Mapping[str, np.ndarray]
@@ -53,20 +59,23 @@ def padded_shape(
 ) -> list[int]:
     """The one rule for a padded size: the shape of one row of ``spec`` in a
     batch whose items reach ``longest`` on each axis. Variable axes are padded
-    to the longest item, rounded up to ``pad_to_multiple_of``; fixed axes are
-    as declared. ``pad`` allocates this; ``Collator.padded_elements`` (the
-    element cap, the memory ceiling, the direct path's limit) and
-    ``Collator.volume`` (the policies' budget, learnt or fixed) count it."""
+    to the longest item, rounded up to ``pad_to_multiple_of`` but never past
+    ``max_length`` (a model sized to it, a positional table, would fail the
+    batch); fixed axes are as declared. ``pad`` allocates this;
+    ``Collator.padded_elements`` (the element cap, the memory ceiling, the
+    direct path's limit) and ``Collator.volume`` (the policies' budget,
+    learnt or fixed) count it."""
+    limit = spec.max_length or DEFAULT_MAX_LENGTH
     return [
-        _round_up(int(longest[axis]), pad_to_multiple_of) if dim == VARIABLE else dim
+        _round_up(int(longest[axis]), pad_to_multiple_of, limit) if dim == VARIABLE else dim
         for axis, dim in enumerate(spec.shape)
     ]
 
 
-def _round_up(value: int, multiple: int | None) -> int:
+def _round_up(value: int, multiple: int | None, limit: int) -> int:
     if not multiple:
         return value
-    return -(-value // multiple) * multiple
+    return max(value, min(-(-value // multiple) * multiple, limit))
 
 
 def _pad_bits(value: float | bool, dt: DType) -> np.generic:

@@ -33,12 +33,17 @@ class DynamicBatching(_Strict):
     )
     max_batch_tokens: int | Literal["auto"] = Field(
         "auto",
-        description="Budget on padded volume per batch (batch x padded item size). auto: "
-        "learnt from what the model's batches cost per element (batching/budget.py); "
+        description="Budget on padded volume per batch (batch x padded item size). auto: on "
+        "a CPU learnt from what the model's batches cost per element (batching/budget.py), on "
+        "a GPU max_batch_size items of full length (repository/device_defaults.py); "
         "0: no budget.",
     )
     pad_to_multiple_of: int | None = Field(
-        None, ge=1, description="Round each padded variable axis up to a multiple of this."
+        None,
+        ge=1,
+        description="Round each padded variable axis up to a multiple of this (never past "
+        "max_length). Unset: none on a CPU; on a GPU 8, or 64 when compile captures CUDA "
+        "graphs (reduce-overhead, max-autotune), so they capture few shapes; 1: never round.",
     )
     max_queue_size: int = Field(4096, ge=1, description="Items waiting beyond this get ServerBusy.")
     max_batch_elements: int = Field(

@@ -10,7 +10,16 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.batching_config import DEFAULTS_ONLY, DynamicBatching
@@ -21,6 +30,7 @@ from tensorserve.repository.platforms import (
     OnnxRuntimeOptions,
     Platform,
 )
+from tensorserve.repository.value_bounds import bounds_problem
 from tensorserve.settings import BOUNDS, check_device
 from tensorserve.tensors.dtypes import DTYPES, DType
 
@@ -73,6 +83,24 @@ class InputSpec(TensorSpec):
     max_length: int | None = Field(
         None, ge=1, description="Upper bound on every variable axis (default: server's limit)."
     )
+    # Strict: a number, not true (1) nor a string.
+    min_value: StrictInt | StrictFloat | None = Field(
+        None,
+        description="Smallest value an item may hold (integer and float inputs): a smaller "
+        "one is that caller's 400, checked before it is queued (unset: no bound).",
+    )
+    max_value: StrictInt | StrictFloat | None = Field(
+        None,
+        description="Largest value an item may hold, e.g. an embedding's vocab_size - 1: a "
+        "larger one is that caller's 400, never an out-of-range index in a batch.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds_fit(self) -> InputSpec:
+        problem = bounds_problem(self.dt, self.min_value, self.max_value)
+        if problem is not None:
+            raise ValueError(f"input {self.name!r}: {problem}")
+        return self
 
 
 class OutputSpec(TensorSpec):
@@ -216,7 +244,8 @@ class ModelConfig(_Strict):
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field(
         "off",
         description="torch.compile the model with this mode (reduce-overhead: CUDA graphs; "
-        "pair it with pad_to_multiple_of so shapes fall into few buckets).",
+        "on a GPU an unset pad_to_multiple_of becomes 64 with it, so shapes fall into few "
+        "buckets).",
     )
 
     @field_validator("device")

@@ -42,7 +42,14 @@ from tensorserve.batching.batcher import Batcher
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
-from tensorserve.repository.config import VARIABLE, DynamicBatching, ModelConfig, parse_config
+from tensorserve.repository.config import (
+    VARIABLE,
+    DynamicBatching,
+    InputSpec,
+    ModelConfig,
+    parse_config,
+)
+from tensorserve.repository.device_defaults import for_device
 from tensorserve.repository.loader import ModelSource, discover, read_config
 from tensorserve.runtime.cuda_diagnosis import cuda_missing
 from tensorserve.runtime.device import default_intra_op_threads, resolve_device
@@ -66,6 +73,17 @@ def _watchdog_seconds(config: ModelConfig) -> float | str | None:
     if watchdog_ms == "auto":
         return None if config.compile != "off" else "auto"
     return float(watchdog_ms) / 1000 or None
+
+
+def _warmup_value(spec: InputSpec) -> int | float:
+    """What a warm-up item holds: 1, or the nearest value the input accepts
+    (a warm-up request is validated as any request is)."""
+    value: int | float = 1
+    if spec.min_value is not None:
+        value = max(value, spec.min_value)
+    if spec.max_value is not None:
+        value = min(value, spec.max_value)
+    return value
 
 
 Item = Mapping[str, Any]
@@ -92,8 +110,10 @@ class ServedModel:
         config, placements = resolve_placement(config)
         if config.isolation == "auto":  # a function handed over here runs in a model thread
             config = config.model_copy(update={"isolation": "thread"})
-        self.config = config
         self.device = resolve_device(placements[0].device)
+        # What the config leaves to the server (a budget of "auto", lengths
+        # unrounded) suits this device: the batcher and collator see the result.
+        self.config = config = for_device(config, self.device.type)
         if placements[0].device == "auto" and self.device.type == "cpu":
             # Said once per model load: a GPU node whose driver is too old for
             # this torch, or a pod without its GPU, would otherwise serve on
@@ -322,7 +342,7 @@ class ServedModel:
                 for spec in self.config.input:
                     limit = spec.max_length or length
                     shape = [min(length, limit) if d == VARIABLE else d for d in spec.shape]
-                    item[spec.name] = np.ones(shape, dtype=spec.dt.numpy)
+                    item[spec.name] = np.full(shape, _warmup_value(spec), dtype=spec.dt.numpy)
                 batches.append([item] * size)
         return batches
 

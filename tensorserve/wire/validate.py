@@ -4,8 +4,9 @@ so a bad item is that caller's 400 and never a failed batch.
 Every error message names the item index and the feature. Each rule has one
 function that every protocol calls: ``shape_problem`` (rank, variable lengths,
 fixed sizes; the OIP codec also calls it on a whole request's shape, to say
-what is wrong in the request's own axis numbers) and ``priority_level`` (the
-OIP codec calls ``check_priority``, its first half, while decoding).
+what is wrong in the request's own axis numbers), ``check_range`` (an input's
+``min_value`` / ``max_value``) and ``priority_level`` (the OIP codec calls
+``check_priority``, its first half, while decoding).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from tensorserve.errors import InvalidInput
 from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, DynamicBatching, InputSpec
 from tensorserve.repository.parameters import RequestParameterSpec, check_value
+from tensorserve.repository.value_bounds import values_problem
 from tensorserve.tensors.dtypes import BY_TORCH, from_torch
 from tensorserve.tensors.wire_tensor import WireTensor
 from tensorserve.wire.lists import array_from_list
@@ -78,6 +80,8 @@ def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.
         array = array_from_list(value, dt, where, what="the list", v2=False)
     problem = shape_problem(array.shape, spec)
     if problem is None:
+        if spec.min_value is not None or spec.max_value is not None:
+            check_range(array, spec, where)
         return array
     kind, axis, got, _, limit = problem
     if kind == "rank":
@@ -90,6 +94,15 @@ def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.
     else:
         message = f"axis {axis} has size {got}, expected {spec.shape[axis]} (shape {spec.shape})"
     raise InvalidInput(f"{where}: {message}")
+
+
+def check_range(array: np.ndarray, spec: InputSpec, where: str) -> None:
+    """The one range rule (``repository.value_bounds``): every value of an
+    item within the input's ``min_value`` / ``max_value``, else
+    ``InvalidInput`` naming the input, the offending value and the bound."""
+    problem = values_problem(array, spec.dt, spec.min_value, spec.max_value)
+    if problem is not None:
+        raise InvalidInput(f"{where}: {problem}")
 
 
 def validate_item(

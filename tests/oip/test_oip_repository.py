@@ -70,9 +70,12 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shipped = config.read_text()
     assert "max_queue_delay_ms = 5.0" in shipped  # else the edit below would do nothing
     # Hold every item up to 1 s so concurrent requests share one padded batch
-    # (300 ms was not always enough on a loaded 2-core machine).
+    # (300 ms was not always enough on a loaded 2-core machine), in arrival
+    # order: the length-aware policy may rightly keep a 3-token row apart from
+    # a 64-token one (its learnt cost says whether that pays).
     config.write_text(
-        shipped.replace("max_queue_delay_ms = 5.0", 'max_queue_delay_ms = 1000.0\ndispatch = "timer"')
+        shipped.replace("max_queue_delay_ms = 5.0",
+                        'max_queue_delay_ms = 1000.0\ndispatch = "timer"\npolicy = "fifo"')
     )
     write_toy_model(repo, "twohead", TWOHEAD_MODEL.format(factor=2), **TWOHEAD)
     write_toy_model(repo, "slow", SLOW_MODEL, **SLOW)

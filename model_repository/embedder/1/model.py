@@ -15,7 +15,8 @@ output parameter ``norm`` (``tensorserve.WithParameters``). Called without
 
 Padded positions are excluded both from attention (src_key_padding_mask) and
 from the pooling, so a right-padded row yields the same embedding as the item
-run alone.  Imports torch, and tensorserve for ``WithParameters``.
+run alone.  Off the CPU, forward reads no value on the host (a GPU never
+waits for it).  Imports torch, and tensorserve for ``WithParameters``.
 """
 
 import torch
@@ -65,18 +66,33 @@ class Model(nn.Module):
         positions = torch.arange(seq_len, device=input_ids.device)
         x = self.embed(input_ids) + self.pos_embed(positions)[None, :, :]
         pad_mask = attention_mask == 0
-        # Guard against rows with no real tokens (all-masked softmax -> NaN).
-        empty = pad_mask.all(dim=1)
-        if bool(empty.any()):
-            pad_mask = pad_mask.clone()
-            pad_mask[empty, 0] = False
-        h = self.encoder(x, src_key_padding_mask=pad_mask if bool(pad_mask.any()) else None)
+        # Guard against rows with no real tokens (all-masked softmax -> NaN),
+        # without reading the mask on the host: on a GPU that would wait for it.
+        pad_mask[:, 0] &= ~pad_mask.all(dim=1)
+        h = self._encode(x, pad_mask)
         keep = (~pad_mask).to(h.dtype).unsqueeze(-1)  # [B, T, 1]
         pooled = (h * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1.0)
         unit = nn.functional.normalize(pooled, p=2.0, dim=-1, eps=1e-12)
         if normalize is None:
             return unit
         # One flag per row: rows of callers that asked for raw vectors keep them.
-        rows = torch.tensor(normalize, device=unit.device)[:, None]
+        # Copied without waiting: a blocking copy to a GPU synchronises it.
+        rows = torch.tensor(normalize).to(unit.device, non_blocking=True)[:, None]
         embedding = torch.where(rows, unit, pooled)
         return WithParameters({"embedding": embedding}, {"norm": pooled.norm(dim=-1)})
+
+    def _encode(self, x: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":
+            # Reading the mask costs nothing on the CPU: a batch without
+            # padding takes the dense fast path, one with padding the
+            # nested-tensor path, which skips padded positions.
+            return self.encoder(x, src_key_padding_mask=pad_mask if bool(pad_mask.any()) else None)
+        return self._encode_padded(x, pad_mask)
+
+    def _encode_padded(self, x: torch.Tensor, pad_mask: torch.Tensor) -> torch.Tensor:
+        # Off the CPU, reading the mask or building a nested tensor (it needs
+        # each row's length on the host) would make the host wait for the
+        # device: every layer runs on the padded batch, padded keys masked out.
+        for layer in self.encoder.layers:
+            x = layer(x, src_key_padding_mask=pad_mask)
+        return x
