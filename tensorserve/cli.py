@@ -148,9 +148,12 @@ def serve(settings: Settings) -> int:
         try:
             from tensorserve.grpc.server import GrpcFrontEnd  # grpcio: only when serving gRPC
         except ImportError as exc:
-            print(f"tensorserve serve: error: the gRPC front end needs grpcio and protobuf "
-                  f"({exc}): pip install grpcio 'protobuf<7', or serve HTTP only with "
-                  f"--grpc-port -1 (TENSORSERVE_GRPC_PORT=-1)", file=sys.stderr)
+            print(
+                f"tensorserve serve: error: the gRPC front end needs grpcio and protobuf "
+                f"({exc}): pip install grpcio 'protobuf<7', or serve HTTP only with "
+                f"--grpc-port -1 (TENSORSERVE_GRPC_PORT=-1)",
+                file=sys.stderr,
+            )
             return 1
         front_ends.append(GrpcFrontEnd)
     try:

@@ -210,8 +210,10 @@ class RowErrors(Exception):
     """
 
     def __init__(self, errors: dict[int, str]) -> None:
-        super().__init__(f"{len(errors)} row(s) failed: " + "; ".join(
-            f"row {row}: {message}" for row, message in sorted(errors.items())[:3]))
+        super().__init__(
+            f"{len(errors)} row(s) failed: "
+            + "; ".join(f"row {row}: {message}" for row, message in sorted(errors.items())[:3])
+        )
         self.errors = {int(row): str(message) for row, message in errors.items()}
 
 

@@ -25,6 +25,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 MAX_TIMEOUT_S = 3600
 MAX_TIMEOUT_MS = MAX_TIMEOUT_S * 1000
 
+
 # The bounds of every number a model's config.toml declares that a server-wide
 # setting also overrides, in one table: config.toml's fields
 # (repository/config.py) and the settings, so their flags and environment
@@ -72,7 +73,12 @@ MODEL_OVERRIDES = (
 # of endpoints (tensorserve/http/app.py ROUTES). Triton's shared-memory, trace
 # and logging APIs do not exist here.
 RESTRICTABLE_APIS = (
-    "health", "metadata", "inference", "model-config", "model-repository", "statistics",
+    "health",
+    "metadata",
+    "inference",
+    "model-config",
+    "model-repository",
+    "statistics",
 )
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # an HTTP token (RFC 9110)
 
@@ -124,7 +130,9 @@ class Settings(BaseSettings):
         description="Port of the KServe v2 gRPC front end (0: any free port; -1: no gRPC).",
     )
     model_repository: Path = Field(Path("model_repository"), description="Model repository folder.")
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="Log level."
+    )
     access_log: bool = Field(False, description="Log every request (off: keeps the hot path lean).")
     log_format: Literal["text", "json"] = Field(
         "text", description="Log lines as text, or as one JSON object per line."
@@ -152,7 +160,10 @@ class Settings(BaseSettings):
         "default) is lowered to this.",
     )
     body_timeout_s: float = Field(
-        60.0, gt=0, le=MAX_TIMEOUT_S, description="Longest a request body may take to arrive (then 408)."
+        60.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="Longest a request body may take to arrive (then 408).",
     )
     keepalive_timeout_s: float = Field(
         75.0,
@@ -225,7 +236,8 @@ class Settings(BaseSettings):
         None,
         description="APIs answered only for requests carrying a header, as "
         "API[,API...]:HEADER=VALUE (groups separated by ';'); APIs: "
-        + ", ".join(RESTRICTABLE_APIS) + " (unset: none restricted).",
+        + ", ".join(RESTRICTABLE_APIS)
+        + " (unset: none restricted).",
     )
 
     intra_op_threads: int | None = Field(
@@ -253,14 +265,16 @@ class Settings(BaseSettings):
 
     # Overrides applied to every model's config.toml (None: keep the model's own).
     max_batch_size: int | None = Field(
-        None, **BOUNDS["max_batch_size"],
+        None,
+        **BOUNDS["max_batch_size"],
         description="Most items in one batch (0: no batch dimension, no batching).",
     )
     max_queue_delay_ms: float | None = Field(
         None, **BOUNDS["max_queue_delay_ms"], description="Longest an item waits for company."
     )
     dispatch: Literal["eager", "timer"] | None = Field(
-        None, description="eager: run as soon as the model is idle; timer: wait for a full batch or the delay."
+        None,
+        description="eager: run as soon as the model is idle; timer: wait for a full batch or the delay.",
     )
     policy: Literal["fifo", "length_aware"] | None = Field(
         None, description="Which waiting items form the next batch."
@@ -277,7 +291,8 @@ class Settings(BaseSettings):
         None, description="Run each model instance in a thread of the server or its own process."
     )
     target_p99_ms: float | None = Field(
-        None, **BOUNDS["target_p99_ms"],
+        None,
+        **BOUNDS["target_p99_ms"],
         description="Default p99 latency target for models whose config.toml sets none "
         "(batching adapts and late requests are refused with 503 would_miss_target).",
     )
@@ -301,4 +316,6 @@ class Settings(BaseSettings):
         return parse_restricted_api(self.restricted_api or "")
 
     def model_overrides(self) -> dict[str, Any]:
-        return {key: getattr(self, key) for key in MODEL_OVERRIDES if getattr(self, key) is not None}
+        return {
+            key: getattr(self, key) for key in MODEL_OVERRIDES if getattr(self, key) is not None
+        }

@@ -45,7 +45,8 @@ class Reading:
     def total(self, name: str, model: str, **match: str) -> float:
         """The sum of ``name`` over the samples of ``model`` whose labels match."""
         return sum(
-            value for labels, value in self.samples.get(name, [])
+            value
+            for labels, value in self.samples.get(name, [])
             if labels.get("model") == model and all(labels.get(k) == v for k, v in match.items())
         )
 
@@ -109,10 +110,14 @@ def rows(before: Reading | None, now: Reading) -> list[Row]:
     for model in sorted(now.states):
         row = Row(model, now.states[model])
         if before is not None and elapsed > 0:
-            row.requests_per_s = (now.total("tensorserve_requests_total", model)
-                                  - before.total("tensorserve_requests_total", model)) / elapsed
-            row.items_per_s = (now.total("tensorserve_batch_items_total", model)
-                               - before.total("tensorserve_batch_items_total", model)) / elapsed
+            row.requests_per_s = (
+                now.total("tensorserve_requests_total", model)
+                - before.total("tensorserve_requests_total", model)
+            ) / elapsed
+            row.items_per_s = (
+                now.total("tensorserve_batch_items_total", model)
+                - before.total("tensorserve_batch_items_total", model)
+            ) / elapsed
         stats = now.stats.get(model)
         if stats is not None:
             recent = stats.get("recent", {})
@@ -132,7 +137,9 @@ def rows(before: Reading | None, now: Reading) -> list[Row]:
 
 def _errors(reading: Reading, model: str) -> dict[str, int]:
     """Rejections by reason, and model failures, since the server started."""
-    errors = {k: int(v) for k, v in reading.by("tensorserve_rejections_total", model, "reason").items()}
+    errors = {
+        k: int(v) for k, v in reading.by("tensorserve_rejections_total", model, "reason").items()
+    }
     codes = reading.by("tensorserve_requests_total", model, "code")
     for code in ("model_failure", "internal"):
         if codes.get(code):
@@ -144,8 +151,19 @@ def _number(value: float | None, digits: int) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.{digits}f}"
 
 
-COLUMNS = ("model", "state", "req/s", "items/s", "p50 ms", "p99 ms", "batch", "pad eff",
-           "queue", "target", "errors (since start)")
+COLUMNS = (
+    "model",
+    "state",
+    "req/s",
+    "items/s",
+    "p50 ms",
+    "p99 ms",
+    "batch",
+    "pad eff",
+    "queue",
+    "target",
+    "errors (since start)",
+)
 
 
 def _target(target: dict[str, Any] | None) -> str:
@@ -153,8 +171,7 @@ def _target(target: dict[str, Any] | None) -> str:
     if target is None:
         return "-"
     achieved = target["achieved_p99_ms"]
-    return (f"{_number(achieved, 0)}/{target['target_p99_ms']:g} ms, "
-            f"cap {target['batch_cap']}")
+    return f"{_number(achieved, 0)}/{target['target_p99_ms']:g} ms, cap {target['batch_cap']}"
 
 
 def cells(row: Row) -> list[str]:
@@ -181,8 +198,9 @@ def render(table_rows: list[Row], url: str, interval: float) -> Table:
         title_justify="left",
     )
     for index, name in enumerate(COLUMNS):
-        table.add_column(name, justify="left" if index in (0, 1, 10) else "right",
-                         no_wrap=index != 10)
+        table.add_column(
+            name, justify="left" if index in (0, 1, 10) else "right", no_wrap=index != 10
+        )
     for row in table_rows:
         style = None if row.state in ("READY", "-") else "yellow"
         table.add_row(*cells(row), style=style)
@@ -199,8 +217,12 @@ def run(url: str, *, interval: float = 1.0, once: bool = False) -> int:
         time.sleep(interval)  # two reads an interval apart give the rates
         console.print(render(rows(before, read(url)), url, interval))
         return 0
-    with Live(render(rows(None, before), url, interval), console=console,
-              refresh_per_second=4, screen=False) as live:
+    with Live(
+        render(rows(None, before), url, interval),
+        console=console,
+        refresh_per_second=4,
+        screen=False,
+    ) as live:
         try:
             while True:
                 time.sleep(interval)
@@ -213,7 +235,8 @@ def run(url: str, *, interval: float = 1.0, once: bool = False) -> int:
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     parser = sub.add_parser(
-        "top", help="a live view of a running server's models",
+        "top",
+        help="a live view of a running server's models",
         description="A live view of every model of a running tensorserve: rates, p50/p99, "
         "batch size, padding efficiency, queue depth, errors by reason.",
     )

@@ -24,8 +24,11 @@ INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
 def infer_request(
-    model: str, items: Sequence[Mapping[str, np.ndarray]], dtypes: Mapping[str, str],
-    *, batched: bool = True,
+    model: str,
+    items: Sequence[Mapping[str, np.ndarray]],
+    dtypes: Mapping[str, str],
+    *,
+    batched: bool = True,
 ) -> bytes:
     """One serialised ``ModelInferRequest`` of ``items`` (which share their
     shapes), each input cast to its declared dtype, in ``raw_input_contents``."""
@@ -85,8 +88,9 @@ class GrpcTarget(HttpTarget):
         if failure is not None:
             # "gRPC UNAVAILABLE <tensorserve code>: <details>" (RawInferChannel.infer)
             code = failure.split(":", 1)[0].split()[-1]
-            raise RequestFailed(failure, refused=failure.startswith("gRPC UNAVAILABLE ")
-                                and code in REFUSED_CODES)
+            raise RequestFailed(
+                failure, refused=failure.startswith("gRPC UNAVAILABLE ") and code in REFUSED_CODES
+            )
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "grpc_address": self.grpc_address}

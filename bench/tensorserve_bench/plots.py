@@ -55,7 +55,10 @@ def run_context(result: Any) -> str:
     created = str(result.created).replace("T", " ").removesuffix("+00:00")
     machine = result.machine
     system = str(machine.get("platform") or "?").split("-")[0]  # "Linux", not the kernel build
-    parts = [f"{system} {machine.get('processor') or ''}".strip(), f"{machine.get('cpu_count')} CPUs"]
+    parts = [
+        f"{system} {machine.get('processor') or ''}".strip(),
+        f"{machine.get('cpu_count')} CPUs",
+    ]
     if machine.get("torch"):
         parts.append(f"torch {machine['torch']}")
     return " · ".join([", ".join(models) or "?", f"{created[:16]} UTC", ", ".join(parts)])
@@ -108,8 +111,14 @@ def latency_figure(points: Sequence[PointResult], title: str = "", context: str 
     for index, (name, group) in enumerate(_by_variant(points).items()):
         xs = [p.x for p in group]
         for quantile, marker, style in LATENCY_LINES:
-            ax.plot(xs, [p.latency_ms[quantile] for p in group], marker=marker, linestyle=style,
-                    color=f"C{index}", label=f"{name} {quantile}")
+            ax.plot(
+                xs,
+                [p.latency_ms[quantile] for p in group],
+                marker=marker,
+                linestyle=style,
+                color=f"C{index}",
+                label=f"{name} {quantile}",
+            )
     _load_axis(ax, points)
     ax.set_ylabel("latency (ms)")
     ax.set_ylim(bottom=0)

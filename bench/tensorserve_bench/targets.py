@@ -136,7 +136,9 @@ def counters_from_snapshot(snapshot: Mapping[str, Any]) -> Counters:
         padded_elements=int(padded) if padded is not None else None,
         padding_efficiency=float(snapshot.get("padding_efficiency", 1.0)),
         histogram={str(k): int(v) for k, v in snapshot.get("batch_size_histogram", {}).items()},
-        batch_seconds=float(seconds) if (seconds := snapshot.get("batch_seconds")) is not None else None,
+        batch_seconds=float(seconds)
+        if (seconds := snapshot.get("batch_seconds")) is not None
+        else None,
     )
 
 
@@ -254,7 +256,10 @@ class HttpTarget:
 
     def describe(self) -> dict[str, Any]:
         described: dict[str, Any] = {
-            "kind": self.kind, "url": self.url, "model": self.model, "protocol": self.protocol
+            "kind": self.kind,
+            "url": self.url,
+            "model": self.model,
+            "protocol": self.protocol,
         }
         if self._config is not None:
             described["config"] = self._config
@@ -336,9 +341,7 @@ class InProcessTarget:
             raise KeyError(f"no model {self.model!r} in {repository}; found {', '.join(sources)}")
         source = sources[self.model]
         config = read_config(source, self.overrides)
-        return ServedModel.from_source(
-            source, None, config, intra_op_threads=self.intra_op_threads
-        )
+        return ServedModel.from_source(source, None, config, intra_op_threads=self.intra_op_threads)
 
     def encode(self, items: Sequence[Item]) -> list[Item]:
         return list(items)

@@ -209,7 +209,8 @@ class AdmissionQueue:
         """Waiting entries nobody waits for: cancelled, or past their deadline
         (their callers have had their answer: ``infer_many`` gave up)."""
         return [
-            p for p in self._waiting
+            p
+            for p in self._waiting
             if p.future.cancelled() or (p.deadline is not None and now > p.deadline)
         ]
 

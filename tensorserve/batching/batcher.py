@@ -170,7 +170,9 @@ class Batcher:
                 loop,
                 now,
                 deadline,
-                priority=priority, parameters=parameters, request=tally,
+                priority=priority,
+                parameters=parameters,
+                request=tally,
             )
             for item in items
         ]
@@ -191,6 +193,7 @@ class Batcher:
             assert loop is not None
             self._run_direct(*direct, loop)
         return entries
+
     def submit(self, item: Any, *, timeout: float | None = None) -> Future:
         return self.submit_many([item], timeout=timeout)[0]
 
@@ -220,7 +223,11 @@ class Batcher:
         waiting = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
         # A timer that fails the wait, rather than asyncio.wait_for's extra
         # future and callbacks per request (~3% of the loop's time per request).
-        timer = None if timeout is None else loop.call_later(timeout, _time_out, waiting, self.name, timeout)
+        timer = (
+            None
+            if timeout is None
+            else loop.call_later(timeout, _time_out, waiting, self.name, timeout)
+        )
         try:
             results = await waiting
             return [results] if len(futures) == 1 else list(results)
@@ -308,14 +315,18 @@ class Batcher:
         """On the loop: drive the batch a model thread offered, or decline."""
         p = self.pipeline
         with p.cond:
-            direct = None if p.closing else self._claim_direct(time.monotonic(), unless_backlog=True)
+            direct = (
+                None if p.closing else self._claim_direct(time.monotonic(), unless_backlog=True)
+            )
             if direct is None:
                 p.loop_declined = True
                 p.cond.notify_all()
         if direct is not None:
             self._run_direct(*direct, loop)
 
-    def _run_direct(self, entries: list[Pending], instance: int, loop: asyncio.AbstractEventLoop) -> None:
+    def _run_direct(
+        self, entries: list[Pending], instance: int, loop: asyncio.AbstractEventLoop
+    ) -> None:
         """On the loop's thread: pad and send the batch; it is finished when
         the reply arrives. Any trouble before the send hands it to the threads."""
         p = self.pipeline
@@ -328,7 +339,9 @@ class Batcher:
         try:
             batch.started = time.perf_counter()
             padded = batch.padded
-            batch.launched = executor.try_launch_direct(padded.features, instance, padded.parameters)
+            batch.launched = executor.try_launch_direct(
+                padded.features, instance, padded.parameters
+            )
         except BaseException as exc:  # noqa: BLE001 - the model's own failure, reported at once
             batch.error, batch.ran = exc, True
             self._release(batch, instance)
@@ -397,4 +410,3 @@ class Batcher:
         for batch in driven:
             assert batch.finish_now is not None
             batch.finish_now()
-

@@ -129,7 +129,9 @@ def _single(item: Item, inputs: Sequence[InputSpec]) -> PaddedBatch:
         array = np.array(item[spec.name])  # owned and writable, as torch wants
         tensor = torch.from_numpy(array[None])
         features[spec.name] = tensor.view(torch.bfloat16) if spec.dt.name == "bfloat16" else tensor
-        extents[spec.name] = np.array([[array.shape[a] for a in spec.variable_axes]], dtype=np.int64)
+        extents[spec.name] = np.array(
+            [[array.shape[a] for a in spec.variable_axes]], dtype=np.int64
+        )
         elements += array.size
     return PaddedBatch(features, extents, elements, elements)
 
@@ -144,8 +146,7 @@ def check_output(name: str, array: np.ndarray, spec: OutputSpec, batch: int) -> 
     for axis, dim in enumerate(spec.shape):
         if dim != VARIABLE and array.shape[axis + 1] != dim:
             raise ModelFailure(
-                f"output {name!r} axis {axis} has size {array.shape[axis + 1]}, "
-                f"config says {dim}"
+                f"output {name!r} axis {axis} has size {array.shape[axis + 1]}, config says {dim}"
             )
 
 
@@ -229,7 +230,10 @@ class Collator:
         values (validated, defaults filled in), made into one column per
         declared parameter."""
         batch = pad(
-            items, self.inputs, pad_to_multiple_of=self.pad_to_multiple_of, pin_memory=self.pin_memory
+            items,
+            self.inputs,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            pin_memory=self.pin_memory,
         )
         if self.parameter_names:
             batch.parameters = {

@@ -83,7 +83,11 @@ class Pipeline:
         cost = options.policy.cost or BatchCostModel()
         self.results = BatchResults(collator, options.policy, stats, name, cost, self.target)
         self.recovery = Recovery(
-            name, options.split_failed_batches, stats, cost, lambda: executor.restart_seconds,
+            name,
+            options.split_failed_batches,
+            stats,
+            cost,
+            lambda: executor.restart_seconds,
             executor.free_memory_bytes,
         )
         self.watchdog = Watchdog(self, options.watchdog_s)
@@ -147,11 +151,13 @@ class Pipeline:
         parked, waiting for work; False if that did not happen in time."""
         with self.lock:
             return self.parked.wait_for(
-                lambda: not len(self.queue)
-                and not self.retries
-                and not self.repairs
-                and not self.in_flight
-                and all(state is InstanceState.PARKED for state in self.states),
+                lambda: (
+                    not len(self.queue)
+                    and not self.retries
+                    and not self.repairs
+                    and not self.in_flight
+                    and all(state is InstanceState.PARKED for state in self.states)
+                ),
                 timeout,
             )
 
@@ -254,9 +260,7 @@ class Pipeline:
             self.in_flight.add(batch)
         try:
             pad_started = time.perf_counter()
-            batch.padded = self.collator.pad(
-                [e.item for e in live], [e.parameters for e in live]
-            )
+            batch.padded = self.collator.pad([e.item for e in live], [e.parameters for e in live])
             batch.pad_seconds = time.perf_counter() - pad_started
         except BaseException as exc:  # noqa: BLE001 - padding failed: this batch only
             batch.error, batch.ran = exc, True
@@ -289,7 +293,9 @@ class Pipeline:
         else:
             self._to_finisher.put(batch)
 
-    def collected(self, batch: Batch, outputs: BatchOutputs | None, error: BaseException | None) -> None:
+    def collected(
+        self, batch: Batch, outputs: BatchOutputs | None, error: BaseException | None
+    ) -> None:
         batch.outputs, batch.error = outputs, error
         batch.launched = None  # free device and socket buffers early
         now = time.perf_counter()
@@ -330,16 +336,23 @@ class Pipeline:
             else:
                 outcomes = self.results.outcomes(batch)
                 if batch.error is None and self.recovery.ceiling.fitted():
-                    log.info("model %s: trying batches of up to %d padded elements again",
-                             self.name, self.recovery.ceiling.limit)
+                    log.info(
+                        "model %s: trying batches of up to %d padded elements again",
+                        self.name,
+                        self.recovery.ceiling.limit,
+                    )
         except BaseException as exc:  # a bug in un-padding, stats or the cost model
             log.exception("batcher %s: finishing a batch failed", self.name)
             error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
             outcomes, retries = [(entry, error, True) for entry in batch.entries], []
         if retries:
-            log.warning("model %s: a batch of %d failed (%s); running it again as %s",
-                        self.name, len(batch.entries), batch.error,
-                        " + ".join(str(len(part)) for part in retries))
+            log.warning(
+                "model %s: a batch of %d failed (%s); running it again as %s",
+                self.name,
+                len(batch.entries),
+                batch.error,
+                " + ".join(str(len(part)) for part in retries),
+            )
         with self.cond:
             self.in_flight.discard(batch)
             if self.hung[batch.instance] is batch:

@@ -125,14 +125,21 @@ class BatchResults:
             self._teach(entries, batch.seconds)
             if self.target is not None:
                 now = time.monotonic()
-                self.target.observe(len(entries), batch.seconds, [now - e.enqueued for e in entries])
+                self.target.observe(
+                    len(entries), batch.seconds, [now - e.enqueued for e in entries]
+                )
         padded = batch.padded
         real, elements = (padded.real_elements, padded.padded_elements) if padded else (0, 0)
         self.stats.record_batch(
-            batch.seconds, real, elements,
-            enqueued=[e.enqueued for e in entries], dispatched=batch.dispatched,
-            pad_seconds=batch.pad_seconds, unpad_seconds=unpad_seconds,
-            padded_length=padded_length(padded), answered=outcomes,
+            batch.seconds,
+            real,
+            elements,
+            enqueued=[e.enqueued for e in entries],
+            dispatched=batch.dispatched,
+            pad_seconds=batch.pad_seconds,
+            unpad_seconds=unpad_seconds,
+            padded_length=padded_length(padded),
+            answered=outcomes,
         )
         failures = sum(failed for _, _, failed in outcomes)
         if failures:
@@ -158,7 +165,8 @@ def _with_parameters(rows: Sequence[Any], columns: Mapping[str, Sequence[Any]]) 
                 f"{len(rows)} rows; give one per row"
             )
     return [
-        row if isinstance(row, BaseException)
+        row
+        if isinstance(row, BaseException)
         else RowResult(row, {name: values[i] for name, values in columns.items()})
         for i, row in enumerate(rows)
     ]

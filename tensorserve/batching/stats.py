@@ -33,8 +33,23 @@ from tensorserve.wire.triton import TritonCounts
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 65536)
 # Upper bounds (seconds) of the queue-wait, pad, compute and un-pad histograms.
 SECONDS_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-    2.5, 5.0, 10.0, 30.0,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 # Upper bounds of the padded-length histogram (the longest item's variable
 # extent in a batch: the length every item of it is padded to).
@@ -91,7 +106,14 @@ class RequestTally:
     answered (``BatchStats`` reads and writes it under its lock only)."""
 
     __slots__ = (
-        "failed", "infer_ns", "input_ns", "items", "last_batch", "left", "output_ns", "queue_s",
+        "failed",
+        "infer_ns",
+        "input_ns",
+        "items",
+        "last_batch",
+        "left",
+        "output_ns",
+        "queue_s",
     )
 
     def __init__(self, items: int) -> None:
@@ -362,7 +384,9 @@ class BatchStats:
                 "failed_items": self.failed_items,
                 "avg_batch_size": self.batch_items / batches if batches else 0.0,
                 "avg_batch_duration_ms": 1000 * self.batch_seconds / batches if batches else 0.0,
-                "avg_queue_ms": 1000 * self.queue_seconds / self.batch_items if self.batch_items else 0.0,
+                "avg_queue_ms": 1000 * self.queue_seconds / self.batch_items
+                if self.batch_items
+                else 0.0,
                 "queue_depth": queue_depth,
                 # Raw counters, so a client can compute exact deltas between two reads.
                 "batch_items": self.batch_items,

@@ -80,7 +80,9 @@ class LatencyTarget:
     SAFETY = (0.5, 4.0)
     AIM_LOW, AIM_HIGH = 0.55, 0.8  # the band of the target the achieved p99 is kept in
 
-    def __init__(self, target_ms: float, max_batch_size: int, max_queue_delay_ms: float, instances: int):
+    def __init__(
+        self, target_ms: float, max_batch_size: int, max_queue_delay_ms: float, instances: int
+    ):
         if target_ms <= 0:
             raise ValueError(f"target_p99_ms must be > 0, got {target_ms}")
         self.target_s = target_ms / 1000
@@ -111,7 +113,9 @@ class LatencyTarget:
         with self._lock:
             first = self._batches == 0
             self._batches += 1
-            self._batch_s = seconds if first else self._batch_s + self.ALPHA * (seconds - self._batch_s)
+            self._batch_s = (
+                seconds if first else self._batch_s + self.ALPHA * (seconds - self._batch_s)
+            )
             self._every = self._decayed(self._every, items, seconds)
             self._latencies.extend(latencies)
             self._since_adjust += len(latencies)
@@ -120,7 +124,9 @@ class LatencyTarget:
                 self._since_adjust = 0
                 self._correct(self._p99())
 
-    def _decayed(self, sums: tuple[float, float], items: int, seconds: float) -> tuple[float, float]:
+    def _decayed(
+        self, sums: tuple[float, float], items: int, seconds: float
+    ) -> tuple[float, float]:
         return (self.RATE_DECAY * sums[0] + items, self.RATE_DECAY * sums[1] + seconds)
 
     def _resize_batches(self) -> None:
@@ -196,7 +202,8 @@ class LatencyTarget:
                 "batch_ms": round(1000 * self._batch_s, 3),
                 "drain_items_per_s": (
                     round(self.drain_rate(), 3)
-                    if self.drain.items_per_s() is not None or self._every[1] else None
+                    if self.drain.items_per_s() is not None or self._every[1]
+                    else None
                 ),
                 "refused": self.refused,
             }

@@ -127,7 +127,11 @@ class Watchdog:
         batch.overdue = True
         log.error(
             "model %s: a batch of %d has run %.1f s on instance %d, past the watchdog's %.1f s",
-            p.name, len(batch.entries), ran_s, batch.instance, limit,
+            p.name,
+            len(batch.entries),
+            ran_s,
+            batch.instance,
+            limit,
         )
         launched = batch.launched
         if launched is not None and p.executor.abort(

@@ -54,4 +54,6 @@ class LoopLag:
     def observe(self, late: float) -> None:
         """One tick that ran ``late`` seconds after its time."""
         late = max(0.0, late)
-        self.seconds = late if late >= self.seconds else self.DECAY * self.seconds + (1 - self.DECAY) * late
+        self.seconds = (
+            late if late >= self.seconds else self.DECAY * self.seconds + (1 - self.DECAY) * late
+        )

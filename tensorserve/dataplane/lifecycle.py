@@ -117,7 +117,9 @@ class Tracked:
         return None
 
     def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None,
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self._lifecycle._untrack(self._task, exc)

@@ -33,7 +33,9 @@ _SAFE_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_ID_LENGTH}}}")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 # Record attributes that are not "extra" fields of the JSON line.
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
-    "message", "asctime", "request_id",
+    "message",
+    "asctime",
+    "request_id",
 }
 
 
@@ -126,9 +128,19 @@ class RateLimit:
 
 # The settings an operator needs to read a server's log (the rest are defaults).
 STARTUP_SETTINGS = (
-    "host", "port", "grpc_port", "model_repository", "log_level", "log_format", "access_log",
-    "max_request_bytes", "max_items_per_request", "intra_op_threads", "device",
-    "liveness_stall_s", "model_control_mode",
+    "host",
+    "port",
+    "grpc_port",
+    "model_repository",
+    "log_level",
+    "log_format",
+    "access_log",
+    "max_request_bytes",
+    "max_items_per_request",
+    "intra_op_threads",
+    "device",
+    "liveness_stall_s",
+    "model_control_mode",
 )
 
 
@@ -141,7 +153,9 @@ def log_startup(settings: Any) -> None:
     chosen = {name: getattr(settings, name) for name in STARTUP_SETTINGS}
     chosen.update(settings.model_overrides())
     logging.getLogger("tensorserve").info(
-        "tensorserve %s (Python %s) starting: %s", __version__, sys.version.split()[0],
+        "tensorserve %s (Python %s) starting: %s",
+        __version__,
+        sys.version.split()[0],
         ", ".join(f"{k}={v}" for k, v in chosen.items()),
         extra={"version": __version__, "settings": {k: str(v) for k, v in chosen.items()}},
     )

@@ -68,8 +68,9 @@ def model_ready(plane: DataPlane, name: str, version: str | None) -> dict[str, A
 def metadata(plane: DataPlane, name: str, version: str | None) -> dict[str, Any]:
     entry = plane.registry.get(name, version)
     devices = entry.served.devices if entry.served is not None else None
-    return model_metadata(entry.name, entry.version, entry.state.value, entry.reason, entry.config,
-                          devices)
+    return model_metadata(
+        entry.name, entry.version, entry.state.value, entry.reason, entry.config, devices
+    )
 
 
 def config(plane: DataPlane, name: str, version: str | None) -> dict[str, Any]:

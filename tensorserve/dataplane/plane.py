@@ -138,7 +138,9 @@ class DataPlane:
             )
             call.items, call.kserve_id = len(decoded.items), decoded.id
             timeout = effective_timeout(  # the request's, the model's or the server's
-                decoded.timeout, config.default_timeout_ms, settings.default_timeout_ms,
+                decoded.timeout,
+                config.default_timeout_ms,
+                settings.default_timeout_ms,
                 settings.max_timeout_ms,
             )
             if transport_timeout_s is not None:
@@ -211,8 +213,14 @@ class DataPlane:
         tracer.finish_request(span, attributes, failed)
 
     def log_failure(
-        self, call: Call | None, where: str, status: int | str, code: str, message: str,
-        exc: BaseException, server_fault: bool,
+        self,
+        call: Call | None,
+        where: str,
+        status: int | str,
+        code: str,
+        message: str,
+        exc: BaseException,
+        server_fault: bool,
     ) -> None:
         """One line per failed call: a fault of the server or the model at
         ERROR with its traceback; a caller's error or a rejection (queue full,

@@ -30,11 +30,16 @@ from tensorserve.wire.request import InferRequest, Results, response_parameters
 # Which typed field of InferTensorContents holds each KServe v2 datatype.
 CONTENTS_FIELD = {
     "BOOL": "bool_contents",
-    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
     "INT64": "int64_contents",
-    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
     "UINT64": "uint64_contents",
-    "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
     "BYTES": "bytes_contents",
 }
 
@@ -76,7 +81,9 @@ def to_message(request: pb.ModelInferRequest) -> tuple[dict[str, Any], memoryvie
     for index, tensor in enumerate(request.inputs):
         where = f"input {tensor.name!r}"
         entry: dict[str, Any] = {
-            "name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.shape),
         }
         parameters = plain_parameters(tensor.parameters)
         if raw:

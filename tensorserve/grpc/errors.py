@@ -27,7 +27,7 @@ RETRY_AFTER_KEY = "retry-after"
 class Failure:
     """What a call that failed answers: status, details, trailing metadata."""
 
-    __slots__ = ("status", "code", "message", "retry_after")
+    __slots__ = ("code", "message", "retry_after", "status")
 
     def __init__(self, exc: BaseException) -> None:
         self.retry_after: float | None = None
@@ -55,7 +55,8 @@ class Failure:
 
     def trailing_metadata(self, request_id: str) -> tuple[tuple[str, str], ...]:
         metadata: tuple[tuple[str, str], ...] = (
-            (CODE_KEY, self.code), ("x-request-id", request_id),
+            (CODE_KEY, self.code),
+            ("x-request-id", request_id),
         )
         if self.retry_after is not None:
             metadata += ((RETRY_AFTER_KEY, str(math.ceil(self.retry_after))),)

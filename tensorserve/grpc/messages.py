@@ -21,8 +21,11 @@ def model_metadata(data: dict[str, Any]) -> pb.ModelMetadataResponse:
         ]
 
     return pb.ModelMetadataResponse(
-        name=data["name"], versions=data["versions"], platform=data["platform"],
-        inputs=tensors("inputs"), outputs=tensors("outputs"),
+        name=data["name"],
+        versions=data["versions"],
+        platform=data["platform"],
+        inputs=tensors("inputs"),
+        outputs=tensors("outputs"),
     )
 
 
@@ -34,7 +37,9 @@ def model_config(data: dict[str, Any]) -> pb.ModelConfigResponse:
 
     batching = data.get("dynamic_batching") or {}
     config = mc.ModelConfig(
-        name=data["name"], platform=data["platform"], backend=data["backend"],
+        name=data["name"],
+        platform=data["platform"],
+        backend=data["backend"],
         max_batch_size=data["max_batch_size"],
         input=[tensor(mc.ModelInput, t) for t in data["input"]],
         output=[tensor(mc.ModelOutput, t) for t in data["output"]],
@@ -62,7 +67,8 @@ def model_statistics(stats: list[dict[str, Any]]) -> pb.ModelStatisticsResponse:
     for stat in stats:
         inference = stat.get("inference_stats", {})
         entry = reply.model_stats.add(
-            name=stat["name"], version=stat["version"],
+            name=stat["name"],
+            version=stat["version"],
             last_inference=stat.get("last_inference", 0),
             inference_count=stat.get("inference_count", 0),
             execution_count=stat.get("execution_count", 0),
@@ -84,7 +90,9 @@ def repository_index(entries: list[dict[str, Any]]) -> pb.RepositoryIndexRespons
     return pb.RepositoryIndexResponse(
         models=[
             pb.RepositoryIndexResponse.ModelIndex(
-                name=e["name"], version=str(e.get("version", "")), state=e["state"],
+                name=e["name"],
+                version=str(e.get("version", "")),
+                state=e["state"],
                 reason=e.get("reason", ""),
             )
             for e in entries

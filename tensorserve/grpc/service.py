@@ -91,7 +91,8 @@ def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
         in_flight = plane.metrics.requests.in_flight if name == INFER else None
         origin = (
             GrpcOrigin(SERVICE, name, context.invocation_metadata(), context.peer())
-            if plane.tracer is not None and in_flight is not None else None
+            if plane.tracer is not None and in_flight is not None
+            else None
         )
         call, token = plane.begin(GRPC, _given_id(context), origin)
         started = time.perf_counter()
@@ -118,7 +119,12 @@ def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
                 code, status = failure.code, failure.status.name
                 call.error_code = code
                 plane.log_failure(
-                    call, f"gRPC {name}", status, code, failure.message, exc,
+                    call,
+                    f"gRPC {name}",
+                    status,
+                    code,
+                    failure.message,
+                    exc,
                     is_server_fault(code, failure.http_status),
                 )
                 await context.abort(
@@ -134,10 +140,20 @@ def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
             if plane.settings.access_log:
                 seconds = time.perf_counter() - started
                 access_log.info(
-                    "gRPC %s %s %.2fms", name, status, 1000 * seconds,
-                    extra={"method": "gRPC", "path": name, "status": status, "code": code,
-                           "latency_ms": round(1000 * seconds, 3), "protocol": GRPC,
-                           "kserve_id": call.kserve_id, "remote": context.peer()},
+                    "gRPC %s %s %.2fms",
+                    name,
+                    status,
+                    1000 * seconds,
+                    extra={
+                        "method": "gRPC",
+                        "path": name,
+                        "status": status,
+                        "code": code,
+                        "latency_ms": round(1000 * seconds, 3),
+                        "protocol": GRPC,
+                        "kserve_id": call.kserve_id,
+                        "remote": context.peer(),
+                    },
                 )
             plane.end(token)
 
@@ -202,7 +218,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelInferRequest, context: aio.ServicerContext, call: Call
     ) -> pb.ModelInferResponse:
         return await self.plane.infer(
-            call, request.model_name, request.model_version or None, GrpcCall(request),
+            call,
+            request.model_name,
+            request.model_version or None,
+            GrpcCall(request),
             transport_timeout_s=context.time_remaining(),
         )
 

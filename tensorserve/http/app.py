@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(
+        body=request.app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE}
+    )
 
 
 def _routes() -> list[tuple[str, str, Handler, str | None]]:
@@ -67,7 +69,9 @@ ROUTES = _routes()
 API_OF_PATH = {path: api for _, path, _, api in ROUTES if api is not None}
 
 
-def create_app(settings: Settings | None = None, *, wait_for_models: bool = False) -> web.Application:
+def create_app(
+    settings: Settings | None = None, *, wait_for_models: bool = False
+) -> web.Application:
     """Build the HTTP front end and its data plane (``app[PLANE]``), whose
     models load and close with the app. With ``wait_for_models`` start-up returns only once
     every model has loaded (tests use this); otherwise loading runs in the

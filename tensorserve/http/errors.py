@@ -64,7 +64,12 @@ def log_error(
 ) -> None:
     """One line per failed request (see the module's docstring)."""
     request.app[PLANE].log_failure(
-        request.get(REQUEST_INFO), f"{request.method} {request.path}", status, code, message, exc,
+        request.get(REQUEST_INFO),
+        f"{request.method} {request.path}",
+        status,
+        code,
+        message,
+        exc,
         is_server_fault(code, status),
     )
 

@@ -31,7 +31,7 @@ DEFAULT_CODEC: Codec = oip  # JSON, JSON + binary, or no Content-Type at all (tr
 class HttpCall:
     """An infer request's body and codec (the data plane's ``WireCall``)."""
 
-    __slots__ = ("_request", "codec", "body")
+    __slots__ = ("_request", "body", "codec")
 
     def __init__(self, request: web.Request) -> None:
         self._request = request

@@ -43,8 +43,13 @@ def _is_infer(request: web.Request) -> bool:
 
 
 def _finished(
-    plane: DataPlane, request: web.Request, info: RequestInfo, status: int, code: str,
-    nbytes: int, started: float,
+    plane: DataPlane,
+    request: web.Request,
+    info: RequestInfo,
+    status: int,
+    code: str,
+    nbytes: int,
+    started: float,
 ) -> None:
     """Metrics and the access-log line of one finished (or abandoned) request."""
     seconds = time.perf_counter() - started
@@ -53,11 +58,22 @@ def _finished(
     settings = plane.settings
     if settings.access_log and (settings.log_probes or request.path not in PROBES):
         access_log.info(
-            "%s %s %d %.2fms %dB", request.method, request.path, status, 1000 * seconds, nbytes,
+            "%s %s %d %.2fms %dB",
+            request.method,
+            request.path,
+            status,
+            1000 * seconds,
+            nbytes,
             extra={
-                "method": request.method, "path": request.path, "status": status,
-                "latency_ms": round(1000 * seconds, 3), "bytes": nbytes, "code": code,
-                "kserve_id": info.kserve_id, "remote": request.remote, "protocol": HTTP,
+                "method": request.method,
+                "path": request.path,
+                "status": status,
+                "latency_ms": round(1000 * seconds, 3),
+                "bytes": nbytes,
+                "code": code,
+                "kserve_id": info.kserve_id,
+                "remote": request.remote,
+                "protocol": HTTP,
             },
         )
 

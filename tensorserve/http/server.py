@@ -153,7 +153,9 @@ async def _close_when_draining(request: web.Request, response: web.StreamRespons
 
 
 async def _serve(
-    app: web.Application, sock: socket.socket, settings: Settings,
+    app: web.Application,
+    sock: socket.socket,
+    settings: Settings,
     factories: Sequence[FrontEndFactory],
 ) -> None:
     stop = asyncio.Event()

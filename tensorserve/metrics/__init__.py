@@ -74,12 +74,15 @@ class Metrics:
                 "requests wait this long before they are read, and again before answered).",
                 registry=self.prometheus,
             ).set_function(loop_lag)
-        Info("tensorserve_build", "The running tensorserve's version.",
-             registry=self.prometheus).info({
-                 "version": __version__,
-                 "python": platform.python_version(),
-                 "torch": _version("torch"),  # from the package metadata: no torch import
-             })
+        Info(
+            "tensorserve_build", "The running tensorserve's version.", registry=self.prometheus
+        ).info(
+            {
+                "version": __version__,
+                "python": platform.python_version(),
+                "torch": _version("torch"),  # from the package metadata: no torch import
+            }
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.prometheus)

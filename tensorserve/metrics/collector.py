@@ -35,24 +35,50 @@ MODEL_STATES = ("LOADING", "READY", "FAILED", "UNLOADING", "UNAVAILABLE")
 
 # (stats field, metric name, help): cumulative counters per model and version.
 COUNTERS = (
-    ("total_requests", "tensorserve_admitted_requests", "Inference requests admitted to the queue."),
+    (
+        "total_requests",
+        "tensorserve_admitted_requests",
+        "Inference requests admitted to the queue.",
+    ),
     ("total_items", "tensorserve_admitted_items", "Items admitted to the queue."),
     ("total_batches", "tensorserve_batches", "Batches executed."),
-    ("batch_items", "tensorserve_batch_items", "Items that reached the model (sum of batch sizes)."),
-    ("failed_items", "tensorserve_model_failed_items", "Items whose batch (or row) failed in the model."),
+    (
+        "batch_items",
+        "tensorserve_batch_items",
+        "Items that reached the model (sum of batch sizes).",
+    ),
+    (
+        "failed_items",
+        "tensorserve_model_failed_items",
+        "Items whose batch (or row) failed in the model.",
+    ),
     ("real_elements", "tensorserve_real_elements", "Elements of real data in executed batches."),
-    ("padded_elements", "tensorserve_padded_elements", "Elements in executed batches, padding included."),
+    (
+        "padded_elements",
+        "tensorserve_padded_elements",
+        "Elements in executed batches, padding included.",
+    ),
 )
 # (stats histogram, metric name, help)
 HISTOGRAMS = (
     ("batch_size", "tensorserve_batch_size", "Items per executed batch."),
-    ("padded_length", "tensorserve_batch_padded_length",
-     "Longest item's variable extent in a batch: the length it is padded to."),
-    ("queue_wait_seconds", "tensorserve_queue_wait_seconds",
-     "Per item: from admission to leaving the queue in a batch."),
+    (
+        "padded_length",
+        "tensorserve_batch_padded_length",
+        "Longest item's variable extent in a batch: the length it is padded to.",
+    ),
+    (
+        "queue_wait_seconds",
+        "tensorserve_queue_wait_seconds",
+        "Per item: from admission to leaving the queue in a batch.",
+    ),
     ("pad_seconds", "tensorserve_batch_pad_seconds", "Per batch: assembling (padding) the batch."),
     ("compute_seconds", "tensorserve_batch_compute_seconds", "Per batch: the model's run."),
-    ("unpad_seconds", "tensorserve_batch_unpad_seconds", "Per batch: un-padding outputs into rows."),
+    (
+        "unpad_seconds",
+        "tensorserve_batch_unpad_seconds",
+        "Per batch: un-padding outputs into rows.",
+    ),
 )
 
 
@@ -129,7 +155,8 @@ class BatchingCollector(Collector):
         labels = ["model", "version"]
         current = self._observe_current()
         counters = {
-            name: CounterMetricFamily(metric, text, labels=labels) for name, metric, text in COUNTERS
+            name: CounterMetricFamily(metric, text, labels=labels)
+            for name, metric, text in COUNTERS
         }
         recoveries = CounterMetricFamily(
             "tensorserve_batch_recoveries",
@@ -139,15 +166,17 @@ class BatchingCollector(Collector):
             labels=[*labels, "kind"],
         )
         restarts = CounterMetricFamily(
-            "tensorserve_worker_restarts", "Worker processes started again after one died.",
+            "tensorserve_worker_restarts",
+            "Worker processes started again after one died.",
             labels=labels,
         )
         histograms = {
             name: HistogramMetricFamily(metric, text, labels=labels)
             for name, metric, text in HISTOGRAMS
         }
-        depth = GaugeMetricFamily("tensorserve_queue_depth", "Items waiting to be batched.",
-                                  labels=labels)
+        depth = GaugeMetricFamily(
+            "tensorserve_queue_depth", "Items waiting to be batched.", labels=labels
+        )
         for key, seen in sorted(self._seen.items()):
             stats = list(seen.stats.values())
             totals = _sum_counters(stats)
@@ -169,10 +198,12 @@ class BatchingCollector(Collector):
         yield from self._model_families()
 
     def _model_families(self) -> Iterator[Metric]:
-        ready = GaugeMetricFamily("tensorserve_model_ready", "1 if the model is ready.",
-                                  labels=["model"])
+        ready = GaugeMetricFamily(
+            "tensorserve_model_ready", "1 if the model is ready.", labels=["model"]
+        )
         state = GaugeMetricFamily(
-            "tensorserve_model_state", "1 for the model's current state, 0 for the others.",
+            "tensorserve_model_state",
+            "1 for the model's current state, 0 for the others.",
             labels=["model", "state"],
         )
         load = GaugeMetricFamily(
@@ -210,15 +241,36 @@ class BatchingCollector(Collector):
 # (report key, metric name, help, scale): a latency target's controller
 # (batching/target.py), for the models that have a target.
 TARGET_GAUGES = (
-    ("target_p99_ms", "tensorserve_latency_target_seconds", "The model's p99 latency target.", 1e-3),
-    ("achieved_p99_ms", "tensorserve_latency_achieved_p99_seconds",
-     "p99 latency (admission to batch end) of the model's last 1000 served items.", 1e-3),
-    ("batch_cap", "tensorserve_latency_target_batch_cap",
-     "Most items per batch the latency target's controller allows now.", 1.0),
-    ("queue_delay_ms", "tensorserve_latency_target_queue_delay_seconds",
-     "Longest queue delay the latency target's controller allows.", 1e-3),
-    ("safety", "tensorserve_latency_target_safety",
-     "The controller's correction of its predicted wait (1: as predicted).", 1.0),
+    (
+        "target_p99_ms",
+        "tensorserve_latency_target_seconds",
+        "The model's p99 latency target.",
+        1e-3,
+    ),
+    (
+        "achieved_p99_ms",
+        "tensorserve_latency_achieved_p99_seconds",
+        "p99 latency (admission to batch end) of the model's last 1000 served items.",
+        1e-3,
+    ),
+    (
+        "batch_cap",
+        "tensorserve_latency_target_batch_cap",
+        "Most items per batch the latency target's controller allows now.",
+        1.0,
+    ),
+    (
+        "queue_delay_ms",
+        "tensorserve_latency_target_queue_delay_seconds",
+        "Longest queue delay the latency target's controller allows.",
+        1e-3,
+    ),
+    (
+        "safety",
+        "tensorserve_latency_target_safety",
+        "The controller's correction of its predicted wait (1: as predicted).",
+        1.0,
+    ),
 )
 
 

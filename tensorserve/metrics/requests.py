@@ -30,7 +30,21 @@ REJECTION_REASONS = {
 } | {DISCONNECT: "disconnect"}
 
 LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
 )
 
 
@@ -45,31 +59,40 @@ class RequestMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         labels = ["model", "version", "code", "protocol"]
         self.requests = Counter(
-            "tensorserve_requests", "Inference requests by outcome code.", labels,
+            "tensorserve_requests",
+            "Inference requests by outcome code.",
+            labels,
             registry=registry,
         )
         self.items = Counter(
             "tensorserve_items",
             "Items of inference requests by outcome code (0 for a body that did not decode).",
-            labels, registry=registry,
+            labels,
+            registry=registry,
         )
         self.rejections = Counter(
             "tensorserve_rejections",
             "Inference requests refused or abandoned before a model answered, by reason.",
-            ["model", "reason"], registry=registry,
+            ["model", "reason"],
+            registry=registry,
         )
         self.latency = Histogram(
             "tensorserve_request_duration_seconds",
             "Inference request latency, handler entry to response ready, by outcome code.",
-            labels, registry=registry, buckets=LATENCY_BUCKETS,
+            labels,
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
         )
         self.encode = Histogram(
             "tensorserve_response_encode_seconds",
             "Encoding a successful response (after un-padding), per request.",
-            ["model"], registry=registry, buckets=LATENCY_BUCKETS,
+            ["model"],
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
         )
         self.in_flight = Gauge(
-            "tensorserve_requests_in_flight", "Inference requests being handled now.",
+            "tensorserve_requests_in_flight",
+            "Inference requests being handled now.",
             registry=registry,
         )
 
@@ -93,7 +116,13 @@ class RequestMetrics:
         return children
 
     def observe(
-        self, protocol: str, model: str, version: str, code: str, status: int, items: int,
+        self,
+        protocol: str,
+        model: str,
+        version: str,
+        code: str,
+        status: int,
+        items: int,
         seconds: float,
     ) -> None:
         requests, counted_items, latency, rejections = self._labelled(

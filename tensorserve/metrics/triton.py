@@ -32,28 +32,52 @@ if TYPE_CHECKING:
 US = 1e6
 # (name, help, BatchStats field, scale): from the batching stats.
 FROM_BATCHES = (
-    ("nv_inference_count", "Number of inferences performed (items that reached the model).",
-     "batch_items", 1),
-    ("nv_inference_exec_count", "Number of model executions performed (batches).",
-     "total_batches", 1),
-    ("nv_inference_queue_duration_us",
-     "Cumulative time items spent waiting in the scheduling queue, in microseconds.",
-     "queue_seconds", US),
-    ("nv_inference_compute_input_duration_us",
-     "Cumulative time items spent in their batch's input padding, in microseconds.",
-     "item_pad_seconds", US),
-    ("nv_inference_compute_infer_duration_us",
-     "Cumulative time items spent in their batch's model execution, in microseconds.",
-     "item_compute_seconds", US),
-    ("nv_inference_compute_output_duration_us",
-     "Cumulative time items spent in their batch's output un-padding, in microseconds.",
-     "item_unpad_seconds", US),
+    (
+        "nv_inference_count",
+        "Number of inferences performed (items that reached the model).",
+        "batch_items",
+        1,
+    ),
+    (
+        "nv_inference_exec_count",
+        "Number of model executions performed (batches).",
+        "total_batches",
+        1,
+    ),
+    (
+        "nv_inference_queue_duration_us",
+        "Cumulative time items spent waiting in the scheduling queue, in microseconds.",
+        "queue_seconds",
+        US,
+    ),
+    (
+        "nv_inference_compute_input_duration_us",
+        "Cumulative time items spent in their batch's input padding, in microseconds.",
+        "item_pad_seconds",
+        US,
+    ),
+    (
+        "nv_inference_compute_infer_duration_us",
+        "Cumulative time items spent in their batch's model execution, in microseconds.",
+        "item_compute_seconds",
+        US,
+    ),
+    (
+        "nv_inference_compute_output_duration_us",
+        "Cumulative time items spent in their batch's output un-padding, in microseconds.",
+        "item_unpad_seconds",
+        US,
+    ),
 )
 SUCCESS = ("nv_inference_request_success", "Number of successful inference requests.")
-FAILURE = ("nv_inference_request_failure",
-           "Number of failed inference requests (every outcome but ok, disconnects included).")
-DURATION = ("nv_inference_request_duration_us",
-            "Cumulative end-to-end duration of successful inference requests, in microseconds.")
+FAILURE = (
+    "nv_inference_request_failure",
+    "Number of failed inference requests (every outcome but ok, disconnects included).",
+)
+DURATION = (
+    "nv_inference_request_duration_us",
+    "Cumulative end-to-end duration of successful inference requests, in microseconds.",
+)
 PENDING = ("nv_inference_pending_request_count", "Items waiting in the queue for a batch.")
 LATENCY = "tensorserve_request_duration_seconds"
 Key = tuple[str, str]
@@ -101,7 +125,9 @@ class TritonCollector(Collector):
             success.add_sample(success.name, key, ok)
             failure.add_sample(failure.name, key, failed)
             duration.add_sample(duration.name, key, seconds * US)
-        batches = [(_counter(name, text), field, scale) for name, text, field, scale in FROM_BATCHES]
+        batches = [
+            (_counter(name, text), field, scale) for name, text, field, scale in FROM_BATCHES
+        ]
         pending = GaugeMetricFamily(*PENDING, labels=labels)
         for (model, version), stats, depth in self.batching.per_model():
             key = {"model": model, "version": version}

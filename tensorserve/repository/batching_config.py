@@ -54,17 +54,22 @@ class DynamicBatching(_Strict):
         "into one huge padded tensor.",
     )
     priority_levels: int = Field(
-        0, ge=0, le=16,
+        0,
+        ge=0,
+        le=16,
         description="Triton's priority levels: 0 = none; N: a request's parameters.priority "
         "is 1 (highest) .. N, and higher levels are taken first when a batch forms.",
     )
     default_priority_level: int = Field(
-        0, ge=0, le=16,
+        0,
+        ge=0,
+        le=16,
         description="The level of a request that gives none (or 0); 0 = the lowest level.",
     )
 
     target_p99_ms: float | None = Field(
-        None, **BOUNDS["target_p99_ms"],
+        None,
+        **BOUNDS["target_p99_ms"],
         description="The p99 latency (admission to batch end) to keep: batch size and queue "
         "delay adapt to it, and a request the queue ahead would make late is refused at "
         "once (503 would_miss_target). Unset: no target.",

@@ -184,7 +184,11 @@ class InstanceGroup(_Strict):
         if self.gpus is not None:
             if self.kind == "KIND_CPU":
                 raise ValueError("gpus is for KIND_GPU or KIND_AUTO, not KIND_CPU")
-            if not self.gpus or any(g < 0 for g in self.gpus) or len(set(self.gpus)) < len(self.gpus):
+            if (
+                not self.gpus
+                or any(g < 0 for g in self.gpus)
+                or len(set(self.gpus)) < len(self.gpus)
+            ):
                 raise ValueError(f"gpus must be distinct indices >= 0, got {self.gpus}")
         return self
 
@@ -260,8 +264,11 @@ class ModelConfig(_Strict):
                 "instance_group places the instances itself: leave device and instance_count unset"
             )
         self._platform_allows()
-        kinds = (("input", self.input), ("output", self.output),
-                 ("request_parameter", self.request_parameter))
+        kinds = (
+            ("input", self.input),
+            ("output", self.output),
+            ("request_parameter", self.request_parameter),
+        )
         for kind, specs in kinds:
             names = [s.name for s in specs]
             dupes = sorted({n for n in names if names.count(n) > 1})
@@ -270,9 +277,7 @@ class ModelConfig(_Strict):
         inputs = {s.name: s for s in self.input}
         for parameter in self.request_parameter:
             if parameter.name in inputs:  # both are keyword arguments of forward
-                raise ValueError(
-                    f"request_parameter {parameter.name!r} has the name of an input"
-                )
+                raise ValueError(f"request_parameter {parameter.name!r} has the name of an input")
         for out in self.output:
             if not out.variable_axes:
                 continue
@@ -364,7 +369,9 @@ def parse_config(data: dict[str, Any], source: str) -> ModelConfig:
     except ValidationError as exc:
         problems = "; ".join(
             # Model-level checks have no location: their message names the field.
-            ": ".join(filter(None, (_field_path(err["loc"]), err["msg"].removeprefix("Value error, "))))
+            ": ".join(
+                filter(None, (_field_path(err["loc"]), err["msg"].removeprefix("Value error, ")))
+            )
             for err in exc.errors()
         )
         raise ConfigError(f"{source}: {problems}") from None

@@ -49,7 +49,9 @@ def for_device(config: ModelConfig, device_type: str) -> ModelConfig:
         return config
     multiple = batching.pad_to_multiple_of
     if multiple is None:
-        multiple = CUDA_GRAPH_PAD_MULTIPLE if config.compile in CUDA_GRAPH_MODES else GPU_PAD_MULTIPLE
+        multiple = (
+            CUDA_GRAPH_PAD_MULTIPLE if config.compile in CUDA_GRAPH_MODES else GPU_PAD_MULTIPLE
+        )
     budget = batching.max_batch_tokens
     if budget == "auto":
         budget = full_batch_volume(config)

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -116,8 +116,12 @@ def resolve_version(source: ModelSource, version: int | None) -> int:
     return version
 
 
-def load_model(source: ModelSource, version: int | None, config: ModelConfig,
-               intra_op_threads: int | None = None) -> LoadedModel:
+def load_model(
+    source: ModelSource,
+    version: int | None,
+    config: ModelConfig,
+    intra_op_threads: int | None = None,
+) -> LoadedModel:
     """Load one version (on the CPU): import model.py, construct it and load
     its weights, or open the platform's model file. ``intra_op_threads`` sizes
     an ONNX Runtime session's pool (torch's is set on each model thread)."""
@@ -126,8 +130,10 @@ def load_model(source: ModelSource, version: int | None, config: ModelConfig,
     files = PLATFORMS[config.platform].files
     path = next((folder / name for name in files if (folder / name).is_file()), None)
     if path is None:
-        raise ConfigError(f"{source.name}/{version}/{' or '.join(files)}: file not found "
-                          f"(platform = {config.platform!r})")
+        raise ConfigError(
+            f"{source.name}/{version}/{' or '.join(files)}: file not found "
+            f"(platform = {config.platform!r})"
+        )
     label = f"{source.name}/{version}/{path.name}"
     if config.platform == "onnxruntime_onnx":
         from tensorserve.repository.onnx_model import load_onnx  # onnxruntime: an extra

@@ -36,8 +36,12 @@ ORT_DTYPES = {
     "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int16)": "int16",
     "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(bool)": "bool",
 }  # fmt: skip
-LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
-          "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}
+LEVELS = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
 CUDA = "CUDAExecutionProvider"
 
 
@@ -45,16 +49,18 @@ def import_onnxruntime(label: str) -> Any:
     try:
         import onnxruntime
     except ImportError:
-        raise ConfigError(f"{label}: platform 'onnxruntime_onnx' needs onnxruntime: "
-                          f"{INSTALL_HINT}") from None
+        raise ConfigError(
+            f"{label}: platform 'onnxruntime_onnx' needs onnxruntime: {INSTALL_HINT}"
+        ) from None
     return onnxruntime
 
 
 class OnnxModel:
     """One ONNX Runtime session; ``to(device)`` picks its execution provider."""
 
-    def __init__(self, path: Path, config: ModelConfig, intra_op_threads: int | None,
-                 label: str) -> None:
+    def __init__(
+        self, path: Path, config: ModelConfig, intra_op_threads: int | None, label: str
+    ) -> None:
         self.path, self.label = path, label
         self.options = config.onnxruntime or OnnxRuntimeOptions()
         self.threads = self.options.intra_op_threads or intra_op_threads or 1
@@ -94,8 +100,11 @@ class OnnxModel:
                     f"{self.label}: device = {self.device_asked!r} needs ONNX Runtime's CUDA "
                     f"execution provider: pip install onnxruntime-gpu (in place of onnxruntime)"
                 )
-            log.warning("%s: onnxruntime has no CUDA execution provider (install "
-                        "onnxruntime-gpu); the session runs on the CPU", self.label)
+            log.warning(
+                "%s: onnxruntime has no CUDA execution provider (install "
+                "onnxruntime-gpu); the session runs on the CPU",
+                self.label,
+            )
             return self
         self.providers = [(CUDA, {"device_id": device.index or 0}), "CPUExecutionProvider"]
         self.session = self._session()
@@ -162,9 +171,11 @@ def provider_problem(active: Sequence[str], device_asked: str) -> str | None:
     runs on, not from what the installed package offers."""
     if CUDA in active:
         return None
-    return (f"device = {device_asked!r}: ONNX Runtime could not start its CUDA execution "
-            f"provider for this session (it runs on {', '.join(active)}); install the "
-            f"onnxruntime-gpu build that matches this image's CUDA and cuDNN")
+    return (
+        f"device = {device_asked!r}: ONNX Runtime could not start its CUDA execution "
+        f"provider for this session (it runs on {', '.join(active)}); install the "
+        f"onnxruntime-gpu build that matches this image's CUDA and cuDNN"
+    )
 
 
 def check_signature(session: Any, config: ModelConfig, label: str) -> None:
@@ -175,10 +186,13 @@ def check_signature(session: Any, config: ModelConfig, label: str) -> None:
     graph_outputs = {arg.name: arg for arg in session.get_outputs()}
     undeclared = [name for name in graph_inputs if name not in {s.name for s in config.input}]
     if undeclared:
-        raise ConfigError(f"{label}: the graph's input(s) {', '.join(undeclared)} are not "
-                          f"declared in config.toml")
-    for kind, specs, graph in (("input", config.input, graph_inputs),
-                               ("output", config.output, graph_outputs)):
+        raise ConfigError(
+            f"{label}: the graph's input(s) {', '.join(undeclared)} are not declared in config.toml"
+        )
+    for kind, specs, graph in (
+        ("input", config.input, graph_inputs),
+        ("output", config.output, graph_outputs),
+    ):
         for spec in specs:
             _check_tensor(f"{label}: {kind} {spec.name!r}", spec, graph, config.batching)
 
@@ -199,19 +213,25 @@ def _check_tensor(what: str, spec: TensorSpec, graph: dict[str, Any], batching: 
             f"{1 + len(spec.shape)} in config.toml (shape {spec.shape} per item)"
         )
     if isinstance(shape[0], int) and (batching or shape[0] != 1):
-        raise ConfigError(f"{what}: the batch axis is fixed at {shape[0]} in the graph; "
-                          f"export it as a dynamic axis")
+        raise ConfigError(
+            f"{what}: the batch axis is fixed at {shape[0]} in the graph; "
+            f"export it as a dynamic axis"
+        )
     for axis, (exported, declared) in enumerate(zip(shape[1:], spec.shape), start=1):
         if not isinstance(exported, int):
             continue  # a named (dynamic) axis takes any length
         if declared == VARIABLE:
-            raise ConfigError(f"{what}: axis {axis} is fixed at {exported} in the graph but "
-                              f"variable (-1) in config.toml; export it as a dynamic axis")
+            raise ConfigError(
+                f"{what}: axis {axis} is fixed at {exported} in the graph but "
+                f"variable (-1) in config.toml; export it as a dynamic axis"
+            )
         if exported != declared:
-            raise ConfigError(f"{what}: axis {axis} is {exported} in the graph, "
-                              f"{declared} in config.toml")
+            raise ConfigError(
+                f"{what}: axis {axis} is {exported} in the graph, {declared} in config.toml"
+            )
 
 
-def load_onnx(path: Path, config: ModelConfig, intra_op_threads: int | None,
-              label: str) -> OnnxModel:
+def load_onnx(
+    path: Path, config: ModelConfig, intra_op_threads: int | None, label: str
+) -> OnnxModel:
     return OnnxModel(path, config, intra_op_threads, label)

@@ -23,12 +23,24 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # Request parameters the server reads itself (either protocol, or Triton's):
 # they keep their meaning and a model may not declare them.
-RESERVED_PARAMETERS = frozenset({
-    "timeout", "timeout_ms", "priority", "binary_data_output", "binary_data",
-    "binary_data_size", "sequence_id", "sequence_start", "sequence_end", "headers",
-    "classification", "shared_memory_region", "shared_memory_byte_size",
-    "shared_memory_offset",
-})
+RESERVED_PARAMETERS = frozenset(
+    {
+        "timeout",
+        "timeout_ms",
+        "priority",
+        "binary_data_output",
+        "binary_data",
+        "binary_data_size",
+        "sequence_id",
+        "sequence_start",
+        "sequence_end",
+        "headers",
+        "classification",
+        "shared_memory_region",
+        "shared_memory_byte_size",
+        "shared_memory_offset",
+    }
+)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 FLOAT32_MAX = 3.4028234663852886e38
 DEFAULT_STRING_LENGTH = 256
@@ -53,10 +65,13 @@ class RequestParameterSpec(BaseModel):
         "1-D int64 / float32 tensor on the model's device."
     )
     default: Value | None = Field(
-        None, description="The value of a request that gives none; unset: the parameter is required."
+        None,
+        description="The value of a request that gives none; unset: the parameter is required.",
     )
     max_length: int = Field(
-        DEFAULT_STRING_LENGTH, ge=1, le=MAX_STRING_LENGTH,
+        DEFAULT_STRING_LENGTH,
+        ge=1,
+        le=MAX_STRING_LENGTH,
         description="string: the longest value accepted, in characters.",
     )
 
@@ -66,7 +81,9 @@ class RequestParameterSpec(BaseModel):
         if not value.isidentifier() or keyword.iskeyword(value):
             raise ValueError(f"{value!r} is not a Python identifier (it is a keyword argument)")
         if value in RESERVED_PARAMETERS:
-            raise ValueError(f"{value!r} is reserved by the server (parameters.{value} keeps its meaning)")
+            raise ValueError(
+                f"{value!r} is reserved by the server (parameters.{value} keeps its meaning)"
+            )
         return value
 
     @model_validator(mode="after")

@@ -37,8 +37,9 @@ class PlatformFiles:
 PLATFORMS: dict[str, PlatformFiles] = {
     "pytorch_tensorserve": PlatformFiles(("model.py",), loads_before_fork=True, python=True),
     "onnxruntime_onnx": PlatformFiles(("model.onnx",), loads_before_fork=False, python=False),
-    "pytorch_libtorch": PlatformFiles(("model.pt", "model.pt2"), loads_before_fork=True,
-                                      python=False),
+    "pytorch_libtorch": PlatformFiles(
+        ("model.pt", "model.pt2"), loads_before_fork=True, python=False
+    ),
 }
 
 
@@ -48,7 +49,9 @@ class OnnxRuntimeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     intra_op_threads: int | None = Field(
-        None, ge=1, le=1024,
+        None,
+        ge=1,
+        le=1024,
         description="Threads of the session's intra-op pool. Unset: the server's "
         "intra_op_threads (every CPU the process may use but one, as for torch).",
     )

@@ -37,9 +37,16 @@ class FileModel(torch.nn.Module):
     """The loaded program, called with keyword arguments (TorchScript) or
     positionally in the program's own order (torch.export)."""
 
-    def __init__(self, program: torch.nn.Module, arguments: Sequence[str] | None,
-                 outputs: Sequence[str], *, path: Path, label: str,
-                 exported: torch.export.ExportedProgram | None = None) -> None:
+    def __init__(
+        self,
+        program: torch.nn.Module,
+        arguments: Sequence[str] | None,
+        outputs: Sequence[str],
+        *,
+        path: Path,
+        label: str,
+        exported: torch.export.ExportedProgram | None = None,
+    ) -> None:
         super().__init__()
         self.program = program
         self.arguments = list(arguments) if arguments is not None else None
@@ -83,9 +90,11 @@ class FileModel(torch.nn.Module):
         if isinstance(result, torch.Tensor):
             result = (result,)
         if not isinstance(result, (tuple, list)) or len(result) != len(self.outputs):
-            raise ModelFailure(f"the program returned {type(result).__name__} of "
-                               f"{len(result) if isinstance(result, (tuple, list)) else 1}; "
-                               f"config.toml declares {len(self.outputs)} output(s)")
+            raise ModelFailure(
+                f"the program returned {type(result).__name__} of "
+                f"{len(result) if isinstance(result, (tuple, list)) else 1}; "
+                f"config.toml declares {len(self.outputs)} output(s)"
+            )
         return dict(zip(self.outputs, result))
 
 
@@ -100,8 +109,9 @@ def load_torchscript(path: Path, config: ModelConfig, label: str) -> FileModel:
     try:
         program = torch.jit.load(str(path), map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - torch raises many types
-        raise ConfigError(f"{label}: not a TorchScript file torch.jit.load can read: "
-                          f"{_reason(exc)}") from None
+        raise ConfigError(
+            f"{label}: not a TorchScript file torch.jit.load can read: {_reason(exc)}"
+        ) from None
     schema = program.forward.schema
     arguments = schema.arguments[1:]  # after self
     names = [argument.name for argument in arguments]
@@ -109,16 +119,21 @@ def load_torchscript(path: Path, config: ModelConfig, label: str) -> FileModel:
     signature = f"forward({', '.join(names)})"
     unknown = [name for name in declared if name not in names]
     if unknown:
-        raise ConfigError(f"{label}: input(s) {', '.join(unknown)} of config.toml are not "
-                          f"arguments of {signature}")
+        raise ConfigError(
+            f"{label}: input(s) {', '.join(unknown)} of config.toml are not "
+            f"arguments of {signature}"
+        )
     required = [a.name for a in arguments if not a.has_default_value() and a.name not in declared]
     if required:
-        raise ConfigError(f"{label}: {signature} needs {', '.join(required)}, which "
-                          f"config.toml does not declare as inputs")
+        raise ConfigError(
+            f"{label}: {signature} needs {', '.join(required)}, which "
+            f"config.toml does not declare as inputs"
+        )
     for argument in arguments:
         if argument.name in declared and str(argument.type) not in ("Tensor", "Optional[Tensor]"):
-            raise ConfigError(f"{label}: {signature} takes {argument.name} as "
-                              f"{argument.type}, not a Tensor")
+            raise ConfigError(
+                f"{label}: {signature} takes {argument.name} as {argument.type}, not a Tensor"
+            )
     _check_returns(schema.returns, config, label, signature)
     return FileModel(program, None, [spec.name for spec in config.output], path=path, label=label)
 
@@ -143,11 +158,15 @@ def _check_returns(returns: Sequence[Any], config: ModelConfig, label: str, sign
     elif isinstance(returned, torch.DictType):
         return  # outputs by name: known only when it runs
     else:
-        raise ConfigError(f"{label}: {signature} returns {returned}; expected a Tensor, a "
-                          f"tuple of Tensors or a Dict[str, Tensor]")
+        raise ConfigError(
+            f"{label}: {signature} returns {returned}; expected a Tensor, a "
+            f"tuple of Tensors or a Dict[str, Tensor]"
+        )
     if arity != count:
-        raise ConfigError(f"{label}: {signature} returns {arity} tensor(s); config.toml "
-                          f"declares {count} output(s) (a tuple maps to them by position)")
+        raise ConfigError(
+            f"{label}: {signature} returns {arity} tensor(s); config.toml "
+            f"declares {count} output(s) (a tuple maps to them by position)"
+        )
 
 
 def _load_exported(path: Path, config: ModelConfig, label: str) -> FileModel:
@@ -155,28 +174,39 @@ def _load_exported(path: Path, config: ModelConfig, label: str) -> FileModel:
         with _EXPORT_LOAD:
             program = torch.export.load(str(path))
     except Exception as exc:  # noqa: BLE001 - torch raises many types
-        raise ConfigError(f"{label}: not a torch.export program torch.export.load can read: "
-                          f"{_reason(exc)}") from None
+        raise ConfigError(
+            f"{label}: not a torch.export program torch.export.load can read: {_reason(exc)}"
+        ) from None
     signature = program.graph_signature
     placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
     arguments = list(signature.user_inputs)
     declared = {spec.name: spec for spec in config.input}
     if sorted(arguments) != sorted(declared):
-        raise ConfigError(f"{label}: the program takes ({', '.join(map(str, arguments))}); "
-                          f"config.toml declares inputs ({', '.join(declared)})")
+        raise ConfigError(
+            f"{label}: the program takes ({', '.join(map(str, arguments))}); "
+            f"config.toml declares inputs ({', '.join(declared)})"
+        )
     for name in arguments:
-        _check_fake(f"{label}: input {name!r}", declared[str(name)],
-                    placeholders[str(name)].meta.get("val"))
+        _check_fake(
+            f"{label}: input {name!r}", declared[str(name)], placeholders[str(name)].meta.get("val")
+        )
     output_node = next(node for node in program.graph.nodes if node.op == "output")
     returned = list(output_node.args[0])
     if len(returned) != len(config.output):
-        raise ConfigError(f"{label}: the program returns {len(returned)} tensor(s); config.toml "
-                          f"declares {len(config.output)} output(s) (mapped by position)")
+        raise ConfigError(
+            f"{label}: the program returns {len(returned)} tensor(s); config.toml "
+            f"declares {len(config.output)} output(s) (mapped by position)"
+        )
     for spec, node in zip(config.output, returned):
         _check_fake(f"{label}: output {spec.name!r}", spec, getattr(node, "meta", {}).get("val"))
-    return FileModel(program.module(), [str(name) for name in arguments],
-                     [spec.name for spec in config.output], path=path, label=label,
-                     exported=program)
+    return FileModel(
+        program.module(),
+        [str(name) for name in arguments],
+        [spec.name for spec in config.output],
+        path=path,
+        label=label,
+        exported=program,
+    )
 
 
 def _check_fake(what: str, spec: TensorSpec, value: Any) -> None:
@@ -185,17 +215,24 @@ def _check_fake(what: str, spec: TensorSpec, value: Any) -> None:
     if not isinstance(value, torch.Tensor):
         return
     if value.dtype != spec.dt.torch:
-        raise ConfigError(f"{what} is {str(value.dtype).removeprefix('torch.')} in the "
-                          f"program, {spec.dtype} in config.toml")
+        raise ConfigError(
+            f"{what} is {str(value.dtype).removeprefix('torch.')} in the "
+            f"program, {spec.dtype} in config.toml"
+        )
     if value.dim() != 1 + len(spec.shape):
-        raise ConfigError(f"{what} has rank {value.dim()} in the program (batch axis "
-                          f"included), {1 + len(spec.shape)} in config.toml")
+        raise ConfigError(
+            f"{what} has rank {value.dim()} in the program (batch axis "
+            f"included), {1 + len(spec.shape)} in config.toml"
+        )
     for axis, (exported, declared) in enumerate(zip(value.shape, [0, *spec.shape])):
         if not isinstance(exported, int):
             continue
         if axis == 0 or declared == VARIABLE:
-            raise ConfigError(f"{what}: axis {axis} is fixed at {exported} in the program; "
-                              f"export it as dynamic (torch.export.Dim)")
+            raise ConfigError(
+                f"{what}: axis {axis} is fixed at {exported} in the program; "
+                f"export it as dynamic (torch.export.Dim)"
+            )
         if exported != declared:
-            raise ConfigError(f"{what}: axis {axis} is {exported} in the program, "
-                              f"{declared} in config.toml")
+            raise ConfigError(
+                f"{what}: axis {axis} is {exported} in the program, {declared} in config.toml"
+            )

@@ -56,7 +56,8 @@ def values_problem(
         values = (array.astype(np.uint32) << 16).view(np.float32)
     if values.dtype.kind == "f" and np.isnan(values).any():
         bounds = ", ".join(
-            f"{name} {value}" for name, value in (("min_value", low), ("max_value", high))
+            f"{name} {value}"
+            for name, value in (("min_value", low), ("max_value", high))
             if value is not None
         )
         return f"value nan is outside the input's bounds ({bounds})"

@@ -84,7 +84,9 @@ def cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> floa
     for name in V1_CPU_DIRS:
         mount = root / name
         if mount.is_dir():
-            quotas += [q for folder in _ancestors(mount, own.get("cpu")) if (q := _v1_quota(folder))]
+            quotas += [
+                q for folder in _ancestors(mount, own.get("cpu")) if (q := _v1_quota(folder))
+            ]
             break
     return min(quotas) if quotas else None
 

@@ -45,7 +45,10 @@ def driver_version() -> str | None:
     try:
         out = subprocess.run(
             [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
         ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         return None

@@ -23,7 +23,6 @@ from tensorserve.errors import ConfigError
 from tensorserve.runtime.cpus import available_cpus
 from tensorserve.runtime.cuda_diagnosis import cuda_missing
 
-
 log = logging.getLogger(__name__)
 
 
@@ -107,7 +106,7 @@ class ContextLoss:
         log.error(
             "the CUDA context of this process is lost: %s; every model on CUDA in this process "
             "now fails, and readiness and liveness fail so that the platform restarts it "
-            "(isolation = \"process\" confines such an error to one worker, which is replaced)",
+            '(isolation = "process" confines such an error to one worker, which is replaced)',
             self.reason,
         )
 
@@ -139,7 +138,9 @@ class DeviceContext:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        stream_ctx = (
+            torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        )
         with torch.inference_mode(), stream_ctx:
             yield
 

@@ -44,7 +44,9 @@ from tensorserve.tensors.dtypes import from_torch
 from tensorserve.tensors.results import WithParameters
 
 
-def on_device(fn: Callable[..., Any], config: ModelConfig, device: torch.device) -> Callable[..., Any]:
+def on_device(
+    fn: Callable[..., Any], config: ModelConfig, device: torch.device
+) -> Callable[..., Any]:
     """The model moved to its device and, if the config asks, ``torch.compile``d
     (compiled lazily per shape: the warm-up grid pays for it before ready)."""
     if hasattr(fn, "to"):
@@ -244,7 +246,9 @@ class ThreadExecutor:
             return entry  # fails this item alone
         named = named_outputs(entry, self.outputs)
         return {
-            spec.name: from_torch(torch.as_tensor(named[spec.name]).detach().cpu().to(spec.dt.torch))
+            spec.name: from_torch(
+                torch.as_tensor(named[spec.name]).detach().cpu().to(spec.dt.torch)
+            )
             for spec in self.outputs
         }
 
@@ -316,8 +320,10 @@ def output_parameters(returned: Mapping[str, Any]) -> dict[str, list[Any]]:
 def _lost(reason: str | None) -> str | None:
     if reason is None:
         return None
-    return (f"the CUDA context of this server process is lost ({reason}); only a restart "
-            f"recovers it, so readiness and liveness fail")
+    return (
+        f"the CUDA context of this server process is lost ({reason}); only a restart "
+        f"recovers it, so readiness and liveness fail"
+    )
 
 
 def _scalar(value: Any) -> bool:

@@ -40,7 +40,9 @@ Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 EXIT_DEVICE_LOST = 70
 
 
-def send(sock: socket.socket, header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = None) -> None:
+def send(
+    sock: socket.socket, header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = None
+) -> None:
     """Send ``header`` and the named host arrays (dtype given per array by name)."""
     # (not ascontiguousarray: it turns a 0-d array into a 1-d one)
     arrays = [a if a.flags.c_contiguous else a.copy() for a in (tensors or {}).values()]
@@ -119,8 +121,9 @@ def _arrays(specs: list[Any], sizes: list[int], payload: Any) -> dict[str, np.nd
     """Zero-copy views of ``payload``, one per announced tensor."""
     tensors, offset = {}, 0
     for (key, name, shape), size in zip(specs, sizes):
-        tensors[key] = np.frombuffer(payload, dtype=dtype(name).numpy, count=math.prod(shape),
-                                     offset=offset).reshape(shape)
+        tensors[key] = np.frombuffer(
+            payload, dtype=dtype(name).numpy, count=math.prod(shape), offset=offset
+        ).reshape(shape)
         offset += size
     return tensors
 

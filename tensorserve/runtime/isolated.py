@@ -212,7 +212,9 @@ class ProcessExecutor:
         try:
             old.start()
         except ConfigError as exc:
-            raise ModelFailure(f"{old.label}: the worker process could not restart: {exc}") from None
+            raise ModelFailure(
+                f"{old.label}: the worker process could not restart: {exc}"
+            ) from None
         self.restarts += 1
         return old
 
@@ -269,7 +271,8 @@ class ProcessExecutor:
             return Executed(tensors, None, header["seconds"], parameters)
         failed = dict(header["failed"])
         per_item: list[Any] = [
-            ModelFailure(failed[i]) if i in failed
+            ModelFailure(failed[i])
+            if i in failed
             else {spec.name: tensors[f"{i}/{spec.name}"] for spec in self.outputs}
             for i in range(header["items"])
         ]

@@ -52,8 +52,9 @@ def _thread(request: ExecutorRequest) -> BuiltExecutor:
     fn, version = request.fn, request.version or 1
     if fn is None:
         assert request.source is not None
-        loaded = load_model(request.source, request.version, request.config,
-                            request.intra_op_threads)
+        loaded = load_model(
+            request.source, request.version, request.config, request.intra_op_threads
+        )
         fn, version = loaded.module, loaded.version
     config = request.config
     if len(request.placements) > 1:
@@ -99,5 +100,7 @@ def build_executor(kind: str, request: ExecutorRequest) -> BuiltExecutor:
     nobody registered)."""
     builder = KINDS.get(kind)
     if builder is None:
-        raise ConfigError(f"{request.name}: no executor of kind {kind!r}; known: {', '.join(KINDS)}")
+        raise ConfigError(
+            f"{request.name}: no executor of kind {kind!r}; known: {', '.join(KINDS)}"
+        )
     return builder(request)

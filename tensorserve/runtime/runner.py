@@ -64,7 +64,9 @@ class InstanceRunner:
             del job, features, parameters, future  # free the batch's tensors now
 
 
-def reply_on_loop(future: Future[Any], loop: asyncio.AbstractEventLoop, done: Done) -> Callable[[], None]:
+def reply_on_loop(
+    future: Future[Any], loop: asyncio.AbstractEventLoop, done: Done
+) -> Callable[[], None]:
     """Call ``done(result, error)`` on ``loop``'s thread once ``future`` is
     resolved, exactly once. Returns ``finish_now``: on the loop's thread, wait
     for the result right there and call ``done`` (a ``close()`` on the loop)."""

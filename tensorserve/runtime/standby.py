@@ -49,7 +49,9 @@ class Standby:
             worker.start()
         except ConfigError as exc:
             if not self._closed:
-                log.error("%s: could not start (%s); crashes will reload the model", self.label, exc)
+                log.error(
+                    "%s: could not start (%s); crashes will reload the model", self.label, exc
+                )
             worker = None
         with self._lock:
             self._loading = None

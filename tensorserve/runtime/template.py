@@ -56,8 +56,13 @@ class Template:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tensorserve.runtime.worker_main", "--template",
-                 str(theirs.fileno())],
+                [
+                    sys.executable,
+                    "-m",
+                    "tensorserve.runtime.worker_main",
+                    "--template",
+                    str(theirs.fileno()),
+                ],
                 pass_fds=(theirs.fileno(),),
             )
         self._control = ours
@@ -84,8 +89,9 @@ class Template:
         except (EOFError, OSError):
             return None
 
-    def _ask(self, message: dict[str, Any], fds: list[int] | None = None,
-             timeout: float = 30.0) -> dict[str, Any]:
+    def _ask(
+        self, message: dict[str, Any], fds: list[int] | None = None, timeout: float = 30.0
+    ) -> dict[str, Any]:
         with self._lock:
             control = self._control
             if control is None:

@@ -122,8 +122,9 @@ def _reason(exc: Exception) -> str:
     return str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
 
 
-def _run(sock: socket.socket, hello: dict[str, Any], config: ModelConfig,
-         executor: ThreadExecutor) -> int:
+def _run(
+    sock: socket.socket, hello: dict[str, Any], config: ModelConfig, executor: ThreadExecutor
+) -> int:
     while True:
         try:
             header, features = ipc.recv(sock)
@@ -183,8 +184,12 @@ def template(control: socket.socket) -> int:
         socket.send_fds(control, [msgpack.packb(reply)], [])
 
 
-def _fork_worker(control: socket.socket, sock: socket.socket, hello: dict[str, Any],
-                 loaded: tuple[ModelConfig, ThreadExecutor] | None) -> int:
+def _fork_worker(
+    control: socket.socket,
+    sock: socket.socket,
+    hello: dict[str, Any],
+    loaded: tuple[ModelConfig, ThreadExecutor] | None,
+) -> int:
     pid = os.fork()
     if pid:
         sock.close()

@@ -92,7 +92,12 @@ class WorkerProcess:
     @property
     def alive(self) -> bool:
         process = self.process
-        return not self.broken and self.sock is not None and process is not None and process.poll() is None
+        return (
+            not self.broken
+            and self.sock is not None
+            and process is not None
+            and process.poll() is None
+        )
 
     def kill(self, because: str, *, ticket: int | None = None) -> None:
         """SIGKILL, without waiting (the watchdog; a stopped process dies too):
@@ -166,8 +171,9 @@ class WorkerProcess:
         try:
             return self.template.fork(theirs)
         except (EOFError, OSError) as exc:
-            log.warning("%s: the worker template failed (%s); starting the worker afresh",
-                        self.label, exc)
+            log.warning(
+                "%s: the worker template failed (%s); starting the worker afresh", self.label, exc
+            )
             return None
 
     def submit(
@@ -229,7 +235,9 @@ class WorkerProcess:
             return None
         return self.generation
 
-    def receive_soon(self, ticket: int, loop: asyncio.AbstractEventLoop, on_reply: OnReply) -> Callable[[], None]:
+    def receive_soon(
+        self, ticket: int, loop: asyncio.AbstractEventLoop, on_reply: OnReply
+    ) -> Callable[[], None]:
         """``receive`` for an event loop that must not block: the loop reads
         the reply as it arrives and calls ``on_reply(message, None)`` on its
         own thread, or ``on_reply(None, ModelFailure)`` if the worker died.
@@ -295,7 +303,9 @@ class WorkerProcess:
             raise
         return finish_now
 
-    def _reply(self, on_reply: OnReply, message: ipc.Message | None, error: BaseException | None) -> None:
+    def _reply(
+        self, on_reply: OnReply, message: ipc.Message | None, error: BaseException | None
+    ) -> None:
         """The batch is over for this worker: hand it back, then tell the caller."""
         self.owner.release()
         on_reply(message, error)

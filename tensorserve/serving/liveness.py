@@ -41,14 +41,20 @@ class Wedged:
     stalled_s: float
 
     def describe(self) -> dict[str, object]:
-        return {"model": self.model, "version": self.version, "instance": self.instance,
-                "stalled_s": round(self.stalled_s, 1)}
+        return {
+            "model": self.model,
+            "version": self.version,
+            "instance": self.instance,
+            "stalled_s": round(self.stalled_s, 1),
+        }
 
     @property
     def reason(self) -> str:
-        return (f"model {self.model!r} instance {self.instance} has been stuck in a forward "
-                f"for {self.stalled_s:.1f} s; a thread cannot be stopped, so only a restart "
-                f"frees it")
+        return (
+            f"model {self.model!r} instance {self.instance} has been stuck in a forward "
+            f"for {self.stalled_s:.1f} s; a thread cannot be stopped, so only a restart "
+            f"frees it"
+        )
 
 
 class Liveness:
@@ -83,8 +89,7 @@ class Liveness:
         reason = CONTEXT_LOSS.reason
         if reason is None:
             return None
-        return (f"the CUDA context of this process is lost ({reason}); only a restart "
-                f"recovers it")
+        return f"the CUDA context of this process is lost ({reason}); only a restart recovers it"
 
     def _log_new(self, found: list[Wedged]) -> None:
         keys = {(w.model, w.version, w.instance): w for w in found}

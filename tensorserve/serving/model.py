@@ -118,8 +118,12 @@ class ServedModel:
             # Said once per model load: a GPU node whose driver is too old for
             # this torch, or a pod without its GPU, would otherwise serve on
             # the CPU, slowly, with nothing in the logs.
-            log.warning("model %s: device = \"auto\" found no CUDA, so it runs on the CPU (%s); "
-                        "--device cuda makes this an error", name, cuda_missing())
+            log.warning(
+                'model %s: device = "auto" found no CUDA, so it runs on the CPU (%s); '
+                "--device cuda makes this an error",
+                name,
+                cuda_missing(),
+            )
         self.stats = BatchStats()
         self.fn: Callable[..., Any] | None = fn if executor is not None else None
         if executor is None:  # a batch function handed over: the thread kind runs it
@@ -198,11 +202,19 @@ class ServedModel:
         config = resolve_isolation(config, placements)
         built = build_executor(
             config.isolation,
-            ExecutorRequest(source.name, config, placements, threads, source=source, version=version),
+            ExecutorRequest(
+                source.name, config, placements, threads, source=source, version=version
+            ),
         )
         try:
-            return cls(source.name, config, built.fn, executor=built.executor,
-                       version=built.version, on_fatal=on_fatal)
+            return cls(
+                source.name,
+                config,
+                built.fn,
+                executor=built.executor,
+                version=built.version,
+                on_fatal=on_fatal,
+            )
         except BaseException:
             built.executor.close()  # no worker outlives a model that failed to build
             raise
@@ -305,13 +317,19 @@ class ServedModel:
         )
 
     async def infer(
-        self, item: Item, *, timeout: float | None = None,
+        self,
+        item: Item,
+        *,
+        timeout: float | None = None,
         parameters: Mapping[str, Any] | None = None,
     ) -> Result:
         return (await self.infer_many([item], timeout=timeout, parameters=parameters))[0]
 
     def infer_many_sync(
-        self, items: Sequence[Item], *, timeout: float | None = None,
+        self,
+        items: Sequence[Item],
+        *,
+        timeout: float | None = None,
         parameters: Mapping[str, Any] | None = None,
     ) -> list[Result]:
         futures = self.submit_many(items, timeout=timeout, parameters=parameters)
@@ -322,7 +340,10 @@ class ServedModel:
                 f.cancel()
 
     def infer_sync(
-        self, item: Item, *, timeout: float | None = None,
+        self,
+        item: Item,
+        *,
+        timeout: float | None = None,
         parameters: Mapping[str, Any] | None = None,
     ) -> Result:
         return self.infer_many_sync([item], timeout=timeout, parameters=parameters)[0]
@@ -357,4 +378,3 @@ class ServedModel:
         self.stats.reset()  # stats describe real traffic only
         if (budget := self.batcher.options.policy.budget) is not None:
             budget.reset()  # a model's first runs are slow: learn from real traffic
-

@@ -108,8 +108,11 @@ class RepositoryPoller:
             log.info("poll mode: model %s left the repository; unloading it", name)
             await self.registry.remove(name)
         for name in changes.added + changes.changed:
-            log.info("poll mode: model %s %s; loading it", name,
-                     "is new" if name in changes.added else "changed")
+            log.info(
+                "poll mode: model %s %s; loading it",
+                name,
+                "is new" if name in changes.added else "changed",
+            )
         loading = changes.added + changes.changed
         # A load that fails is logged by the registry; this is one that raised
         # (its folder gone again already): the next poll sees what is left.

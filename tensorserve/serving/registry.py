@@ -159,9 +159,15 @@ class ModelRegistry:
             try:
                 served = await asyncio.to_thread(self._build, sources[name])
             except Exception as exc:  # noqa: BLE001 - reported; the others still load
-                reason = str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-                log.error("model %s failed to load after %.2f s: %s", name,
-                          time.monotonic() - started, reason)
+                reason = (
+                    str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
+                )
+                log.error(
+                    "model %s failed to load after %.2f s: %s",
+                    name,
+                    time.monotonic() - started,
+                    reason,
+                )
                 if old is None:
                     entry.state, entry.reason = ModelState.FAILED, reason
                     entry.served = None
@@ -169,8 +175,13 @@ class ModelRegistry:
             entry.served, entry.config, entry.version = served, served.config, served.version
             entry.state, entry.reason = ModelState.READY, ""
             entry.load_seconds = time.monotonic() - started
-            log.info("model %s version %s ready on %s (loaded in %.2f s)", name, served.version,
-                     served.device, entry.load_seconds)
+            log.info(
+                "model %s version %s ready on %s (loaded in %.2f s)",
+                name,
+                served.version,
+                served.device,
+                entry.load_seconds,
+            )
             if old is not None:
                 await asyncio.to_thread(old.close)
             return entry

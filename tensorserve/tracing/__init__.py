@@ -47,8 +47,7 @@ class CallOrigin(Protocol):
         """The caller's HTTP headers or gRPC metadata (``traceparent``)."""
         ...
 
-    def span_name(self) -> str:
-        ...
+    def span_name(self) -> str: ...
 
     def attributes(self, request_id: str) -> Attributes:
         """The span's attributes when the call starts."""
@@ -114,7 +113,7 @@ class RequestTracer(Protocol):
 def missing_sdk() -> str | None:
     """Why tracing cannot be configured here (None: it can)."""
     try:
-        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter
         import opentelemetry.sdk.trace  # noqa: F401
     except ImportError as exc:
         return f"--otlp-endpoint needs the OpenTelemetry SDK ({exc.name} is missing): {INSTALL}"
@@ -130,4 +129,3 @@ def configure(settings: Settings) -> RequestTracer | None:
     return OtelTracer(
         settings.otlp_endpoint, settings.trace_sample_ratio, settings.trace_service_name
     )
-

@@ -58,22 +58,31 @@ class ModelBatchTracer:
         return span_context if span_context.trace_flags.sampled else None
 
     def batch_finished(self, batch: Batch) -> None:
-        requests: dict[int, tuple[SpanContext, float, int]] = {}  # span id -> (ctx, admitted, items)
+        requests: dict[
+            int, tuple[SpanContext, float, int]
+        ] = {}  # span id -> (ctx, admitted, items)
         for entry in batch.entries:
             span_context = entry.trace
             if span_context is None:
                 continue
             seen = requests.get(span_context.span_id)
             admitted, items = (entry.enqueued, 0) if seen is None else seen[1:]
-            requests[span_context.span_id] = (span_context, min(admitted, entry.enqueued), items + 1)
+            requests[span_context.span_id] = (
+                span_context,
+                min(admitted, entry.enqueued),
+                items + 1,
+            )
         if not requests:
             return
         clock = WallClock()
         model = {"tensorserve.model": self.model, "tensorserve.model.version": self.version}
         for span_context, admitted, items in requests.values():
             self._span(
-                "queue", span_context, clock.from_monotonic(admitted),
-                clock.from_monotonic(batch.dispatched), {**model, "tensorserve.items": items},
+                "queue",
+                span_context,
+                clock.from_monotonic(admitted),
+                clock.from_monotonic(batch.dispatched),
+                {**model, "tensorserve.items": items},
             )
         first = next(iter(requests.values()))[0]
         attributes: dict[str, Any] = {**model, "tensorserve.batch.size": len(batch.entries)}
@@ -87,9 +96,13 @@ class ModelBatchTracer:
             links = [Link(ctx, {"tensorserve.items": n}) for ctx, _, n in requests.values()]
             error = type(batch.error).__name__ if batch.error is not None else None
             self._span(
-                "compute", first, clock.from_perf(batch.started),
+                "compute",
+                first,
+                clock.from_perf(batch.started),
                 clock.from_perf(batch.started + batch.seconds),
-                {**attributes, "error.type": error} if error else attributes, links, error,
+                {**attributes, "error.type": error} if error else attributes,
+                links,
+                error,
             )
         if batch.unpad_seconds is not None:
             end = clock.from_perf(batch.unpad_started + batch.unpad_seconds)
@@ -106,8 +119,11 @@ class ModelBatchTracer:
         error: str | None = None,
     ) -> None:
         span = self.tracer.start_span(
-            name, trace.set_span_in_context(NonRecordingSpan(parent)),
-            attributes=attributes, links=links or (), start_time=start,
+            name,
+            trace.set_span_in_context(NonRecordingSpan(parent)),
+            attributes=attributes,
+            links=links or (),
+            start_time=start,
         )
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))

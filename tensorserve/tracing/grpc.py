@@ -16,12 +16,28 @@ from tensorserve.tracing import Attributes
 
 # gRPC's status codes by name (grpc/status.h; stable across versions).
 STATUS_CODES = {
-    name: number for number, name in enumerate((
-        "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-        "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-        "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-        "UNAUTHENTICATED",
-    ))
+    name: number
+    for number, name in enumerate(
+        (
+            "OK",
+            "CANCELLED",
+            "UNKNOWN",
+            "INVALID_ARGUMENT",
+            "DEADLINE_EXCEEDED",
+            "NOT_FOUND",
+            "ALREADY_EXISTS",
+            "PERMISSION_DENIED",
+            "RESOURCE_EXHAUSTED",
+            "FAILED_PRECONDITION",
+            "ABORTED",
+            "OUT_OF_RANGE",
+            "UNIMPLEMENTED",
+            "INTERNAL",
+            "UNAVAILABLE",
+            "DATA_LOSS",
+            "UNAUTHENTICATED",
+        )
+    )
 }
 OUTCOME_STATUS = {"ok": "OK", "disconnect": "CANCELLED"}  # outcomes that are not errors
 
@@ -41,7 +57,7 @@ class GrpcOrigin:
     service name (``inference.GRPCInferenceService``), ``metadata`` the call's
     invocation metadata, ``peer`` grpc's ``ipv4:127.0.0.1:5000`` form."""
 
-    __slots__ = ("service", "method", "carrier", "peer")
+    __slots__ = ("carrier", "method", "peer", "service")
 
     def __init__(
         self, service: str, method: str, metadata: Iterable[tuple[str, Any]] | None, peer: str

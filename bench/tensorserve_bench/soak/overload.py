@@ -274,15 +274,20 @@ async def soak(repository: Path) -> dict[str, Any]:
     url = server.url
     try:
         await run("flood (c=256, queue 64)", lambda s: flood(url, s, 6000, 256, good))
-        await run("deadlines (timeout_ms 1-20, c=128)",
-                  lambda s: flood(url, s, 3000, 128, with_deadline))
+        await run(
+            "deadlines (timeout_ms 1-20, c=128)", lambda s: flood(url, s, 3000, 128, with_deadline)
+        )
         await run("callers that leave (c=128)", lambda s: leave(url, s, 2000, 128))
-        await run("oversized bodies",
-                  lambda s: flood(url, s, 50, 8, refused(lambda rng: oversized)))
-        await run("malformed native bodies",
-                  lambda s: flood(url, s, 2000, 16, refused(malformed_native)))
-        await run("malformed KServe v2 bodies",
-                  lambda s: flood(url, s, 1000, 16, refused(malformed_oip), "application/json"))
+        await run(
+            "oversized bodies", lambda s: flood(url, s, 50, 8, refused(lambda rng: oversized))
+        )
+        await run(
+            "malformed native bodies", lambda s: flood(url, s, 2000, 16, refused(malformed_native))
+        )
+        await run(
+            "malformed KServe v2 bodies",
+            lambda s: flood(url, s, 1000, 16, refused(malformed_oip), "application/json"),
+        )
         await run("trickled bodies (1 byte / 100 ms)", lambda s: trickle(url, s, 16))
         await run("after all that: good requests", lambda s: flood(url, s, 500, 8, good))
         ended = await run(

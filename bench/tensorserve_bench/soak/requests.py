@@ -35,7 +35,9 @@ THREAD_KINDS = tuple(kind for kind in FAULT_KINDS if kind != "worker_kill")
 
 def rows(rng: random.Random, count: int) -> np.ndarray:
     """``count`` rows of 4 floats in [20, 100): never a marker value."""
-    return np.random.default_rng(rng.getrandbits(64)).uniform(20, 100, (count, 4)).astype(np.float32)
+    return (
+        np.random.default_rng(rng.getrandbits(64)).uniform(20, 100, (count, 4)).astype(np.float32)
+    )
 
 
 def good_item(rng: random.Random) -> np.ndarray:

@@ -31,11 +31,11 @@ from tensorserve_client.errors import (
     RequestTimeout,
     RequestTooLarge,
     ServerBusy,
-    WouldMissTarget,
     ServerError,
     ServerUnavailable,
     TensorServeError,
     Timeout,
+    WouldMissTarget,
 )
 
 __all__ = [
@@ -59,10 +59,10 @@ __all__ = [
     "RequestTooLarge",
     "RetryPolicy",
     "ServerBusy",
-    "WouldMissTarget",
     "ServerError",
     "ServerUnavailable",
     "TensorServeError",
     "Timeout",
+    "WouldMissTarget",
     "__version__",
 ]

@@ -84,12 +84,15 @@ class AsyncClient:
     ) -> list[Result | TensorServeError]:
         """Run many items in one request, results in order (see ``Client.infer_batch``)."""
         options: _protocol.InferOptions = {
-            "version": version, "parameters": parameters, "timeout": timeout,
+            "version": version,
+            "parameters": parameters,
+            "timeout": timeout,
             "return_torch": return_torch,
         }
         items = list(items)
-        batch = _bulk.Batch(_protocol.infer(model, items, **options), 0, len(items), items,
-                            model, options)
+        batch = _bulk.Batch(
+            _protocol.infer(model, items, **options), 0, len(items), items, model, options
+        )
         outcome = await self._transport.exchange(batch.call)
         try:
             return list(batch.call.complete(outcome))
@@ -128,8 +131,9 @@ class AsyncClient:
             "return_torch": return_torch,
         }
         summary = _bulk.BulkSummary()
-        results = self._map(model, iterable, batch_size, concurrency, make_bar, options,
-                            summary, return_errors)
+        results = self._map(
+            model, iterable, batch_size, concurrency, make_bar, options, summary, return_errors
+        )
         return _bulk.AsyncMapResults(results, summary)
 
     async def _map(
@@ -150,7 +154,9 @@ class AsyncClient:
                 pending.append((batch, asyncio.ensure_future(self._transport.exchange(batch.call))))
                 if len(pending) >= concurrency:
                     batch, task = pending.popleft()
-                    for result in await self._finish(batch, await task, bar, summary, return_errors):
+                    for result in await self._finish(
+                        batch, await task, bar, summary, return_errors
+                    ):
                         yield result
             while pending:
                 batch, task = pending.popleft()

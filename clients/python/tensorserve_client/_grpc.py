@@ -55,7 +55,8 @@ class GrpcTransport(Transport):
         self.target = urlsplit(self.url).netloc
         # gRPC metadata keys are lower case; the user agent is a channel option.
         self.metadata = tuple(
-            (key.lower(), value) for key, value in self.headers.items()
+            (key.lower(), value)
+            for key, value in self.headers.items()
             if key.lower() != "user-agent"
         )
         self._channel: aio.Channel | None = None
@@ -70,11 +71,14 @@ class GrpcTransport(Transport):
         if self._closed:
             raise RuntimeError("the client is closed")
         if self._channel is None:
-            self._channel = aio.insecure_channel(self.target, options=[
-                ("grpc.max_receive_message_length", -1),  # the server bounds what it sends
-                ("grpc.max_send_message_length", -1),  # and what it takes (RESOURCE_EXHAUSTED)
-                ("grpc.primary_user_agent", f"tensorserve-client/{__version__}"),
-            ])
+            self._channel = aio.insecure_channel(
+                self.target,
+                options=[
+                    ("grpc.max_receive_message_length", -1),  # the server bounds what it sends
+                    ("grpc.max_send_message_length", -1),  # and what it takes (RESOURCE_EXHAUSTED)
+                    ("grpc.primary_user_agent", f"tensorserve-client/{__version__}"),
+                ],
+            )
             self._loop = loop
         elif loop is not self._loop:
             raise RuntimeError(
@@ -89,7 +93,8 @@ class GrpcTransport(Transport):
         if stub is None:
             request_cls, response_cls = RPCS[name]
             stub = self._stubs[name] = channel.unary_unary(
-                SERVICE + name, request_serializer=request_cls.SerializeToString,
+                SERVICE + name,
+                request_serializer=request_cls.SerializeToString,
                 response_deserializer=response_cls.FromString,
             )
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -104,8 +109,11 @@ class GrpcTransport(Transport):
             read = await self._ask(call.op, deadline)
         except aio.AioRpcError as exc:
             return codec.error_from_status(
-                exc.code().name, exc.details() or "", tuple(exc.trailing_metadata() or ()),
-                attempts, client_deadline=timeout is not None and timeout == self.timeout,
+                exc.code().name,
+                exc.details() or "",
+                tuple(exc.trailing_metadata() or ()),
+                attempts,
+                client_deadline=timeout is not None and timeout == self.timeout,
             )
         except TensorServeError as error:  # an item refused before sending (a list's values)
             error.attempts = attempts
@@ -145,8 +153,7 @@ class GrpcTransport(Transport):
             config = await self._rpc("ModelConfig", request, deadline)
             inputs = self._inputs[key] = codec.ModelInputs.from_config(config)
         groups = codec.requests(op, inputs)
-        sent = [asyncio.ensure_future(self._rpc("ModelInfer", g.request, deadline))
-                for g in groups]
+        sent = [asyncio.ensure_future(self._rpc("ModelInfer", g.request, deadline)) for g in groups]
         try:
             replies = await asyncio.gather(*sent)
         finally:  # one group failed: the others' answers no longer matter
@@ -187,8 +194,13 @@ def _metadata(reply: pb.ModelMetadataResponse) -> dict[str, Any]:
     def tensors(listed: Any) -> list[dict[str, Any]]:
         return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in listed]
 
-    return {"name": reply.name, "versions": list(reply.versions), "platform": reply.platform,
-            "inputs": tensors(reply.inputs), "outputs": tensors(reply.outputs)}
+    return {
+        "name": reply.name,
+        "versions": list(reply.versions),
+        "platform": reply.platform,
+        "inputs": tensors(reply.inputs),
+        "outputs": tensors(reply.outputs),
+    }
 
 
 def _statistics(reply: pb.ModelStatisticsResponse) -> dict[str, Any]:
@@ -200,21 +212,26 @@ def _statistics(reply: pb.ModelStatisticsResponse) -> dict[str, Any]:
             field.name: {"count": value.count, "ns": value.ns}
             for field, value in stat.inference_stats.ListFields()
         }
-        entries.append({
-            "name": stat.name, "version": stat.version,
-            "last_inference": stat.last_inference, "inference_count": stat.inference_count,
-            "execution_count": stat.execution_count, "inference_stats": inference,
-            "batch_stats": [
-                {
-                    "batch_size": batch.batch_size,
-                    **{
-                        key: {"count": getattr(batch, key).count, "ns": getattr(batch, key).ns}
-                        for key in ("compute_input", "compute_infer", "compute_output")
-                    },
-                }
-                for batch in stat.batch_stats
-            ],
-        })
+        entries.append(
+            {
+                "name": stat.name,
+                "version": stat.version,
+                "last_inference": stat.last_inference,
+                "inference_count": stat.inference_count,
+                "execution_count": stat.execution_count,
+                "inference_stats": inference,
+                "batch_stats": [
+                    {
+                        "batch_size": batch.batch_size,
+                        **{
+                            key: {"count": getattr(batch, key).count, "ns": getattr(batch, key).ns}
+                            for key in ("compute_input", "compute_infer", "compute_output")
+                        },
+                    }
+                    for batch in stat.batch_stats
+                ],
+            }
+        )
     return {"model_stats": entries}
 
 

@@ -40,9 +40,19 @@ from tensorserve_client.errors import (
 
 # The native protocol's dtype names <-> KServe v2 datatypes.
 DATATYPES = {
-    "bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32",
-    "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32", "int64": "INT64",
-    "float16": "FP16", "float32": "FP32", "float64": "FP64", "bfloat16": "BF16",
+    "bool": "BOOL",
+    "uint8": "UINT8",
+    "uint16": "UINT16",
+    "uint32": "UINT32",
+    "uint64": "UINT64",
+    "int8": "INT8",
+    "int16": "INT16",
+    "int32": "INT32",
+    "int64": "INT64",
+    "float16": "FP16",
+    "float32": "FP32",
+    "float64": "FP64",
+    "bfloat16": "BF16",
 }
 WIRE_NAMES = {datatype: name for name, datatype in DATATYPES.items()}
 CODE_KEY, RETRY_AFTER_KEY = "tensorserve-code", "retry-after"
@@ -50,8 +60,13 @@ CODE_KEY, RETRY_AFTER_KEY = "tensorserve-code", "retry-after"
 # whose class it stands for. UNAVAILABLE and DEADLINE_EXCEEDED without a code
 # are the channel's own: no connection, and the client's deadline.
 STATUS_AS_HTTP = {
-    "INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "PERMISSION_DENIED": 403,
-    "RESOURCE_EXHAUSTED": 413, "UNIMPLEMENTED": 501, "INTERNAL": 500, "UNKNOWN": 500,
+    "INVALID_ARGUMENT": 400,
+    "NOT_FOUND": 404,
+    "PERMISSION_DENIED": 403,
+    "RESOURCE_EXHAUSTED": 413,
+    "UNIMPLEMENTED": 501,
+    "INTERNAL": 500,
+    "UNKNOWN": 500,
 }
 
 
@@ -92,26 +107,33 @@ def cast_list(value: Any, dtype: str | None, where: str) -> Tensor:
     except ValueError:
         array = np.asarray(None, dtype=object)
     if array.dtype.kind not in "biuf":
-        raise InvalidInput(f"{where}: expected a (non-ragged) list of numbers",
-                           status=400, code="invalid_input")
+        raise InvalidInput(
+            f"{where}: expected a (non-ragged) list of numbers", status=400, code="invalid_input"
+        )
     name = dtype or ("float64" if array.dtype.kind == "f" else array.dtype.name)
     target = WIRE_DTYPES.get(name)
     if target is None:
-        raise InvalidInput(f"{where}: the model declares {dtype!r}, which lists cannot fill",
-                           status=400, code="invalid_input")
+        raise InvalidInput(
+            f"{where}: the model declares {dtype!r}, which lists cannot fill",
+            status=400,
+            code="invalid_input",
+        )
     kind = array.dtype.kind
     if name == "bool":
         fits = kind == "b"
     elif np.dtype(target).kind in "iu":
         info = np.iinfo(target)
-        fits = kind in "iu" and (array.size == 0 or info.min <= array.min() <= array.max() <= info.max)
+        fits = kind in "iu" and (
+            array.size == 0 or info.min <= array.min() <= array.max() <= info.max
+        )
     else:
         with np.errstate(over="ignore", invalid="ignore"):
             widened = array.astype("<f4" if name == "bfloat16" else target)
         fits = kind in "iuf" and bool(np.isfinite(widened).all())
     if not fits:
-        raise InvalidInput(f"{where}: the list does not fit the declared {name}",
-                           status=400, code="invalid_input")
+        raise InvalidInput(
+            f"{where}: the list does not fit the declared {name}", status=400, code="invalid_input"
+        )
     if name == "bfloat16":
         return name, array.shape, _bfloat16_bits(widened).tobytes()
     return name, array.shape, np.ascontiguousarray(array, target).tobytes()
@@ -141,8 +163,9 @@ def _parameter(target: pb.InferParameter, value: Any, where: str) -> None:
     elif isinstance(value, str):
         target.string_param = value
     else:
-        raise TypeError(f"{where}: a gRPC parameter is a bool, int, float or str, "
-                        f"got {type(value).__name__}")
+        raise TypeError(
+            f"{where}: a gRPC parameter is a bool, int, float or str, got {type(value).__name__}"
+        )
 
 
 def requests(op: InferOp, inputs: ModelInputs) -> list[Group]:
@@ -188,8 +211,11 @@ def _rows(value: Any, k: int, batches: bool) -> list[Any]:
 
 
 def results(
-    count: int, groups: Sequence[Group], replies: Sequence[pb.ModelInferResponse],
-    batches: bool, return_torch: bool,
+    count: int,
+    groups: Sequence[Group],
+    replies: Sequence[pb.ModelInferResponse],
+    batches: bool,
+    return_torch: bool,
 ) -> list[InferResult]:
     """Each item's outputs and output parameters, in the call's order."""
     ordered: list[InferResult | None] = [None] * count
@@ -208,9 +234,10 @@ def results(
                 raise ProtocolError(f"output {output.name!r}: shape {shape} is not {k} rows")
             size = len(raw) // k
             for r in range(k):
-                tensor = {"dtype": name, "shape": row_shape, "data": raw[r * size:(r + 1) * size]}
-                per_row[r][output.name] = decode_tensor(tensor, f"output {output.name!r}",
-                                                        return_torch)
+                tensor = {"dtype": name, "shape": row_shape, "data": raw[r * size : (r + 1) * size]}
+                per_row[r][output.name] = decode_tensor(
+                    tensor, f"output {output.name!r}", return_torch
+                )
         parameters: list[dict[str, Any]] = [{} for _ in range(k)]
         for key, parameter in reply.parameters.items():
             which = parameter.WhichOneof("parameter_choice")
@@ -225,7 +252,10 @@ def results(
 
 
 def error_from_status(
-    status: str, details: str, trailing: Sequence[tuple[str, Any]], attempts: int,
+    status: str,
+    details: str,
+    trailing: Sequence[tuple[str, Any]],
+    attempts: int,
     client_deadline: bool,
 ) -> TensorServeError:
     """The error a failed call stands for: by the ``tensorserve-code`` trailing
@@ -248,7 +278,8 @@ def error_from_status(
         error = ConnectionError(f"gRPC UNAVAILABLE: {details}")
     else:
         http = STATUS_AS_HTTP.get(status, 500)
-        error = error_for(http, code if isinstance(code, str) else None,
-                          f"gRPC {status}: {details}", retry_after)
+        error = error_for(
+            http, code if isinstance(code, str) else None, f"gRPC {status}: {details}", retry_after
+        )
     error.attempts = attempts
     return error

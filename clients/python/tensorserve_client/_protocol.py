@@ -272,8 +272,15 @@ def infer(
         params["timeout_ms"] = timeout * 1000.0  # the server drops the item past it: 504
     if params:
         message["parameters"] = params
-    op = InferOp(model, None if version is None else str(version), encoded,
-                 dict(parameters or {}), timeout, return_torch, first_index)
+    op = InferOp(
+        model,
+        None if version is None else str(version),
+        encoded,
+        dict(parameters or {}),
+        timeout,
+        return_torch,
+        first_index,
+    )
     return Call(
         "POST",
         path,
@@ -358,5 +365,10 @@ def repository_action(action: str, model: str) -> Call[dict[str, Any]]:
         raise ValueError(f"action must be 'load' or 'unload', got {action!r}")
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty model name, got {model!r}")
-    return Call("POST", f"/v2/repository/models/{quote(model, safe='')}/{action}",
-                answered(_json), retry=False, op=RepositoryOp(action, model))
+    return Call(
+        "POST",
+        f"/v2/repository/models/{quote(model, safe='')}/{action}",
+        answered(_json),
+        retry=False,
+        op=RepositoryOp(action, model),
+    )

@@ -169,12 +169,15 @@ class Client:
         its ``TensorServeError`` takes its place in the list (a request that
         failed because of an item is sent again one item at a time)."""
         options: _protocol.InferOptions = {
-            "version": version, "parameters": parameters, "timeout": timeout,
+            "version": version,
+            "parameters": parameters,
+            "timeout": timeout,
             "return_torch": return_torch,
         }
         items = list(items)
-        batch = _bulk.Batch(_protocol.infer(model, items, **options), 0, len(items), items,
-                            model, options)
+        batch = _bulk.Batch(
+            _protocol.infer(model, items, **options), 0, len(items), items, model, options
+        )
         outcome = self._loop.run(self._transport.exchange(batch.call))
         try:
             return list(batch.call.complete(outcome))
@@ -219,8 +222,9 @@ class Client:
             "return_torch": return_torch,
         }
         summary = _bulk.BulkSummary()
-        results = self._map(model, iterable, batch_size, concurrency, make_bar, options,
-                            summary, return_errors)
+        results = self._map(
+            model, iterable, batch_size, concurrency, make_bar, options, summary, return_errors
+        )
         return _bulk.MapResults(results, summary)
 
     def _map(
@@ -264,7 +268,9 @@ class Client:
             return _bulk.record_alone(self._alone(batch, results), summary, bar)
         return results
 
-    def _alone(self, batch: _bulk.Batch, error: TensorServeError) -> list[Result | TensorServeError]:
+    def _alone(
+        self, batch: _bulk.Batch, error: TensorServeError
+    ) -> list[Result | TensorServeError]:
         """Each item's result or error, for a request that failed: sent again
         one item at a time where the failure was about an item."""
         if batch.size == 1 or not _bulk.about_items(error):

@@ -39,9 +39,7 @@ log = logging.getLogger("tensorserve_client")
 DEADLINE_GRACE_S = 1.0
 
 
-GRPC_MISSING = (
-    "grpc:// URLs need grpcio and protobuf: pip install 'tensorserve-client[grpc]'"
-)
+GRPC_MISSING = "grpc:// URLs need grpcio and protobuf: pip install 'tensorserve-client[grpc]'"
 
 
 def base_url(url: str) -> str:
@@ -67,16 +65,18 @@ def open_transport(
 ) -> Transport:
     """The transport for ``url``'s scheme; grpcio is imported only for grpc://."""
     if urlsplit(base_url(url)).scheme != "grpc":
-        return HttpTransport(url, timeout=timeout, retries=retries, headers=headers,
-                             max_connections=max_connections)
+        return HttpTransport(
+            url, timeout=timeout, retries=retries, headers=headers, max_connections=max_connections
+        )
     try:
         from tensorserve_client._grpc import GrpcTransport
     except ImportError as exc:
         if (exc.name or "").split(".")[0] in ("grpc", "google"):
             raise ImportError(GRPC_MISSING) from None
         raise
-    return GrpcTransport(url, timeout=timeout, retries=retries, headers=headers,
-                         max_connections=max_connections)
+    return GrpcTransport(
+        url, timeout=timeout, retries=retries, headers=headers, max_connections=max_connections
+    )
 
 
 class Transport(abc.ABC):
@@ -109,9 +109,7 @@ class Transport(abc.ABC):
         self._rng = random.Random()
 
     @abc.abstractmethod
-    async def _send_once(
-        self, call: Call[Any], remaining: float | None, attempts: int
-    ) -> Outcome:
+    async def _send_once(self, call: Call[Any], remaining: float | None, attempts: int) -> Outcome:
         """One attempt; ``remaining``: seconds left of the caller's deadline."""
 
     @abc.abstractmethod

@@ -55,11 +55,11 @@ __all__ = [
     "RequestTimeout",
     "RequestTooLarge",
     "ServerBusy",
-    "WouldMissTarget",
     "ServerError",
     "ServerUnavailable",
     "TensorServeError",
     "Timeout",
+    "WouldMissTarget",
     "error_for",
 ]
 
