@@ -154,10 +154,11 @@ def test_the_bundled_token_models_bound_their_ids_by_their_vocabulary() -> None:
     """Every bundled input that indexes an embedding declares 0 .. vocab_size - 1
     (tagger_onnx: the tagger's, exported), so an id past the table is its
     caller's 400, never an index error in a batch (a device assert on a GPU)."""
-    from tests.conftest import REPOSITORY
+    from tests.conftest import REPOSITORY, ROOT
 
     vocab = {}
-    for name, source in discover(REPOSITORY).items():
+    sources = {**discover(REPOSITORY), **discover(ROOT / "examples" / "model_repository")}
+    for name, source in sorted(sources.items(), key=lambda kv: kv[0] == "tagger_onnx"):
         config = load_config(source.path / "config.toml")
         ids = {s.name: s for s in config.input}.get("input_ids")
         if ids is None:

@@ -13,13 +13,16 @@ from tensorserve.batching.budget import LearntBudget
 from tensorserve.batching.policy import budget_report, make_policy
 from tensorserve.repository.config import DEFAULT_MAX_LENGTH, ModelConfig, load_config, parse_config
 from tensorserve.repository.device_defaults import for_device, full_batch_volume
-from tests.conftest import REPOSITORY
+from tests.conftest import REPOSITORY, ROOT
 
+EXAMPLES = ROOT / "examples" / "model_repository"
 BUNDLED = sorted(path.parent.name for path in REPOSITORY.glob("*/config.toml"))
 
 
 def bundled(name: str) -> ModelConfig:
-    return load_config(REPOSITORY / name / "config.toml")
+    """A model of the default repository, or of the examples' (tagger_onnx)."""
+    folder = REPOSITORY / name if (REPOSITORY / name).is_dir() else EXAMPLES / name
+    return load_config(folder / "config.toml")
 
 
 def tokens(max_batch_size: int = 32, max_length: int | None = 512, **fields: Any) -> ModelConfig:

@@ -272,7 +272,11 @@ def test_a_loop_drives_a_worker_until_a_backlog_and_the_model_thread_takes_over(
         expected = here.infer_many_sync(items)
 
     async def run() -> None:
-        async with ServedModel.from_repository(REPOSITORY, "tagger", isolation="process") as model:
+        # The fixed 1024-token budget the tagger shipped with: 17 waiting items
+        # are a backlog under it, whatever budget a learnt one has reached.
+        async with ServedModel.from_repository(
+            REPOSITORY, "tagger", isolation="process", max_batch_tokens=1024
+        ) as model:
             launched_on = _record_launch_threads(model)
             loop_thread = threading.get_ident()
             await _parked(model)
