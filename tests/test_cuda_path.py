@@ -290,6 +290,38 @@ def test_a_batch_time_is_the_forward_not_the_wait_before_collect() -> None:
     assert seconds is not None and 0.05 <= seconds < 0.3
 
 
+class TimingRuleEvent:
+    """torch.cuda.Event as CUDA builds of torch 2.13 behave: ``elapsed_time``
+    raises unless both events were created with ``enable_timing=True``."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
+        self.enable_timing, self.blocking = enable_timing, blocking
+        self.stream: object = None
+
+    def record(self, stream: object = None) -> None:
+        self.stream = stream
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: TimingRuleEvent) -> float:
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        return 3.0  # ms
+
+
+def test_a_batch_time_can_be_read_off_the_instance_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every CUDA batch failed in collect before: its events were not timing."""
+    monkeypatch.setattr(torch.cuda, "Event", TimingRuleEvent)
+    context = DeviceContext(torch.device("cpu"))
+    context.stream = "the instance's stream"  # type: ignore[assignment]
+    started, done = context.record(), context.record()
+    executed = _executor().collect(Launched(None, done, [], started=started))
+    assert executed.seconds == pytest.approx(0.003)
+    assert started.blocking and done.blocking  # waiting sleeps, it does not spin
+    assert done.stream == "the instance's stream"
+
+
 # ---------------------------------------------------------------------- model files
 class Positions(torch.nn.Module):
     """docs/export-a-model.md's pattern: positions made inside forward."""
@@ -479,6 +511,19 @@ def test_on_cuda_an_exported_program_with_positions_runs(tmp_path: Path) -> None
     out = model(input_ids=ids.cuda())["out"]
     assert out.device.type == "cuda"
     assert device_module.CONTEXT_LOSS.reason is None
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_a_batch_runs_and_its_time_is_the_gpu_time() -> None:
+    config = parse_config({"max_batch_size": 8, "input": X_IN, "output": Y_OUT}, "m")
+    executor = ThreadExecutor(lambda x: x * 2, config, resolve_device("cuda"))
+    executor.start_instance(0)
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3).pin_memory()
+    executed = executor.collect(executor.launch({"x": x}, 0))
+    assert executed.batched is not None
+    assert executed.batched["y"].tolist() == (x * 2).tolist()
+    assert executed.seconds is not None and 0 < executed.seconds < 5
 
 
 def test_exported_programs_load_on_parallel_threads(tmp_path: Path) -> None:
