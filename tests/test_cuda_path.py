@@ -424,40 +424,58 @@ def test_no_standby_worker_holds_a_second_cuda_context_by_default(
 
 
 # ---------------------------------------------------------------------- on a real GPU
+EMBED_IDS_MODEL = """
+    import torch
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 4)
+
+        def forward(self, x):
+            return self.embed(x.long()).sum(-1)
+"""
+IDS_ON_CUDA = {**ECHO_1D, "inputs": {"x": {"dtype": "int64", "shape": [-1]}}, "device": "cuda"}
+
+
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("isolation", ["thread", "process"])
-def test_on_cuda_a_device_side_assert_fails_only_what_it_must(tmp_path: Path, isolation: str) -> None:
+def test_on_cuda_a_device_side_assert_in_a_worker_fails_only_its_culprit(tmp_path: Path) -> None:
     """An id past the embedding on CUDA, without the host range check."""
-    model_py = """
-        import torch
-
-        class Model(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.embed = torch.nn.Embedding(16, 4)
-
-            def forward(self, x):
-                return self.embed(x.long()).sum(-1)
-    """
-    write_toy_model(tmp_path, "ids", model_py, isolation=isolation, device="cuda", **{
-        **ECHO_1D, "inputs": {"x": {"dtype": "int64", "shape": [-1]}}})
+    write_toy_model(tmp_path, "ids", EMBED_IDS_MODEL, isolation="process", **IDS_ON_CUDA)
     with ServedModel.from_repository(tmp_path, "ids") as model:
         futures = model.submit_many([{"x": np.array([1, 2, 3])}, {"x": np.array([99, 1, 1])},
                                      {"x": np.array([4, 5, 6])}])
-        outcomes = []
+        outcomes: list[object] = []
         for future in futures:
             try:
                 outcomes.append(future.result(120)["y"].shape)
             except ModelFailure as exc:
                 outcomes.append(exc)
-        if isolation == "process":
-            assert outcomes[0] == (3,) and outcomes[2] == (3,)
-            assert isinstance(outcomes[1], ModelFailure)
-            wait_until(lambda: model.health() is None, "the worker replaced", 60)
-        else:
-            assert all(isinstance(o, DeviceLost) for o in outcomes)
-            assert model.health() is not None
+        assert outcomes[0] == (3,) and outcomes[2] == (3,)
+        assert isinstance(outcomes[1], ModelFailure)
+        wait_until(lambda: model.health() is None, "the worker replaced", 60)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_a_device_side_assert_in_a_thread_takes_its_server_down(tmp_path: Path) -> None:
+    """The same in a model thread, in a server process of its own: the assert
+    ruins its process's CUDA context for good, which in this test process
+    would fail every CUDA test after it."""
+    write_toy_model(tmp_path, "ids", EMBED_IDS_MODEL, isolation="thread", **IDS_ON_CUDA)
+    server = ServerProcess(tmp_path, "--shutdown-grace-s", "1", log=tmp_path / "server.log")
+    try:
+        items = [{"x": np.array([1, 2, 3])}, {"x": np.array([99, 1, 1])}]
+        reply = httpx.post(f"{server.url}/v2/models/ids/infer", content=body(items),
+                           headers=MSGPACK, timeout=120)
+        assert reply.status_code == 500
+        live = httpx.get(f"{server.url}/v2/health/live")
+        assert live.status_code == 503
+        assert "device-side assert triggered" in live.json()["reason"]
+        assert httpx.get(f"{server.url}/v2/health/ready").status_code == 503
+    finally:
+        server.stop(grace=5)
 
 
 @pytest.mark.cuda
