@@ -16,8 +16,9 @@ isolation), and in-process where a check must look inside a batch:
     bad_input               an id past the vocabulary among good items: the good
                             ones are served, the server is ready again within seconds
     syncs_in_forward        (CUDA) host syncs inside forward, counted
-    copies_per_batch        (CUDA) one host->device copy per input, one
-                            device->host per output, pinned (torch.profiler)
+    copies_per_batch        (CUDA) one host->device copy per input (and request
+                            parameter), one device->host per output (and output
+                            parameter), pinned (torch.profiler)
     event_waits_block       (CUDA) waiting for a batch sleeps, it does not spin
     batch_time_from_events  (CUDA) a batch's time is its GPU time (CUDA events)
 
