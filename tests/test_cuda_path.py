@@ -322,6 +322,38 @@ def test_a_batch_time_can_be_read_off_the_instance_events(monkeypatch: pytest.Mo
     assert done.stream == "the instance's stream"
 
 
+def test_output_parameters_on_the_device_are_queued_for_the_host_before_the_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA a ``.tolist()`` in collect made one more blocking copy into
+    pageable memory per output parameter; now each is queued into pinned
+    memory with the outputs, before the batch's event (the meta device stands
+    in for the GPU: no pinned memory exists on a CPU build)."""
+    from tensorserve import WithParameters
+
+    log: list[str] = []
+
+    class LoggedEvent(TimingRuleEvent):
+        def record(self, stream: object = None) -> None:
+            log.append("event")
+
+    def pinned_copy(self: DeviceContext, t: torch.Tensor) -> torch.Tensor:
+        log.append(f"copy {list(t.shape)}")
+        return torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape)
+
+    monkeypatch.setattr(torch.cuda, "Event", LoggedEvent)
+    monkeypatch.setattr(DeviceContext, "_pinned_copy", pinned_copy)
+    config = parse_config({"max_batch_size": 8, "input": X_IN, "output": Y_OUT}, "m")
+    executor = ThreadExecutor(
+        lambda x: WithParameters({"y": x * 2}, {"first": x[:, 0], "tag": ["a", "b"]}),
+        config, torch.device("meta"))  # fmt: skip
+    executor._contexts[0].stream = "the instance's stream"  # type: ignore[assignment]
+    launched = executor.launch({"x": torch.ones(2, 3)}, 0)
+    assert log == ["event", "copy [2]", "copy [2, 3]", "event"]  # started, parameter, output, done
+    executed = executor.collect(launched)
+    assert executed.parameters == {"first": [0.0, 1.0], "tag": ["a", "b"]}
+
+
 # ---------------------------------------------------------------------- model files
 class Positions(torch.nn.Module):
     """docs/export-a-model.md's pattern: positions made inside forward."""
