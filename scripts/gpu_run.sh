@@ -9,7 +9,7 @@
 # The GPU machine has no .git, no console script and no tritonclient, opentelemetry or
 # kubernetes-validate: the tests run by file (every file holding cuda-marked tests) and the
 # server as `python3 -m tensorserve serve`. Each step has its own `timeout`, so that one hang
-# cannot eat the lease; the steps' budgets (20 + 240 + 330 s) end inside the call's 600 s.
+# cannot eat the lease; the steps' budgets (20 + 230 + 310 s) end inside the call's 600 s.
 # Everything lands in $OUT (6 files; the device tool brings back 8 at most):
 #   nvidia-smi.txt  env.txt  cuda_tests.xml  cuda_tests.log  gpu_check.json  gpu_check.log
 set -uo pipefail
@@ -60,14 +60,14 @@ if grep -q "^missing:.*pytest_timeout" "$OUT/env.txt"; then
   # and filterwarnings = error would stop pytest at start-up.
   extra=(-W ignore::pytest.PytestConfigWarning -W ignore::pytest.PytestUnknownMarkWarning)
 fi
-timeout -k 10 240 python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs "${extra[@]}" \
+timeout -k 5 230 python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs "${extra[@]}" \
   --junitxml="$OUT/cuda_tests.xml" "${files[@]}" 2>&1 | tee "$OUT/cuda_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "cuda tests: exit $tests_rc (124: timed out)"
 [ "$tests_rc" -eq 0 ] || status=1
 
 echo "== benchmarks/gpu_check.py"
-timeout -k 10 330 python3 benchmarks/gpu_check.py --device cuda:0 --out "$OUT/gpu_check.json" \
+timeout -k 5 310 python3 benchmarks/gpu_check.py --device cuda:0 --out "$OUT/gpu_check.json" \
   --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee "$OUT/gpu_check.log"
 check_rc=${PIPESTATUS[0]}
 echo "gpu_check: exit $check_rc (124: timed out)"
