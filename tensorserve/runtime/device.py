@@ -165,9 +165,9 @@ class DeviceContext:
         device tensor queued for pinned host memory, as the outputs are: read
         after the batch's event, a ``.tolist()`` would otherwise make one more
         blocking copy into pageable memory per parameter. Call it before the
-        event is recorded; anything else is left for ``output_parameters`` to
-        judge."""
-        if self.device.type == "cpu" or not isinstance(columns, Mapping):
+        event is recorded (only an instance with a stream records one);
+        anything else is left for ``output_parameters`` to judge."""
+        if self.stream is None or not isinstance(columns, Mapping):
             return columns
         return {
             name: self._pinned_copy(v)
