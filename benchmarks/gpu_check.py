@@ -16,8 +16,9 @@ isolation), and in-process where a check must look inside a batch:
     bad_input               an id past the vocabulary among good items: the good
                             ones are served, the server is ready again within seconds
     syncs_in_forward        (CUDA) host syncs inside forward, counted
-    copies_per_batch        (CUDA) one host->device copy per input, one
-                            device->host per output, pinned (torch.profiler)
+    copies_per_batch        (CUDA) one host->device copy per input (and request
+                            parameter), one device->host per output (and output
+                            parameter), pinned (torch.profiler)
     event_waits_block       (CUDA) waiting for a batch sleeps, it does not spin
     batch_time_from_events  (CUDA) a batch's time is its GPU time (CUDA events)
 
@@ -26,8 +27,9 @@ per request for ``tagger`` and ``embedder`` at 1, 64 and 256 callers, the
 model's max_batch_size 8, 32 and 128 (``--device cpu``: 1 and 64 callers,
 8 and 32, shorter). It prints one table and writes one JSON object (default
 benchmarks/results/gpu_check.json; ``--device cpu`` writes gpu_check_cpu.json,
-so a committed GPU result is never overwritten). Exit status 1 if any check
-failed. ``--device cpu`` runs every check that needs no CUDA in under two
+so a committed GPU result is never overwritten), and writes it after each
+phase too, marked ``"partial": true``: a run stopped by a time limit keeps
+what it finished. Exit status 1 if any check failed. ``--device cpu`` runs every check that needs no CUDA in under two
 minutes; CI runs it so.
 """
 
@@ -318,6 +320,14 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def write_result(out: Path, result: dict[str, Any]) -> None:
+    """The JSON object, replaced whole (a reader never sees half a file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = out.with_name(out.name + ".tmp")
+    scratch.write_text(json.dumps(result, indent=1) + "\n")
+    scratch.replace(out)
+
+
 # ----------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
@@ -347,6 +357,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def phase(name: str) -> None:  # seconds since the last phase ended, to see where time goes
         phases[name] = round(time.monotonic() - started - sum(phases.values()), 1)
+        # What is known so far, on disk: a run stopped by its time limit (a lease, a
+        # `timeout`) still leaves every phase it finished, marked "partial".
+        write_result(out, {**result, "checks": [c.as_json() for c in checks],
+                           "seconds": round(time.monotonic() - started, 1), "phases_s": phases,
+                           "partial": True})
         print(f"[gpu_check] {name}: {phases[name]} s", file=sys.stderr, flush=True)
 
     result = {**machine(device, args.commit), "checks": [], "skipped": [], "load": []}
@@ -432,9 +447,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["checks"] = [c.as_json() for c in checks]
     result["seconds"] = round(time.monotonic() - started, 1)
     result["phases_s"] = phases
+    result["partial"] = False
     print(table(result))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out, result)
     print(f"\nwritten: {os.path.relpath(out)}")
     return 0 if all(c["passed"] for c in result["checks"]) else 1
 

@@ -112,7 +112,10 @@ def copies_per_batch(served_repository: Path, models: Sequence[ModelInfo]) -> li
             to_host = [n for n in names if "dtoh" in n]
             pageable = [n for n in to_device + to_host if "pageable" in n]
             returned = len(getattr(results[0], "parameters", {}) or {})
-            want_in, want_out = len(model.inputs), len(model.outputs) + returned
+            # Each request parameter's column reaches the device once too
+            # (numbers: the executor; flags: the model, as embedder does).
+            declared = len(model.config.get("request_parameter", []))
+            want_in, want_out = len(model.inputs) + declared, len(model.outputs) + returned
             passed = (len(to_device) == want_in * batches and len(to_host) == want_out * batches
                       and not pageable)
             detail = (f"{batches} batch(es): {len(to_device)} host->device (want {want_in} per batch), "

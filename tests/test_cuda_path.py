@@ -216,12 +216,8 @@ def test_a_lost_context_makes_a_real_server_not_ready_and_not_live(tmp_path: Pat
     try:
         assert httpx.get(f"{server.url}/v2/health/live").json() == {"live": True}
         item = {"x": np.full(3, 66.0, np.float32)}
-        reply = httpx.post(
-            f"{server.url}/v2/models/asserting/infer",
-            content=body([item]),
-            headers=MSGPACK,
-            timeout=60,
-        )
+        reply = httpx.post(f"{server.url}/v2/models/asserting/infer", content=body([item]),
+                           headers=MSGPACK, timeout=60)
         assert reply.status_code == 500
         live = httpx.get(f"{server.url}/v2/health/live")
         assert live.status_code == 503
@@ -273,13 +269,8 @@ def _executor() -> ThreadExecutor:
 def test_output_parameters_and_per_item_results_are_read_after_the_batch_event() -> None:
     log: list[str] = []
     norms = ReadLogged([1.0, 2.0], log)
-    launched = Launched(
-        None,
-        RecordedEvent(log),
-        [{"y": torch.ones(3)}, {"y": torch.ones(2)}],  # type: ignore[arg-type]
-        {"norm": norms},
-        started=RecordedEvent(log),
-    )  # type: ignore[arg-type]
+    launched = Launched(None, RecordedEvent(log), [{"y": torch.ones(3)}, {"y": torch.ones(2)}],  # type: ignore[arg-type]
+                        {"norm": norms}, started=RecordedEvent(log))  # type: ignore[arg-type]
     executed = _executor().collect(launched)
     assert log[0] == "synchronize" and "read" in log[1:]
     assert executed.parameters == {"norm": [1.0, 2.0]}
@@ -297,6 +288,70 @@ def test_a_batch_time_is_the_forward_not_the_wait_before_collect() -> None:
     time.sleep(0.3)  # a batch launched ahead, collected later
     seconds = executor.collect(launched).seconds
     assert seconds is not None and 0.05 <= seconds < 0.3
+
+
+class TimingRuleEvent:
+    """torch.cuda.Event as CUDA builds of torch 2.13 behave: ``elapsed_time``
+    raises unless both events were created with ``enable_timing=True``."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False) -> None:
+        self.enable_timing, self.blocking = enable_timing, blocking
+        self.stream: object = None
+
+    def record(self, stream: object = None) -> None:
+        self.stream = stream
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: TimingRuleEvent) -> float:
+        if not (self.enable_timing and end.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        return 3.0  # ms
+
+
+def test_a_batch_time_can_be_read_off_the_instance_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every CUDA batch failed in collect before: its events were not timing."""
+    monkeypatch.setattr(torch.cuda, "Event", TimingRuleEvent)
+    context = DeviceContext(torch.device("cpu"))
+    context.stream = "the instance's stream"  # type: ignore[assignment]
+    started, done = context.record(), context.record()
+    executed = _executor().collect(Launched(None, done, [], started=started))
+    assert executed.seconds == pytest.approx(0.003)
+    assert started.blocking and done.blocking  # waiting sleeps, it does not spin
+    assert done.stream == "the instance's stream"
+
+
+def test_output_parameters_on_the_device_are_queued_for_the_host_before_the_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA a ``.tolist()`` in collect made one more blocking copy into
+    pageable memory per output parameter; now each is queued into pinned
+    memory with the outputs, before the batch's event (the meta device stands
+    in for the GPU: no pinned memory exists on a CPU build)."""
+    from tensorserve import WithParameters
+
+    log: list[str] = []
+
+    class LoggedEvent(TimingRuleEvent):
+        def record(self, stream: object = None) -> None:
+            log.append("event")
+
+    def pinned_copy(self: DeviceContext, t: torch.Tensor) -> torch.Tensor:
+        log.append(f"copy {list(t.shape)}")
+        return torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape)
+
+    monkeypatch.setattr(torch.cuda, "Event", LoggedEvent)
+    monkeypatch.setattr(DeviceContext, "_pinned_copy", pinned_copy)
+    config = parse_config({"max_batch_size": 8, "input": X_IN, "output": Y_OUT}, "m")
+    executor = ThreadExecutor(
+        lambda x: WithParameters({"y": x * 2}, {"first": x[:, 0], "tag": ["a", "b"]}),
+        config, torch.device("meta"))  # fmt: skip
+    executor._contexts[0].stream = "the instance's stream"  # type: ignore[assignment]
+    launched = executor.launch({"x": torch.ones(2, 3)}, 0)
+    assert log == ["event", "copy [2]", "copy [2, 3]", "event"]  # started, parameter, output, done
+    executed = executor.collect(launched)
+    assert executed.parameters == {"first": [0.0, 1.0], "tag": ["a", "b"]}
 
 
 # ---------------------------------------------------------------------- model files
@@ -322,18 +377,16 @@ FILE_CONFIG = {
 def _graph_devices(module: torch.nn.Module) -> set[str]:
     graph = getattr(module, "graph", None)
     assert isinstance(graph, torch.fx.Graph)
-    return {
-        str(node.kwargs["device"])
-        for node in graph.nodes
-        if node.op == "call_function" and "device" in node.kwargs
-    }
+    return {str(node.kwargs["device"]) for node in graph.nodes
+            if node.op == "call_function" and "device" in node.kwargs}
 
 
 def test_an_exported_program_is_rewritten_for_its_device(tmp_path: Path) -> None:
     ids = torch.randint(0, 16, (2, 5))
     length = torch.export.Dim("length", min=2, max=64)
     batch = torch.export.Dim("batch", min=1, max=8)
-    program = torch.export.export(Positions(), (ids,), dynamic_shapes=({0: batch, 1: length},))
+    program = torch.export.export(Positions(), (ids,),
+                                  dynamic_shapes=({0: batch, 1: length},))
     torch.export.save(program, tmp_path / "model.pt2")
     config = parse_config(FILE_CONFIG, "positions")
     model = load_torchscript(tmp_path / "model.pt2", config, "positions/1/model.pt2")
@@ -350,11 +403,8 @@ def test_a_traced_file_that_pins_a_device_is_refused_off_that_device(tmp_path: P
     model = load_torchscript(tmp_path / "model.pt", config, "positions/1/model.pt")
     assert isinstance(model, FileModel)
     assert model.to(torch.device("cpu")) is model  # where it was traced: fine
-    with pytest.raises(
-        ConfigError,
-        match=r"^positions/1/model.pt: the TorchScript program "
-        r"hard-codes device cpu in its code",
-    ):
+    with pytest.raises(ConfigError, match=r"^positions/1/model.pt: the TorchScript program "
+                       r"hard-codes device cpu in its code"):
         model.to(torch.device("meta"))
 
 
@@ -395,16 +445,8 @@ def test_no_standby_worker_holds_a_second_cuda_context_by_default(
     source = ModelSource("m", tmp_path / "m", (1,))
 
     def executor(device: str, **faults: object) -> isolated.ProcessExecutor:
-        config = parse_config(
-            {
-                **FILE_CONFIG,
-                "platform": "pytorch_tensorserve",
-                "input": X_IN,
-                "output": Y_OUT,
-                "faults": faults,
-            },
-            "m",
-        )
+        config = parse_config({**FILE_CONFIG, "platform": "pytorch_tensorserve",
+                               "input": X_IN, "output": Y_OUT, "faults": faults}, "m")
         monkeypatch.setattr(isolated, "resolve_device", lambda name: torch.device(device))
         return isolated.ProcessExecutor(source, 1, config)
 
@@ -414,49 +456,58 @@ def test_no_standby_worker_holds_a_second_cuda_context_by_default(
 
 
 # ---------------------------------------------------------------------- on a real GPU
+EMBED_IDS_MODEL = """
+    import torch
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(16, 4)
+
+        def forward(self, x):
+            return self.embed(x.long()).sum(-1)
+"""
+IDS_ON_CUDA = {**ECHO_1D, "inputs": {"x": {"dtype": "int64", "shape": [-1]}}, "device": "cuda"}
+
+
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("isolation", ["thread", "process"])
-def test_on_cuda_a_device_side_assert_fails_only_what_it_must(
-    tmp_path: Path, isolation: str
-) -> None:
+def test_on_cuda_a_device_side_assert_in_a_worker_fails_only_its_culprit(tmp_path: Path) -> None:
     """An id past the embedding on CUDA, without the host range check."""
-    model_py = """
-        import torch
-
-        class Model(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.embed = torch.nn.Embedding(16, 4)
-
-            def forward(self, x):
-                return self.embed(x.long()).sum(-1)
-    """
-    write_toy_model(
-        tmp_path,
-        "ids",
-        model_py,
-        isolation=isolation,
-        device="cuda",
-        **{**ECHO_1D, "inputs": {"x": {"dtype": "int64", "shape": [-1]}}},
-    )
+    write_toy_model(tmp_path, "ids", EMBED_IDS_MODEL, isolation="process", **IDS_ON_CUDA)
     with ServedModel.from_repository(tmp_path, "ids") as model:
-        futures = model.submit_many(
-            [{"x": np.array([1, 2, 3])}, {"x": np.array([99, 1, 1])}, {"x": np.array([4, 5, 6])}]
-        )
-        outcomes = []
+        futures = model.submit_many([{"x": np.array([1, 2, 3])}, {"x": np.array([99, 1, 1])},
+                                     {"x": np.array([4, 5, 6])}])
+        outcomes: list[object] = []
         for future in futures:
             try:
                 outcomes.append(future.result(120)["y"].shape)
             except ModelFailure as exc:
                 outcomes.append(exc)
-        if isolation == "process":
-            assert outcomes[0] == (3,) and outcomes[2] == (3,)
-            assert isinstance(outcomes[1], ModelFailure)
-            wait_until(lambda: model.health() is None, "the worker replaced", 60)
-        else:
-            assert all(isinstance(o, DeviceLost) for o in outcomes)
-            assert model.health() is not None
+        assert outcomes[0] == (3,) and outcomes[2] == (3,)
+        assert isinstance(outcomes[1], ModelFailure)
+        wait_until(lambda: model.health() is None, "the worker replaced", 60)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_a_device_side_assert_in_a_thread_takes_its_server_down(tmp_path: Path) -> None:
+    """The same in a model thread, in a server process of its own: the assert
+    ruins its process's CUDA context for good, which in this test process
+    would fail every CUDA test after it."""
+    write_toy_model(tmp_path, "ids", EMBED_IDS_MODEL, isolation="thread", **IDS_ON_CUDA)
+    server = ServerProcess(tmp_path, "--shutdown-grace-s", "1", log=tmp_path / "server.log")
+    try:
+        items = [{"x": np.array([1, 2, 3])}, {"x": np.array([99, 1, 1])}]
+        reply = httpx.post(f"{server.url}/v2/models/ids/infer", content=body(items),
+                           headers=MSGPACK, timeout=120)
+        assert reply.status_code == 500
+        live = httpx.get(f"{server.url}/v2/health/live")
+        assert live.status_code == 503
+        assert "device-side assert triggered" in live.json()["reason"]
+        assert httpx.get(f"{server.url}/v2/health/ready").status_code == 503
+    finally:
+        server.stop(grace=5)
 
 
 @pytest.mark.cuda
@@ -470,9 +521,8 @@ def test_on_cuda_output_parameters_are_never_stale() -> None:
             y = torch.sin(y) + y - torch.sin(y)
         return WithParameters({"y": y}, {"first": y[:, 0]})
 
-    model = ServedModel.from_function(
-        fn, inputs=X_IN, outputs=Y_OUT, device="cuda", max_batch_size=8
-    )
+    model = ServedModel.from_function(fn, inputs=X_IN, outputs=Y_OUT, device="cuda",
+                                      max_batch_size=8)
     busy = torch.cuda.Stream()
     stop = threading.Event()
 
@@ -502,12 +552,9 @@ def test_on_cuda_output_parameters_are_never_stale() -> None:
 def test_on_cuda_an_exported_program_with_positions_runs(tmp_path: Path) -> None:
     ids = torch.randint(0, 16, (2, 5))
     program = torch.export.export(
-        Positions(),
-        (ids,),
-        dynamic_shapes=(
-            {0: torch.export.Dim("b", min=1, max=8), 1: torch.export.Dim("n", min=2, max=64)},
-        ),
-    )
+        Positions(), (ids,),
+        dynamic_shapes=({0: torch.export.Dim("b", min=1, max=8),
+                         1: torch.export.Dim("n", min=2, max=64)},))
     torch.export.save(program, tmp_path / "model.pt2")
     config = parse_config(FILE_CONFIG, "positions")
     model = load_torchscript(tmp_path / "model.pt2", config, "p").to(torch.device("cuda", 0))
@@ -516,17 +563,25 @@ def test_on_cuda_an_exported_program_with_positions_runs(tmp_path: Path) -> None
     assert device_module.CONTEXT_LOSS.reason is None
 
 
+@pytest.mark.cuda
+@needs_cuda
+def test_on_cuda_a_batch_runs_and_its_time_is_the_gpu_time() -> None:
+    config = parse_config({"max_batch_size": 8, "input": X_IN, "output": Y_OUT}, "m")
+    executor = ThreadExecutor(lambda x: x * 2, config, resolve_device("cuda"))
+    executor.start_instance(0)
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3).pin_memory()
+    executed = executor.collect(executor.launch({"x": x}, 0))
+    assert executed.batched is not None
+    assert executed.batched["y"].tolist() == (x * 2).tolist()
+    assert executed.seconds is not None and 0 < executed.seconds < 5
+
+
 def test_exported_programs_load_on_parallel_threads(tmp_path: Path) -> None:
     """The registry loads models on parallel threads; torch.export.load alone
     fails there ("_CURRENT_DESERIALIZER is already set")."""
     ids = torch.randint(0, 16, (2, 5))
-    program = torch.export.export(
-        Positions(),
-        (ids,),
-        dynamic_shapes=(
-            {0: torch.export.Dim("b", min=1, max=8), 1: torch.export.Dim("n", min=2, max=64)},
-        ),
-    )
+    program = torch.export.export(Positions(), (ids,), dynamic_shapes=(
+        {0: torch.export.Dim("b", min=1, max=8), 1: torch.export.Dim("n", min=2, max=64)},))
     config = parse_config(FILE_CONFIG, "positions")
     paths = []
     for i in range(6):
@@ -548,22 +603,3 @@ def test_exported_programs_load_on_parallel_threads(tmp_path: Path) -> None:
     for thread in threads:
         thread.join()
     assert errors == []
-
-
-def test_batch_events_block_and_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A waiting model thread sleeps (blocking) and elapsed_time works (timing):
-    CUDA raises for elapsed_time between events made without enable_timing."""
-    made: list[dict[str, bool]] = []
-
-    class Event:
-        def __init__(self, **flags: bool) -> None:
-            made.append(flags)
-
-        def record(self, stream: object) -> None:
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    context = DeviceContext(torch.device("cpu"))
-    context.stream = object()  # type: ignore[assignment]
-    context.record()
-    assert made == [{"enable_timing": True, "blocking": True}]

@@ -38,6 +38,7 @@ def test_gpu_check_on_cpu_passes_every_check(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
 
     assert TOP_LEVEL <= set(result), set(result) ^ TOP_LEVEL
+    assert result["partial"] is False
     assert result["device"].startswith("cpu") and result["driver"] is None
     assert result["torch"] and result["commit"] and result["date"]
     checks = result["checks"]
@@ -70,6 +71,31 @@ def test_gpu_check_on_cpu_passes_every_check(tmp_path: Path) -> None:
         assert point["items_per_s"] > 0 and point["p99_ms"] >= point["p50_ms"] > 0, point
         assert point["gpu_util"] is None and point["server_cpu_us_per_request"] > 0, point
     assert "skipped: needs CUDA" in run.stdout  # the table shows them
+
+
+@pytest.mark.timeout(120)
+def test_a_run_stopped_by_its_time_limit_leaves_the_phases_it_finished(tmp_path: Path) -> None:
+    """A GPU lease or a `timeout` that ends the run early: the JSON holds
+    every phase done so far, marked partial, instead of nothing at all."""
+    out = tmp_path / "gpu_check_cpu.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), str(ROOT / "clients" / "python"), os.environ.get("PYTHONPATH", "")])}
+    with subprocess.Popen([sys.executable, str(CHECK), "--device", "cpu", "--no-load",
+                           "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True) as run:
+        try:
+            assert run.stderr is not None
+            for line in run.stderr:  # the first phase's line comes after its JSON is written
+                if line.startswith("[gpu_check] export:"):
+                    break
+            else:
+                pytest.fail("gpu_check ended before its first phase")
+        finally:
+            run.kill()
+    result = json.loads(out.read_text())
+    assert result["partial"] is True and "export" in result["phases_s"]
+    assert TOP_LEVEL <= set(result)
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_override_config_sets_top_level_fields_and_drops_keys_in_tables() -> None:

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -156,18 +157,36 @@ class DeviceContext:
         are done: the caller synchronises once per batch, when it needs them."""
         if self.device.type == "cpu":
             return {name: t.contiguous() for name, t in outputs.items()}, None
-        host = {}
-        for name, t in outputs.items():
-            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            buffer.copy_(t, non_blocking=True)
-            host[name] = buffer
+        host = {name: self._pinned_copy(t) for name, t in outputs.items()}
         return host, self.record()
+
+    def columns_to_host(self, columns: Any) -> Any:
+        """A batch's per-row output parameters (``WithParameters``) with each
+        device tensor queued for pinned host memory, as the outputs are: read
+        after the batch's event, a ``.tolist()`` would otherwise make one more
+        blocking copy into pageable memory per parameter. Call it before the
+        event is recorded (only an instance with a stream records one);
+        anything else is left for ``output_parameters`` to judge."""
+        if self.stream is None or not isinstance(columns, Mapping):
+            return columns
+        return {
+            name: self._pinned_copy(v)
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu"
+            else v
+            for name, v in columns.items()
+        }
+
+    def _pinned_copy(self, t: torch.Tensor) -> torch.Tensor:
+        buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buffer.copy_(t, non_blocking=True)
+        return buffer
 
     def record(self) -> torch.cuda.Event:
         """An event after everything queued so far on the instance's stream.
         ``blocking=True``: waiting on it sleeps the thread instead of spinning
-        a core, which a GPU pod's CPU limit cannot spare. ``enable_timing``:
-        a batch's time is the elapsed time between two of them."""
+        a core, which a GPU pod's CPU limit cannot spare. ``enable_timing=True``:
+        a batch's time is ``started.elapsed_time(done)`` between two of these,
+        and torch raises there unless both events were created timing."""
         done = torch.cuda.Event(enable_timing=True, blocking=True)
         done.record(self.stream)
         return done

@@ -176,7 +176,7 @@ class ThreadExecutor:
             result = self.fn(**arguments)
             returned = None
             if isinstance(result, WithParameters):
-                result, returned = result.outputs, result.parameters
+                result, returned = result.outputs, context.columns_to_host(result.parameters)
             if isinstance(result, (list, tuple)):
                 done = context.record() if on_cuda else None
                 seconds = None if on_cuda else time.perf_counter() - clock
@@ -210,7 +210,10 @@ class ThreadExecutor:
             spec: RequestParameterSpec = self.parameter_specs[name]
             if spec.numeric:
                 dtype = torch.int64 if spec.type == "int" else torch.float32
-                arguments[name] = torch.tensor(values, dtype=dtype)
+                # Pinned on CUDA: the copy to the device is queued, not made
+                # through a pageable staging buffer.
+                pinned = context.stream is not None
+                arguments[name] = torch.tensor(values, dtype=dtype, pin_memory=pinned)
             else:
                 arguments[name] = list(values)
         tensors = context.to_device({k: v for k, v in arguments.items() if torch.is_tensor(v)})

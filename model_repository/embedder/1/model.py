@@ -76,8 +76,10 @@ class Model(nn.Module):
         if normalize is None:
             return unit
         # One flag per row: rows of callers that asked for raw vectors keep them.
-        # Copied without waiting: a blocking copy to a GPU synchronises it.
-        rows = torch.tensor(normalize).to(unit.device, non_blocking=True)[:, None]
+        # Copied without waiting: a blocking copy to a GPU synchronises it, and
+        # from pinned memory on CUDA, so that the copy is queued, not staged.
+        flags = torch.tensor(normalize, pin_memory=unit.is_cuda)
+        rows = flags.to(unit.device, non_blocking=True)[:, None]
         embedding = torch.where(rows, unit, pooled)
         return WithParameters({"embedding": embedding}, {"norm": pooled.norm(dim=-1)})
 
