@@ -46,8 +46,6 @@ BOUNDS: dict[str, Bounds] = {
     "instance_count": {"ge": 1, "le": 16},
     "default_timeout_ms": {"gt": 0, "le": MAX_TIMEOUT_MS},
     "target_p99_ms": {"gt": 0, "le": MAX_TIMEOUT_MS},
-    # Not a model override: a bound on what one client may send.
-    "max_bytes_element_length": {"ge": 1, "le": 1 << 30},
 }
 # The longest one element of a bytes (BYTES) input may be, unless the
 # server's max_bytes_element_length says otherwise (1 MiB).
@@ -151,7 +149,8 @@ class Settings(BaseSettings):
     max_items_per_request: int = Field(4096, ge=1, description="Most items in one request.")
     max_bytes_element_length: int = Field(
         DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
-        **BOUNDS["max_bytes_element_length"],
+        ge=1,
+        le=1 << 30,
         description="Longest one element of a bytes (BYTES) input may be, in bytes; a longer "
         "one is that caller's 400, naming the input.",
     )

@@ -25,6 +25,7 @@ from typing import Any
 from tensorserve.errors import InvalidInput
 from tensorserve.grpc.generated import grpc_service_pb2 as pb
 from tensorserve.repository.config import ModelConfig
+from tensorserve.tensors.wire_tensor import to_bytes
 from tensorserve.wire import oip
 from tensorserve.wire.request import InferRequest, Results, response_parameters
 
@@ -137,7 +138,7 @@ def encode(
     for requested in request.outputs:
         array = oip.stack_rows(results, requested.name, config.batching)
         reply.outputs.add(name=requested.name, datatype=requested.dt.v2, shape=array.shape)
-        reply.raw_output_contents.append(bytes(oip.binary_data(array, requested.dt)))
+        reply.raw_output_contents.append(bytes(to_bytes(array, requested.dt)))
     for key, value in response_parameters(results, config.batching).items():
         _set_parameter(reply.parameters[key], value)
     return reply

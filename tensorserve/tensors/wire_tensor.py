@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from tensorserve.errors import InvalidInput
-from tensorserve.tensors.bytes_tensor import bytes_array, unframe
-from tensorserve.tensors.dtypes import DTYPES
+from tensorserve.tensors.bytes_tensor import bytes_array, frame, unframe
+from tensorserve.tensors.dtypes import DTYPES, DType
 
 MAX_RANK = 8
 
@@ -62,6 +62,15 @@ def from_bytes(dtype_name: Any, shape: Any, data: Any, where: str) -> WireTensor
             f"needs {expected}"
         )
     return WireTensor(dt.name, np.frombuffer(data, dtype=dt.numpy).reshape(dims))
+
+
+def to_bytes(array: np.ndarray, dt: DType) -> bytes | memoryview:
+    """``from_bytes``'s inverse, as the binary extension and gRPC's raw
+    contents carry a tensor: raw little-endian values (a view, no copy), or
+    a bytes tensor's length framing."""
+    if dt.is_bytes:
+        return frame(array)
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
 def _bytes_data(data: Any, dims: tuple[int, ...], where: str) -> np.ndarray:

@@ -39,9 +39,9 @@ import numpy as np
 
 from tensorserve.errors import InvalidInput, ModelFailure
 from tensorserve.repository.config import InputSpec, ModelConfig, OutputSpec
-from tensorserve.tensors.bytes_tensor import bytes_array, frame
+from tensorserve.tensors.bytes_tensor import bytes_array
 from tensorserve.tensors.dtypes import BY_V2, DType
-from tensorserve.tensors.wire_tensor import WireTensor, check_shape, from_bytes
+from tensorserve.tensors.wire_tensor import WireTensor, check_shape, from_bytes, to_bytes
 from tensorserve.wire import oip_json
 from tensorserve.wire.lists import array_from_list
 from tensorserve.wire.request import (
@@ -360,7 +360,7 @@ def encode_response(
             "shape": list(array.shape),
         }
         if requested.binary:
-            data = binary_data(array, requested.dt)
+            data = to_bytes(array, requested.dt)
             tensor["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
         else:
@@ -375,14 +375,6 @@ def encode_response(
     return EncodedResponse(
         [header, *chunks], BINARY_CONTENT_TYPE, {HEADER_LENGTH: str(len(header))}
     )
-
-
-def binary_data(array: np.ndarray, dt: DType) -> bytes | memoryview:
-    """An output's bytes in the binary extension (and gRPC's raw contents):
-    raw little-endian values, or a BYTES tensor's length framing."""
-    if dt.is_bytes:
-        return frame(array)
-    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
 
 
 # Above this much JSON to parse or to write, the handler runs the codec in a
