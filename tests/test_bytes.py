@@ -12,6 +12,7 @@ has seen the others queued, then they run as one batch.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import struct
 import threading
@@ -32,7 +33,7 @@ from tensorserve_client import InvalidInput as ClientInvalidInput
 from tritonclient.utils import InferenceServerException
 
 from tensorserve.batching.collate import pad, unpad
-from tensorserve.errors import InvalidInput
+from tensorserve.errors import ConfigError, InvalidInput
 from tensorserve.grpc.generated import grpc_service_pb2 as pb
 from tensorserve.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from tensorserve.repository.config import parse_config
@@ -117,6 +118,7 @@ def test_the_framing_round_trips_and_is_tritons() -> None:
         (b"\x03\x00\x00\x00abc\x01\x00", [2], "ends inside the length of element 1"),
         (b"\x01\x00\x00\x00ab", [1], "1 bytes are left after the 1 BYTES elements"),
         (b"", [10**9], "cannot hold 1000000000 BYTES elements"),
+        (b"", [2**32] * 8, r"cannot hold \d+ BYTES elements"),  # no int64 wrap-around
     ],
 )
 def test_a_malformed_framing_is_a_sentence(data: bytes, shape: list[int], message: str) -> None:
@@ -152,6 +154,22 @@ def test_collate_pads_a_variable_bytes_axis_with_empty_bytes() -> None:
     assert words.tolist() == [[b"a", b"b", b"c"], [b"d", b"", b""]]
     rows = unpad({"echo": words}, batch, config.output, {"echo": "words"})
     assert [row["echo"].tolist() for row in rows] == [[b"a", b"b", b"c"], [b"d"]]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"min_value": 0}, "min_value and max_value are for integer and float inputs, not bytes"),
+        ({"platform": "onnxruntime_onnx"}, "dtype bytes ('text') needs a model.py"),
+    ],
+)
+def test_a_config_that_cannot_serve_bytes_says_why(fields: dict[str, Any], message: str) -> None:
+    text = {"name": "text", "dtype": "bytes", "shape": [1]}
+    platform = {k: v for k, v in fields.items() if k == "platform"}
+    spec = {**text, **{k: v for k, v in fields.items() if k != "platform"}}
+    data = {"input": [spec], "output": [{"name": "n", "dtype": "int64", "shape": [1]}], **platform}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config(data, "strings")
 
 
 def test_bytes_cross_the_worker_socket_without_pickle() -> None:

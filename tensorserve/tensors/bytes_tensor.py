@@ -12,6 +12,7 @@ pickle. Pure functions, no torch.
 
 from __future__ import annotations
 
+import math
 import reprlib
 import struct
 from collections.abc import Iterable
@@ -119,7 +120,7 @@ def unframe(data: bytes | bytearray | memoryview, shape: Iterable[int], where: s
     array of ``shape``; ``InvalidInput`` starting with ``where`` when a length
     runs past the end or bytes are left over."""
     dims = tuple(shape)
-    count = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    count = math.prod(dims)  # exact: a hostile shape cannot wrap around
     view = memoryview(data).cast("B")
     if count * _LENGTH.size > len(view):  # checked before anything is allocated
         raise InvalidInput(
