@@ -47,6 +47,9 @@ BOUNDS: dict[str, Bounds] = {
     "default_timeout_ms": {"gt": 0, "le": MAX_TIMEOUT_MS},
     "target_p99_ms": {"gt": 0, "le": MAX_TIMEOUT_MS},
 }
+# The longest one element of a bytes (BYTES) input may be, unless the
+# server's max_bytes_element_length says otherwise (1 MiB).
+DEFAULT_MAX_BYTES_ELEMENT_LENGTH = 1 << 20
 
 
 def check_device(value: str) -> str:
@@ -144,6 +147,13 @@ class Settings(BaseSettings):
     # Bounds on what a client may send.
     max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body accepted.")
     max_items_per_request: int = Field(4096, ge=1, description="Most items in one request.")
+    max_bytes_element_length: int = Field(
+        DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+        ge=1,
+        le=1 << 30,
+        description="Longest one element of a bytes (BYTES) input may be, in bytes; a longer "
+        "one is that caller's 400, naming the input.",
+    )
 
     # Deadlines, slow clients, start-up and shutdown (docs/reliability.md).
     default_timeout_ms: float | None = Field(

@@ -237,7 +237,7 @@ async def test_a_broken_model_is_not_ready_with_its_reason_and_others_serve(toy_
     assert "proj.weight: shape [4, 3] in file, [4, 4] in model" in reasons["mismatch"]
     assert reasons["badconfig"] == "badconfig/config.toml: input[0].dtype: unknown dtype 'float33'; " \
         "expected one of bool, uint8, uint16, uint32, uint64, int8, int16, int32, int64, float16, " \
-        "float32, float64, bfloat16"
+        "float32, float64, bfloat16, bytes"
     ready = await toy_client.get("/v2/models/broken/ready")
     assert ready.status == 503 and "no such thing" in (await ready.json())["reason"]
     meta = await (await toy_client.get("/v2/models/broken")).json()

@@ -11,6 +11,9 @@ Fixed-shape outputs are returned whole.
 
 A model's declared request parameters need no padding: ``Collator.pad``
 gives the batch one column per parameter, each row's value in its row.
+
+A bytes feature is padded the same way into a numpy object array (never a
+torch tensor), its padding ``b""``: the model gets that array.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tensorserve.repository.config import (
     ModelConfig,
     OutputSpec,
 )
-from tensorserve.tensors.dtypes import DType, from_torch
+from tensorserve.tensors.dtypes import DType, Feature, from_torch
 
 Item = Mapping[str, np.ndarray]
 Result = dict[str, np.ndarray]
@@ -42,7 +45,7 @@ class PaddedBatch:
     """One batch ready for the model: a host tensor per feature, plus the
     true extents of every item's variable axes (to un-pad with)."""
 
-    features: dict[str, torch.Tensor]
+    features: dict[str, Feature]  # a torch tensor; bytes: a numpy object array
     extents: dict[str, np.ndarray]  # feature -> int64 array [batch, n_variable_axes]
     real_elements: int
     padded_elements: int
@@ -86,6 +89,18 @@ def _pad_bits(value: float | bool, dt: DType) -> np.generic:
     return dt.numpy.type(value)
 
 
+def _batch_buffer(
+    batch: int, row_shape: list[int], dt: DType, pin_memory: bool
+) -> tuple[Feature, np.ndarray]:
+    """(what the model gets, a numpy view of it to fill): a torch tensor, or
+    for bytes one object array that is both."""
+    if dt.is_bytes:
+        array = np.empty((batch, *row_shape), dtype=object)
+        return array, array
+    buffer = torch.empty((batch, *row_shape), dtype=dt.torch_dtype, pin_memory=pin_memory)
+    return buffer, from_torch(buffer)  # numpy view of the same memory
+
+
 def pad(
     items: Sequence[Item],
     inputs: Sequence[InputSpec],
@@ -97,7 +112,7 @@ def pad(
     batch = len(items)
     if batch == 1 and not pad_to_multiple_of and not pin_memory:
         return _single(items[0], inputs)
-    features: dict[str, torch.Tensor] = {}
+    features: dict[str, Feature] = {}
     extents: dict[str, np.ndarray] = {}
     real = padded = 0
     for spec in inputs:
@@ -105,13 +120,12 @@ def pad(
         shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(batch, len(spec.shape))
         longest = shapes.max(axis=0) if batch else np.zeros(len(spec.shape), np.int64)
         row_shape = padded_shape(longest, spec, pad_to_multiple_of)
-        buffer = torch.empty((batch, *row_shape), dtype=spec.dt.torch, pin_memory=pin_memory)
-        host = from_torch(buffer)  # numpy view of the same memory
+        buffer, host = _batch_buffer(batch, row_shape, spec.dt, pin_memory)
         uniform = bool((shapes == shapes[0]).all()) and list(shapes[0]) == row_shape
         if uniform:
             np.stack(arrays, out=host)  # nothing to pad: one copy
         else:
-            host.fill(_pad_bits(spec.pad_value, spec.dt))
+            host.fill(b"" if spec.dt.is_bytes else _pad_bits(spec.pad_value, spec.dt))
             for row, array in zip(host, arrays):
                 row[tuple(slice(0, n) for n in array.shape)] = array
         features[spec.name] = buffer
@@ -124,11 +138,16 @@ def pad(
 def _single(item: Item, inputs: Sequence[InputSpec]) -> PaddedBatch:
     """A batch of one has nothing to pad: one copy per feature (a lone request
     at low load is the latency-critical case)."""
-    features, extents, elements = {}, {}, 0
+    features: dict[str, Feature] = {}
+    extents, elements = {}, 0
     for spec in inputs:
         array = np.array(item[spec.name])  # owned and writable, as torch wants
-        tensor = torch.from_numpy(array[None])
-        features[spec.name] = tensor.view(torch.bfloat16) if spec.dt.name == "bfloat16" else tensor
+        if spec.dt.is_bytes:
+            features[spec.name] = array[None]
+        else:
+            tensor = torch.from_numpy(array[None])
+            bf16 = spec.dt.name == "bfloat16"
+            features[spec.name] = tensor.view(torch.bfloat16) if bf16 else tensor
         extents[spec.name] = np.array(
             [[array.shape[a] for a in spec.variable_axes]], dtype=np.int64
         )

@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
-import torch
+
+from tensorserve.tensors.dtypes import Feature
 
 
 class BatchOutputs(Protocol):
@@ -63,7 +64,7 @@ class Executor(Protocol):
 
     def launch(
         self,
-        features: dict[str, torch.Tensor],
+        features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None = None,
     ) -> Any:
@@ -124,7 +125,7 @@ class DirectExecutor(Executor, Protocol):
 
     def try_launch_direct(
         self,
-        features: dict[str, torch.Tensor],
+        features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None = None,
     ) -> Any | None:

@@ -10,7 +10,10 @@ plus its binary section, and checked by the one OIP decoder
     raw_input_contents[i]          -> parameters.binary_data_size, bytes in order
     parameters (InferParameter)    -> plain values: bool, int, str, float
 
-Replies always carry raw bytes (``raw_output_contents``), as Triton's do.
+Replies always carry raw bytes (``raw_output_contents``), as Triton's do;
+a BYTES output there is its elements' 4-byte-length framing (as Triton's),
+and a BYTES input may come in either field (``bytes_contents``, or
+``raw_input_contents`` in the same framing).
 """
 
 from __future__ import annotations
@@ -19,11 +22,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from tensorserve.errors import InvalidInput
 from tensorserve.grpc.generated import grpc_service_pb2 as pb
 from tensorserve.repository.config import ModelConfig
+from tensorserve.tensors.wire_tensor import to_bytes
 from tensorserve.wire import oip
 from tensorserve.wire.request import InferRequest, Results, response_parameters
 
@@ -131,12 +133,12 @@ def encode(
     request: InferRequest, results: Results, name: str, version: str, config: ModelConfig
 ) -> pb.ModelInferResponse:
     """The requested outputs, each the request's rows stacked back into one
-    dense tensor, as raw little-endian bytes."""
+    dense tensor, as raw little-endian bytes (BYTES: length-framed)."""
     reply = pb.ModelInferResponse(model_name=name, model_version=version, id=request.id or "")
     for requested in request.outputs:
         array = oip.stack_rows(results, requested.name, config.batching)
         reply.outputs.add(name=requested.name, datatype=requested.dt.v2, shape=array.shape)
-        reply.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
+        reply.raw_output_contents.append(bytes(to_bytes(array, requested.dt)))
     for key, value in response_parameters(results, config.batching).items():
         _set_parameter(reply.parameters[key], value)
     return reply

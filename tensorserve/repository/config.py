@@ -52,7 +52,10 @@ class _Strict(BaseModel):
 
 class TensorSpec(_Strict):
     name: str = Field(min_length=1, description="Feature name; the model's keyword argument.")
-    dtype: str = Field(description="numpy dtype name, or bfloat16.")
+    dtype: str = Field(
+        description="numpy dtype name, bfloat16, or bytes (KServe v2 BYTES: forward gets a "
+        "numpy object array of bytes)."
+    )
     shape: list[int] = Field(description="Per-item shape without the batch dim; -1 = variable.")
 
     @field_validator("dtype")
@@ -79,7 +82,9 @@ class TensorSpec(_Strict):
 
 
 class InputSpec(TensorSpec):
-    pad_value: float | int | bool = Field(0, description="Value this feature is padded with.")
+    pad_value: float | int | bool = Field(
+        0, description='Value this feature is padded with (a bytes feature: always b"").'
+    )
     max_length: int | None = Field(
         None, ge=1, description="Upper bound on every variable axis (default: server's limit)."
     )
@@ -306,6 +311,12 @@ class ModelConfig(_Strict):
         if self.request_parameter:
             raise ValueError(
                 f"request_parameter needs a model.py (forward's keyword arguments), not "
+                f"platform = {self.platform!r}"
+            )
+        strings = [s.name for s in (*self.input, *self.output) if s.dt.is_bytes]
+        if strings:  # a model file takes tensors; bytes reach a forward as numpy arrays
+            raise ValueError(
+                f"dtype bytes ({', '.join(map(repr, strings))}) needs a model.py, not "
                 f"platform = {self.platform!r}"
             )
 

@@ -27,8 +27,8 @@ def bounds_problem(dt: DType, low: float | None, high: float | None) -> str | No
     bounds = {name: v for name, v in (("min_value", low), ("max_value", high)) if v is not None}
     if not bounds:
         return None
-    if dt.torch == torch.bool:
-        return "min_value and max_value are for integer and float inputs, not bool"
+    if dt.torch is None or dt.torch == torch.bool:
+        return f"min_value and max_value are for integer and float inputs, not {dt.name}"
     for name, value in bounds.items():
         if dt.torch.is_floating_point:
             info: Any = torch.finfo(dt.torch)

@@ -23,6 +23,7 @@ import torch
 from tensorserve.errors import ConfigError
 from tensorserve.runtime.cpus import available_cpus
 from tensorserve.runtime.cuda_diagnosis import cuda_missing
+from tensorserve.tensors.dtypes import Feature
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +146,14 @@ class DeviceContext:
         with torch.inference_mode(), stream_ctx:
             yield
 
-    def to_device(self, features: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def to_device(self, features: Mapping[str, Feature]) -> dict[str, Feature]:
+        """Tensors onto the device; a bytes feature (a numpy object array) stays on the host."""
         if self.device.type == "cpu":
             return dict(features)
-        return {name: t.to(self.device, non_blocking=True) for name, t in features.items()}
+        return {
+            name: t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+            for name, t in features.items()
+        }
 
     def to_host(
         self, outputs: Mapping[str, torch.Tensor]

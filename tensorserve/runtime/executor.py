@@ -15,6 +15,11 @@ name -> tensor, or a list with one entry per item, where an entry may be an
 Exception that fails that item alone; or any of these wrapped in
 ``tensorserve.WithParameters`` with per-row output parameters.
 
+A bytes feature reaches the forward as the numpy object array of ``bytes``
+it was padded into (``[batch, *item_shape]``), never as a tensor, and a
+bytes output comes back the same way (an object array or nested lists of
+``bytes`` / ``str``), never through torch.
+
 A model that declares request parameters gets each as one more keyword
 argument: a 1-D int64 / float32 tensor on its device, or a list (bool,
 string), one value per row. A model that declares none gets the features
@@ -35,12 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorserve.errors import BatchOutOfMemory, DeviceLost, ModelFailure
+from tensorserve.errors import BatchOutOfMemory, DeviceLost, InvalidInput, ModelFailure
 from tensorserve.repository.config import ModelConfig, OutputSpec
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
 from tensorserve.runtime.runner import InstanceRunner, reply_on_loop
-from tensorserve.tensors.dtypes import from_torch
+from tensorserve.tensors.bytes_tensor import bytes_array
+from tensorserve.tensors.dtypes import Feature, host_array
 from tensorserve.tensors.results import WithParameters
 
 
@@ -75,7 +81,7 @@ class Launched:
     by the instance's stream, which the host and the default stream do not
     wait for."""
 
-    host: dict[str, torch.Tensor] | None  # batched outputs (pinned, still filling on CUDA)
+    host: dict[str, Feature] | None  # batched outputs (pinned, still filling on CUDA)
     done: torch.cuda.Event | None  # recorded after the last of the batch's work (CUDA)
     per_item: list[Any] | None
     parameters: Mapping[str, Any] | None = None  # as the model returned them
@@ -98,6 +104,9 @@ class ThreadExecutor:
         self.device = device
         self.instance_count = instance_count
         self.outputs = config.output
+        # Numeric outputs go through torch to the host; bytes outputs never do.
+        self._tensor_outputs = [spec for spec in config.output if not spec.dt.is_bytes]
+        self._bytes_outputs = [spec for spec in config.output if spec.dt.is_bytes]
         self.parameter_specs = {spec.name: spec for spec in config.request_parameter}
         self._contexts = [DeviceContext(device, intra_op_threads) for _ in range(instance_count)]
         # On CUDA, launch returns once the work is queued: the batcher pads and
@@ -134,7 +143,7 @@ class ThreadExecutor:
 
     def launch(
         self,
-        features: dict[str, torch.Tensor],
+        features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None = None,
     ) -> Launched:
@@ -158,7 +167,7 @@ class ThreadExecutor:
 
     def _launch(
         self,
-        features: dict[str, torch.Tensor],
+        features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None,
     ) -> Launched:
@@ -182,9 +191,15 @@ class ThreadExecutor:
                 seconds = None if on_cuda else time.perf_counter() - clock
                 return Launched(None, done, list(result), returned, started, seconds)
             named = named_outputs(result, self.outputs)
-            host, done = context.to_host(
-                {spec.name: named[spec.name].to(spec.dt.torch) for spec in self.outputs}
+            tensors, done = context.to_host(
+                {
+                    spec.name: named[spec.name].to(spec.dt.torch_dtype)
+                    for spec in self._tensor_outputs
+                }
             )
+            host: dict[str, Feature] = dict(tensors)
+            for spec in self._bytes_outputs:
+                host[spec.name] = bytes_output(named[spec.name], spec.name)
         seconds = None if on_cuda else time.perf_counter() - clock
         return Launched(host, done, None, returned, started, seconds)
 
@@ -240,7 +255,7 @@ class ThreadExecutor:
             self._raise_if_sticky(exc)  # an asynchronous CUDA error surfaces here
             raise
         assert launched.host is not None
-        host = {name: from_torch(t) for name, t in launched.host.items()}
+        host = {name: host_array(t) for name, t in launched.host.items()}
         return Executed(host, None, seconds, parameters)
 
     def _item_result(self, entry: Any) -> Any:
@@ -248,12 +263,15 @@ class ThreadExecutor:
         if isinstance(entry, BaseException):
             return entry  # fails this item alone
         named = named_outputs(entry, self.outputs)
-        return {
-            spec.name: from_torch(
-                torch.as_tensor(named[spec.name]).detach().cpu().to(spec.dt.torch)
+        result = {
+            spec.name: host_array(
+                torch.as_tensor(named[spec.name]).detach().cpu().to(spec.dt.torch_dtype)
             )
-            for spec in self.outputs
+            for spec in self._tensor_outputs
         }
+        for spec in self._bytes_outputs:
+            result[spec.name] = bytes_output(named[spec.name], spec.name)
+        return result
 
     # -- the event loop's direct path (batching.executor.DirectExecutor)
     def can_run_direct(self, instance: int) -> bool:
@@ -261,7 +279,7 @@ class ThreadExecutor:
 
     def try_launch_direct(
         self,
-        features: dict[str, torch.Tensor],
+        features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None = None,
     ) -> Future[Executed]:
@@ -352,10 +370,21 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def named_outputs(result: Any, outputs: list[OutputSpec]) -> Mapping[str, torch.Tensor]:
+def bytes_output(value: Any, name: str) -> np.ndarray:
+    """A bytes output as the model returned it (an object array, or nested
+    lists, of ``bytes`` / ``str``) as an object array of ``bytes``, or a
+    sentence saying why not (the model's fault: ``ModelFailure``)."""
+    try:
+        return bytes_array(value, f"output {name!r}", what="the model's output")
+    except InvalidInput as exc:
+        raise ModelFailure(exc.message) from None
+
+
+def named_outputs(result: Any, outputs: list[OutputSpec]) -> Mapping[str, Any]:
     """The model's return value as output name -> tensor, or a sentence saying
     why it is not one."""
-    if isinstance(result, torch.Tensor):
+    lone_bytes = len(outputs) == 1 and outputs[0].dt.is_bytes
+    if isinstance(result, torch.Tensor) or (isinstance(result, np.ndarray) and lone_bytes):
         if len(outputs) != 1:
             raise ModelFailure(
                 f"model returned one tensor but the config declares "

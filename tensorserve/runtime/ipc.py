@@ -5,12 +5,15 @@ One message on a stream socket (a ``socketpair``, never a network socket):
     u32 little-endian   length of the header
     header              msgpack map; its "tensors" entry lists
                         [name, dtype, shape] of each tensor that follows
+                        ([name, "bytes", shape, size] for a bytes tensor)
     tensor bytes        each tensor's raw bytes, in that order, back to back
 
 Tensors travel as raw bytes (no pickle, no copy into the header) and are
 read into one buffer per message, of which the received arrays are
 zero-copy views. bfloat16 travels as its uint16 bit patterns, as on the wire
-(see ``tensorserve.tensors.dtypes``).
+(see ``tensorserve.tensors.dtypes``). A bytes tensor (a numpy object array)
+travels in the 4-byte-length framing of ``tensors.bytes_tensor``, its size
+in the header, and is rebuilt as an object array of ``bytes``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from tensorserve.tensors.bytes_tensor import frame, unframe
 from tensorserve.tensors.dtypes import dtype
 
 _LENGTH = struct.Struct("<I")
@@ -47,18 +51,23 @@ def send(
     # (not ascontiguousarray: it turns a 0-d array into a 1-d one)
     arrays = [a if a.flags.c_contiguous else a.copy() for a in (tensors or {}).values()]
     names = list(tensors or {})
-    head = msgpack.packb(
-        {
-            **header,
+    specs: list[list[Any]] = []
+    payloads: list[Any] = []
+    for name, array in zip(names, arrays):
+        if array.dtype == object:  # bytes: never pickled, framed
+            framed = frame(array)
+            specs.append([name, "bytes", list(array.shape), len(framed)])
+            payloads.append(framed)
+        else:
             # bfloat16 arrays are uint16 here; the receiver's config says
             # which features are bfloat16, exactly as on the wire.
-            "tensors": [[name, a.dtype.name, list(a.shape)] for name, a in zip(names, arrays)],
-        }
-    )
+            specs.append([name, array.dtype.name, list(array.shape)])
+            payloads.append(array.reshape(-1).view(np.uint8).data)
+    head = msgpack.packb({**header, "tensors": specs})
     sock.sendall(_LENGTH.pack(len(head)) + head)
-    for array in arrays:
-        if array.nbytes:
-            sock.sendall(array.reshape(-1).view(np.uint8).data)
+    for payload in payloads:
+        if len(payload):
+            sock.sendall(payload)
 
 
 def recv(sock: socket.socket) -> Message:
@@ -113,17 +122,26 @@ def _checked(length: int) -> int:
 def _header(raw: bytearray) -> tuple[dict[str, Any], list[int]]:
     """The decoded header and the byte size of each tensor it announces."""
     header = msgpack.unpackb(raw)
-    sizes = [math.prod(shape) * dtype(name).itemsize for _, name, shape in header["tensors"]]
+    sizes = [
+        spec[3] if spec[1] == "bytes" else math.prod(spec[2]) * dtype(spec[1]).itemsize
+        for spec in header["tensors"]
+    ]
     return header, sizes
 
 
 def _arrays(specs: list[Any], sizes: list[int], payload: Any) -> dict[str, np.ndarray]:
-    """Zero-copy views of ``payload``, one per announced tensor."""
+    """Zero-copy views of ``payload``, one per announced tensor (bytes
+    tensors: object arrays rebuilt from their framing)."""
     tensors, offset = {}, 0
-    for (key, name, shape), size in zip(specs, sizes):
-        tensors[key] = np.frombuffer(
-            payload, dtype=dtype(name).numpy, count=math.prod(shape), offset=offset
-        ).reshape(shape)
+    view = memoryview(payload)
+    for spec, size in zip(specs, sizes):
+        key, name, shape = spec[0], spec[1], spec[2]
+        if name == "bytes":
+            tensors[key] = unframe(view[offset : offset + size], shape, f"tensor {key!r}")
+        else:
+            tensors[key] = np.frombuffer(
+                payload, dtype=dtype(name).numpy, count=math.prod(shape), offset=offset
+            ).reshape(shape)
         offset += size
     return tensors
 

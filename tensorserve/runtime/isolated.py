@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from tensorserve.errors import BatchOutOfMemory, ConfigError, ModelFailure, RowErrors
 from tensorserve.repository.config import ModelConfig
@@ -47,7 +46,7 @@ from tensorserve.runtime.executor import Executed
 from tensorserve.runtime.standby import Standby
 from tensorserve.runtime.template import Template
 from tensorserve.runtime.worker_process import WorkerProcess
-from tensorserve.tensors.dtypes import from_torch
+from tensorserve.tensors.dtypes import Feature, host_array
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +146,7 @@ class ProcessExecutor:
 
     def launch(
         self,
-        features: dict[str, torch.Tensor],
+        features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None = None,
     ) -> Sent:
@@ -225,7 +224,7 @@ class ProcessExecutor:
 
     def try_launch_direct(
         self,
-        features: dict[str, torch.Tensor],
+        features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None = None,
     ) -> Sent | None:
@@ -279,5 +278,5 @@ class ProcessExecutor:
         return Executed(None, per_item, header["seconds"], parameters)
 
 
-def _host(features: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {name: from_torch(t) for name, t in features.items()}
+def _host(features: dict[str, Feature]) -> dict[str, np.ndarray]:
+    return {name: host_array(t) for name, t in features.items()}

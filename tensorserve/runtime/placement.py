@@ -28,6 +28,7 @@ from tensorserve.runtime.cpus import available_cpus
 from tensorserve.runtime.cuda_diagnosis import cuda_missing
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed, Launched, ThreadExecutor, on_device
+from tensorserve.tensors.dtypes import Feature
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ class PlacedExecutor:
 
     def launch(
         self,
-        features: dict[str, torch.Tensor],
+        features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None = None,
     ) -> Routed:

@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from typing import Any
 
-import torch
+from tensorserve.tensors.dtypes import Feature
 
-Run = Callable[[dict[str, torch.Tensor], Mapping[str, list[Any]] | None], Any]
+Run = Callable[[dict[str, Feature], Mapping[str, list[Any]] | None], Any]
 Done = Callable[[Any, BaseException | None], None]
 
 
@@ -37,7 +37,7 @@ class InstanceRunner:
         self._thread.start()
 
     def submit(
-        self, features: dict[str, torch.Tensor], parameters: Mapping[str, list[Any]] | None
+        self, features: dict[str, Feature], parameters: Mapping[str, list[Any]] | None
     ) -> Future[Any]:
         future: Future[Any] = Future()
         self._jobs.put((features, parameters, future))

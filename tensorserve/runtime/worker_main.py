@@ -36,7 +36,7 @@ from tensorserve.repository.loader import ModelSource, load_model
 from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import ThreadExecutor, on_device
-from tensorserve.tensors.dtypes import as_torch
+from tensorserve.tensors.dtypes import as_feature
 
 log = logging.getLogger("tensorserve.worker")
 
@@ -68,7 +68,7 @@ def _run_batch(
 ) -> ipc.Message:
     """Reply to one batch: its outputs, one result per item, or the error;
     per-row output parameters (plain scalars) ride in the reply's header."""
-    padded = {spec.name: as_torch(features[spec.name], spec.dt) for spec in config.input}
+    padded = {spec.name: as_feature(features[spec.name], spec.dt) for spec in config.input}
     try:
         started = time.perf_counter()
         executed = executor.collect(executor.launch(padded, 0, parameters))

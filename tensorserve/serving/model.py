@@ -57,6 +57,7 @@ from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.isolated import ProcessExecutor
 from tensorserve.runtime.kinds import ExecutorRequest, build_executor
 from tensorserve.runtime.placement import PlacedExecutor, resolve_isolation, resolve_placement
+from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
 from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
 
 if TYPE_CHECKING:
@@ -75,9 +76,11 @@ def _watchdog_seconds(config: ModelConfig) -> float | str | None:
     return float(watchdog_ms) / 1000 or None
 
 
-def _warmup_value(spec: InputSpec) -> int | float:
+def _warmup_value(spec: InputSpec) -> int | float | bytes:
     """What a warm-up item holds: 1, or the nearest value the input accepts
-    (a warm-up request is validated as any request is)."""
+    (a warm-up request is validated as any request is); b"1" for bytes."""
+    if spec.dt.is_bytes:
+        return b"1"
     value: int | float = 1
     if spec.min_value is not None:
         value = max(value, spec.min_value)
@@ -261,8 +264,18 @@ class ServedModel:
         return self.batcher.pipeline.watchdog.stuck()
 
     # ------------------------------------------------------------------ inference
-    def validate(self, items: Sequence[Item]) -> list[dict[str, np.ndarray]]:
-        return [validate_item(item, self.config.input, i) for i, item in enumerate(items)]
+    def validate(
+        self,
+        items: Sequence[Item],
+        max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+    ) -> list[dict[str, np.ndarray]]:
+        """Each item checked by the one validator (``wire.validate``); a bytes
+        input's elements at most ``max_bytes_element_length`` long (the
+        server's setting, which the data plane passes)."""
+        inputs = self.config.input
+        return [
+            validate_item(item, inputs, i, max_bytes_element_length) for i, item in enumerate(items)
+        ]
 
     def priority_level(self, priority: Any) -> int:
         """A request's ``priority`` as the batcher's level
@@ -308,12 +321,16 @@ class ServedModel:
         timeout: float | None = None,
         priority: int | None = None,
         parameters: Mapping[str, Any] | None = None,
+        max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
     ) -> list[Result]:
         """Each item's outputs, in order. A model that returns output
         parameters gives ``RowResult``s: dicts with a ``parameters`` map."""
         level, values = self.priority_level(priority), self.request_parameters(parameters)
         return await self.batcher.infer_many(
-            self.validate(items), timeout=timeout, priority=level, parameters=values
+            self.validate(items, max_bytes_element_length),
+            timeout=timeout,
+            priority=level,
+            parameters=values,
         )
 
     async def infer(

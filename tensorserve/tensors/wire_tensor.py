@@ -1,5 +1,7 @@
 """A typed tensor as it travels: a dtype name, a shape and raw little-endian,
-C-order bytes. Decoding is zero-copy (``np.frombuffer``)."""
+C-order bytes. Decoding is zero-copy (``np.frombuffer``). A bytes tensor's
+data is its 4-byte-length framing, or a flat list of bin / str
+(``tensors/bytes_tensor.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from tensorserve.errors import InvalidInput
-from tensorserve.tensors.dtypes import DTYPES
+from tensorserve.tensors.bytes_tensor import bytes_array, frame, unframe
+from tensorserve.tensors.dtypes import DTYPES, DType
 
 MAX_RANK = 8
 
@@ -48,6 +51,8 @@ def from_bytes(dtype_name: Any, shape: Any, data: Any, where: str) -> WireTensor
         )
     dt = DTYPES[dtype_name]
     dims = check_shape(shape, where)
+    if dt.is_bytes:
+        return WireTensor(dt.name, _bytes_data(data, dims, where))
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise InvalidInput(f"{where}: data must be binary, got {type(data).__name__}")
     expected = math.prod(dims) * dt.itemsize
@@ -57,3 +62,29 @@ def from_bytes(dtype_name: Any, shape: Any, data: Any, where: str) -> WireTensor
             f"needs {expected}"
         )
     return WireTensor(dt.name, np.frombuffer(data, dtype=dt.numpy).reshape(dims))
+
+
+def to_bytes(array: np.ndarray, dt: DType) -> bytes | memoryview:
+    """``from_bytes``'s inverse, as the binary extension and gRPC's raw
+    contents carry a tensor: raw little-endian values (a view, no copy), or
+    a bytes tensor's length framing."""
+    if dt.is_bytes:
+        return frame(array)
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
+
+
+def _bytes_data(data: Any, dims: tuple[int, ...], where: str) -> np.ndarray:
+    """A bytes tensor's data: the length framing, or a flat list of bin / str."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return unframe(data, dims, where)
+    if not isinstance(data, list):
+        raise InvalidInput(
+            f"{where}: data of a bytes tensor must be a list of bin / str or the "
+            f"length-framed binary, got {type(data).__name__}"
+        )
+    if len(data) != math.prod(dims):
+        raise InvalidInput(
+            f"{where}: data holds {len(data)} elements, but shape {list(dims)} needs "
+            f"{math.prod(dims)}"
+        )
+    return bytes_array(data, where, what="data").reshape(dims)

@@ -26,17 +26,17 @@ import numpy as np
 import torch
 
 from tensorserve.errors import InvalidInput
-from tensorserve.tensors.dtypes import DTYPES, DType, from_torch
+from tensorserve.tensors.dtypes import NUMERIC, DType, from_torch
 
 # numpy kinds each declared dtype accepts, and how an error names them.
 _ALLOWED = {
-    name: "b" if name == "bool" else ("iuf" if dt.torch.is_floating_point else "iu")
-    for name, dt in DTYPES.items()
+    name: "b" if name == "bool" else ("iuf" if dt.torch_dtype.is_floating_point else "iu")
+    for name, dt in NUMERIC.items()
 }
 # An integer dtype's bounds (np.iinfo is slow to build per call).
 _BOUNDS = {
     name: (int(np.iinfo(dt.numpy).min), int(np.iinfo(dt.numpy).max))
-    for name, dt in DTYPES.items()
+    for name, dt in NUMERIC.items()
     if _ALLOWED[name] == "iu"
 }
 _KIND_NAMES = {"b": "booleans", "i": "integers", "u": "integers", "f": "floats"}

@@ -11,6 +11,11 @@ Error    ``{"error": str, "code": str}``
 A tensor is ``{"dtype", "shape", "data"}`` (raw bytes, decoded zero-copy) or
 a plain (nested) list of numbers, cast strictly to the declared dtype when
 the item is validated (``wire/lists.py``).
+
+A bytes tensor is ``{"dtype": "bytes", "shape", "data": [bin | str, ...]}``
+(flat, row-major; str as UTF-8; ``data`` may also be the 4-byte-length
+framing as one bin) or a plain (nested) list of bin / str. Replies carry
+bytes outputs as that map with a list of bin.
 """
 
 from __future__ import annotations
@@ -97,6 +102,8 @@ def decode_tensor(value: Any, where: str) -> WireTensor | Any:
 
 
 def encode_tensor(array: np.ndarray, dtype_name: str) -> dict[str, Any]:
+    if dtype_name == "bytes":  # a list of bin: msgpack packs each element as it is
+        return {"dtype": dtype_name, "shape": list(array.shape), "data": array.reshape(-1).tolist()}
     contiguous = np.ascontiguousarray(array)
     # memoryview: msgpack packs the buffer without an intermediate bytes copy.
     return {"dtype": dtype_name, "shape": list(contiguous.shape), "data": contiguous.data}

@@ -5,7 +5,9 @@ bytes in, items out; results in, bytes out.
 Request body: a JSON header, optionally followed by raw tensor bytes. When
 the ``Inference-Header-Content-Length: N`` header is sent, the first N bytes
 are the JSON and the rest are the binary inputs, in input order, each taking
-``parameters.binary_data_size`` bytes (little-endian, C order)::
+``parameters.binary_data_size`` bytes (little-endian, C order; a BYTES
+tensor's elements each a 4-byte little-endian length and its bytes,
+``tensors/bytes_tensor.py``)::
 
     {"id"?: str,
      "parameters"?: {"timeout"?: µs, "priority"?: int, "binary_data_output"?: bool},
@@ -37,8 +39,9 @@ import numpy as np
 
 from tensorserve.errors import InvalidInput, ModelFailure
 from tensorserve.repository.config import InputSpec, ModelConfig, OutputSpec
+from tensorserve.tensors.bytes_tensor import bytes_array
 from tensorserve.tensors.dtypes import BY_V2, DType
-from tensorserve.tensors.wire_tensor import WireTensor, check_shape, from_bytes
+from tensorserve.tensors.wire_tensor import WireTensor, check_shape, from_bytes, to_bytes
 from tensorserve.wire import oip_json
 from tensorserve.wire.lists import array_from_list
 from tensorserve.wire.request import (
@@ -132,11 +135,6 @@ def _refuse_unsupported(parameters: Mapping[str, Any], where: str) -> None:
 
 
 def _datatype(value: Any, spec: InputSpec, where: str) -> DType:
-    if value == "BYTES":
-        raise InvalidInput(
-            f"{where}: BYTES (string) tensors are not supported; tensorserve models take "
-            f"numeric tensors, and this input is {spec.dt.v2}"
-        )
     if not isinstance(value, str) or value not in BY_V2:  # a list or a map is not hashable
         raise InvalidInput(
             f"{where}: unknown datatype {reprlib.repr(value)}; expected one of {_SUPPORTED_V2}"
@@ -148,8 +146,12 @@ def _datatype(value: Any, spec: InputSpec, where: str) -> DType:
 
 def from_json_data(data: Any, dt: DType, shape: tuple[int, ...], where: str) -> np.ndarray:
     """JSON ``data`` (flat row-major, or nested to match ``shape``) as a host
-    array of ``dt``, cast by the strict list caster both protocols share."""
-    array = array_from_list(data, dt, where, what="'data'", v2=True)
+    array of ``dt``, cast by the strict list caster both protocols share
+    (BYTES: strings, as UTF-8; gRPC's ``bytes_contents`` gives bytes)."""
+    if dt.is_bytes:
+        array = bytes_array(data, where, what="'data'")
+    else:
+        array = array_from_list(data, dt, where, what="'data'", v2=True)
     if array.ndim > 1 and array.shape != shape:
         raise InvalidInput(
             f"{where}: nested 'data' has shape {list(array.shape)}, but 'shape' is {list(shape)}"
@@ -358,8 +360,8 @@ def encode_response(
             "shape": list(array.shape),
         }
         if requested.binary:
-            data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data
-            tensor["parameters"] = {"binary_data_size": data.nbytes}
+            data = to_bytes(array, requested.dt)
+            tensor["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
         else:
             tensor["data"] = oip_json.tensor_data(array, requested.dt)

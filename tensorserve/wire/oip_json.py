@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 import orjson
 
+from tensorserve.errors import InvalidInput
 from tensorserve.tensors.dtypes import DType, as_torch
 
 _DECODER = msgspec.json.Decoder()
@@ -49,9 +50,11 @@ def loads(text: bytes) -> Any:
         return json.loads(text)  # the stdlib decides, and says why it refuses
 
 
-def tensor_data(array: np.ndarray, dt: DType) -> np.ndarray:
+def tensor_data(array: np.ndarray, dt: DType) -> np.ndarray | list[str]:
     """An output's JSON ``data``: flat, C-ordered, floats as float64 (bfloat16
-    from its bit patterns), ready for ``dumps``."""
+    from its bit patterns), BYTES as UTF-8 strings, ready for ``dumps``."""
+    if dt.is_bytes:
+        return _strings(array, dt)  # a list: orjson writes no object arrays
     if dt.name == "bfloat16":
         array = as_torch(np.ascontiguousarray(array), dt).float().numpy()
     if array.dtype.kind == "f":
@@ -95,3 +98,15 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (np.ndarray, np.generic)):
         return value.tolist()
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _strings(array: np.ndarray, dt: DType) -> list[str]:
+    """A BYTES output's elements as JSON strings; bytes that are not UTF-8
+    cannot be one, so the caller is told to ask for binary data."""
+    try:
+        return [element.decode() for element in array.reshape(-1)]
+    except UnicodeDecodeError:
+        raise InvalidInput(
+            f"a {dt.v2} output holds bytes that are not UTF-8, which JSON cannot carry; "
+            f"ask for it as binary data (parameters.binary_data = true)"
+        ) from None

@@ -28,7 +28,8 @@ def model_config(name: str, config: ModelConfig) -> dict[str, Any]:
     data.update(config.model_dump(mode="json"))
     for key, specs in (("input", config.input), ("output", config.output)):
         for tensor, spec in zip(data[key], specs):
-            tensor["data_type"] = f"TYPE_{spec.dt.v2}"
+            # Triton's model config calls BYTES TYPE_STRING (its one other name).
+            tensor["data_type"] = "TYPE_STRING" if spec.dt.is_bytes else f"TYPE_{spec.dt.v2}"
             tensor["dims"] = list(spec.shape)
     data["dynamic_batching"]["max_queue_delay_microseconds"] = round(
         config.dynamic_batching.max_queue_delay_ms * 1000

@@ -22,6 +22,8 @@ from tensorserve.errors import InvalidInput
 from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, DynamicBatching, InputSpec
 from tensorserve.repository.parameters import RequestParameterSpec, check_value
 from tensorserve.repository.value_bounds import values_problem
+from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
+from tensorserve.tensors.bytes_tensor import bytes_array, check_element_lengths
 from tensorserve.tensors.dtypes import BY_TORCH, from_torch
 from tensorserve.tensors.wire_tensor import WireTensor
 from tensorserve.wire.lists import array_from_list
@@ -58,26 +60,17 @@ def shape_problem(
     return None
 
 
-def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.ndarray:
+def validate_tensor(
+    value: np.ndarray | Any,
+    spec: InputSpec,
+    where: str,
+    max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+) -> np.ndarray:
     dt = spec.dt
-    if isinstance(value, torch.Tensor):  # in-process callers
-        known = BY_TORCH.get(value.dtype)
-        if known is None:
-            raise InvalidInput(
-                f"{where}: torch dtype {value.dtype} does not match the declared {dt.name}"
-            )
-        value = WireTensor(known.name, from_torch(value.detach().cpu()))
-    elif isinstance(value, np.ndarray):
-        value = WireTensor(value.dtype.name, value)
-    if isinstance(value, WireTensor):
-        # Typed data is never silently cast: a mismatch is the caller's bug.
-        if value.dtype != dt.name:
-            raise InvalidInput(
-                f"{where}: dtype {value.dtype} does not match the declared {dt.name}"
-            )
-        array = value.array
+    if dt.is_bytes:
+        array = _bytes_input(value, where, max_bytes_element_length)
     else:
-        array = array_from_list(value, dt, where, what="the list", v2=False)
+        array = _numeric_input(value, spec, where)
     problem = shape_problem(array.shape, spec)
     if problem is None:
         if spec.min_value is not None or spec.max_value is not None:
@@ -96,6 +89,45 @@ def validate_tensor(value: np.ndarray | Any, spec: InputSpec, where: str) -> np.
     raise InvalidInput(f"{where}: {message}")
 
 
+def _bytes_input(value: Any, where: str, max_element_length: int) -> np.ndarray:
+    """A bytes input: a typed bytes tensor, an object (or numpy string) array
+    in-process, or a plain list of bin / str; each element at most
+    ``max_element_length`` bytes long."""
+    if isinstance(value, WireTensor):
+        if value.dtype != "bytes":
+            raise InvalidInput(f"{where}: dtype {value.dtype} does not match the declared bytes")
+        array = value.array
+    elif isinstance(value, torch.Tensor) or (
+        isinstance(value, np.ndarray) and value.dtype.kind not in "OSU"
+    ):
+        raise InvalidInput(f"{where}: dtype {value.dtype} does not match the declared bytes")
+    else:
+        array = bytes_array(value, where)  # checks every element is bytes (or str)
+    check_element_lengths(array, max_element_length, where)
+    return array
+
+
+def _numeric_input(value: Any, spec: InputSpec, where: str) -> np.ndarray:
+    dt = spec.dt
+    if isinstance(value, torch.Tensor):  # in-process callers
+        known = BY_TORCH.get(value.dtype)
+        if known is None:
+            raise InvalidInput(
+                f"{where}: torch dtype {value.dtype} does not match the declared {dt.name}"
+            )
+        value = WireTensor(known.name, from_torch(value.detach().cpu()))
+    elif isinstance(value, np.ndarray):
+        value = WireTensor(value.dtype.name, value)
+    if isinstance(value, WireTensor):
+        # Typed data is never silently cast: a mismatch is the caller's bug.
+        if value.dtype != dt.name:
+            raise InvalidInput(
+                f"{where}: dtype {value.dtype} does not match the declared {dt.name}"
+            )
+        return value.array
+    return array_from_list(value, dt, where, what="the list", v2=False)
+
+
 def check_range(array: np.ndarray, spec: InputSpec, where: str) -> None:
     """The one range rule (``repository.value_bounds``): every value of an
     item within the input's ``min_value`` / ``max_value``, else
@@ -106,9 +138,13 @@ def check_range(array: np.ndarray, spec: InputSpec, where: str) -> None:
 
 
 def validate_item(
-    item: Mapping[str, Any], inputs: Sequence[InputSpec], index: int
+    item: Mapping[str, Any],
+    inputs: Sequence[InputSpec],
+    index: int,
+    max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
 ) -> dict[str, np.ndarray]:
-    """Return the item's arrays in the declared dtypes, or raise InvalidInput."""
+    """Return the item's arrays in the declared dtypes, or raise InvalidInput.
+    A bytes input's elements may each be ``max_bytes_element_length`` long."""
     if not isinstance(item, Mapping):
         raise InvalidInput(f"item {index}: expected a map of feature name to tensor")
     declared = {spec.name for spec in inputs}
@@ -123,7 +159,7 @@ def validate_item(
         if spec.name not in item:
             raise InvalidInput(f"item {index}: missing feature {spec.name!r}")
         result[spec.name] = validate_tensor(
-            item[spec.name], spec, f"item {index}, feature {spec.name!r}"
+            item[spec.name], spec, f"item {index}, feature {spec.name!r}", max_bytes_element_length
         )
     return result
 

@@ -172,7 +172,7 @@ def test_bfloat16_json_data_becomes_bit_patterns() -> None:
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"datatype": "BYTES"}, "input 'input_ids': BYTES (string) tensors are not supported"),
+        ({"datatype": "BYTES"}, "input 'input_ids': datatype BYTES does not match the model's INT64"),
         (
             {"datatype": "INT32"},
             "input 'input_ids': datatype INT32 does not match the model's INT64",

@@ -222,7 +222,7 @@ def error_of(
                 "attention_mask": np.ones((1, 2), np.int64),
             },
             "400",
-            "input 'input_ids': BYTES (string) tensors are not supported",
+            "input 'input_ids': datatype BYTES does not match the model's INT64",
         ),
         (
             {

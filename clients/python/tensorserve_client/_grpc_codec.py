@@ -27,7 +27,14 @@ from tensorserve_client._kserve import grpc_service_pb2 as pb
 from tensorserve_client._kserve import model_config_pb2 as mc
 from tensorserve_client._ops import InferOp
 from tensorserve_client._protocol import InferResult
-from tensorserve_client._tensors import WIRE_DTYPES, Wire, decode_tensor
+from tensorserve_client._tensors import (
+    WIRE_DTYPES,
+    Wire,
+    bytes_elements,
+    decode_tensor,
+    frame,
+    unframe,
+)
 from tensorserve_client.errors import (
     CODES,
     ConnectionError,
@@ -53,8 +60,10 @@ DATATYPES = {
     "float32": "FP32",
     "float64": "FP64",
     "bfloat16": "BF16",
+    "bytes": "BYTES",
 }
 WIRE_NAMES = {datatype: name for name, datatype in DATATYPES.items()}
+WIRE_NAMES["STRING"] = "bytes"  # what Triton's model config calls BYTES (TYPE_STRING)
 CODE_KEY, RETRY_AFTER_KEY = "tensorserve-code", "retry-after"
 # A status with no tensorserve code (a proxy, grpc itself) -> the HTTP status
 # whose class it stands for. UNAVAILABLE and DEADLINE_EXCEEDED without a code
@@ -106,6 +115,15 @@ def cast_list(value: Any, dtype: str | None, where: str) -> Tensor:
         array = np.asarray(value)
     except ValueError:
         array = np.asarray(None, dtype=object)
+    if dtype == "bytes":  # strings or bytes, framed as raw_input_contents carry BYTES
+        try:
+            return "bytes", array.shape, frame(bytes_elements(array, where))
+        except TypeError:
+            raise InvalidInput(
+                f"{where}: the model declares bytes, so the list must hold strings or bytes",
+                status=400,
+                code="invalid_input",
+            ) from None
     if array.dtype.kind not in "biuf":
         raise InvalidInput(
             f"{where}: expected a (non-ragged) list of numbers", status=400, code="invalid_input"
@@ -141,6 +159,8 @@ def cast_list(value: Any, dtype: str | None, where: str) -> Tensor:
 
 def _tensor(value: Wire, dtype: str | None, where: str) -> Tensor:
     if isinstance(value, dict):  # a typed array, as _tensors.encode_feature made it
+        if value["dtype"] == "bytes":  # a list of bin: raw contents carry the framing
+            return "bytes", tuple(value["shape"]), frame(value["data"])
         return value["dtype"], tuple(value["shape"]), bytes(value["data"])
     return cast_list(value, dtype, where)
 
@@ -232,6 +252,11 @@ def results(
             row_shape = shape[1:] if batches else shape
             if batches and (not shape or shape[0] != k):
                 raise ProtocolError(f"output {output.name!r}: shape {shape} is not {k} rows")
+            if name == "bytes":  # length-framed: rows are found by reading the lengths
+                rows = unframe(raw, shape, f"output {output.name!r}")
+                for r in range(k):
+                    per_row[r][output.name] = rows[r] if batches else rows
+                continue
             size = len(raw) // k
             for r in range(k):
                 tensor = {"dtype": name, "shape": row_shape, "data": raw[r * size : (r + 1) * size]}

@@ -12,13 +12,19 @@ message buffer: read-only arrays surprise callers and make torch warn) or,
 with ``return_torch=True``, a torch tensor sharing that array's memory.
 numpy has no bfloat16, so a bfloat16 output comes back as float32 (exact)
 unless torch is asked for.
+
+A bytes (KServe v2 BYTES) feature is a numpy object array of ``bytes`` or
+``str`` (or a numpy ``S`` / ``U`` array, or a plain list of them), sent as
+``{"dtype": "bytes", "shape", "data": [bin, ...]}``; a bytes output comes
+back as an object array of ``bytes``, also with ``return_torch=True``.
 """
 
 from __future__ import annotations
 
 import math
+import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +54,10 @@ WIRE_DTYPES: dict[str, np.dtype] = {
 # numpy dtype -> wire name, for arrays going out (bfloat16 only comes from torch).
 WIRE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in WIRE_DTYPES.items()}
 WIRE_DTYPES["bfloat16"] = np.dtype("<u2")
+# bytes (KServe v2 BYTES): an object array of ``bytes``; str and numpy's fixed
+# width strings go out as it too (str as UTF-8), and replies come back as it.
+WIRE_DTYPES["bytes"] = np.dtype(object)
+_LENGTH = struct.Struct("<I")
 
 Wire = dict[str, Any] | list[Any] | int | float | bool
 
@@ -88,8 +98,51 @@ def _from_torch(tensor: Any, where: str) -> dict[str, Any]:
     return _from_numpy(array, where)
 
 
+def bytes_elements(array: np.ndarray, where: str) -> list[bytes]:
+    """An object (or numpy string) array's elements as ``bytes``, row-major;
+    str as UTF-8. TypeError names ``where`` for anything else."""
+    elements = []
+    for element in array.reshape(-1).tolist():
+        if isinstance(element, str):
+            element = element.encode()
+        elif isinstance(element, (bytearray, memoryview)):
+            element = bytes(element)
+        if not isinstance(element, bytes):
+            raise TypeError(
+                f"{where}: an object array is sent as bytes, so every element must be bytes "
+                f"or str, got {type(element).__name__}"
+            )
+        elements.append(element)
+    return elements
+
+
+def frame(elements: Sequence[bytes]) -> bytes:
+    """Triton's BYTES framing: each element as a 4-byte little-endian length, then it."""
+    return b"".join(_LENGTH.pack(len(e)) + e for e in elements)
+
+
+def unframe(data: bytes, shape: Sequence[int], where: str) -> np.ndarray:
+    """The framing back into an object array of ``bytes`` of ``shape``."""
+    count, offset, view = math.prod(shape), 0, memoryview(data)
+    out = np.empty(count, dtype=object)
+    for index in range(count):
+        if offset + _LENGTH.size > len(view):
+            raise ProtocolError(f"{where}: the BYTES data ends before element {index}")
+        (length,) = _LENGTH.unpack_from(view, offset)
+        offset += _LENGTH.size
+        if offset + length > len(view):
+            raise ProtocolError(f"{where}: BYTES element {index} runs past the data")
+        out[index] = bytes(view[offset : offset + length])
+        offset += length
+    if offset != len(view):
+        raise ProtocolError(f"{where}: {len(view) - offset} bytes left after the BYTES elements")
+    return out.reshape(shape)
+
+
 def _from_numpy(array: np.ndarray, where: str) -> dict[str, Any]:
     name = WIRE_NAMES.get(array.dtype)  # a dict hit: dtype.name is slow Python code
+    if name is None and array.dtype.kind in "OSU":  # a list of bin: a bytes tensor
+        return {"dtype": "bytes", "shape": list(array.shape), "data": bytes_elements(array, where)}
     if name is None and array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
         name = WIRE_NAMES.get(array.dtype)
@@ -153,6 +206,8 @@ def decode_tensor(value: Any, where: str, return_torch: bool) -> Any:
         raise ProtocolError(f"{where}: unknown dtype {name!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise ProtocolError(f"{where}: bad shape {shape!r}")
+    if name == "bytes":  # never a torch tensor: torch has no strings
+        return _bytes_tensor(data, shape, where)
     if not isinstance(data, bytes):
         raise ProtocolError(f"{where}: data must be binary, got {type(data).__name__}")
     dt = WIRE_DTYPES[name]
@@ -167,3 +222,18 @@ def decode_tensor(value: Any, where: str, return_torch: bool) -> Any:
         return (flat.astype("<u4") << 16).view("<f4").reshape(shape)
     array = flat.reshape(shape).copy()
     return require_torch().from_numpy(array) if return_torch else array
+
+
+def _bytes_tensor(data: Any, shape: list[int], where: str) -> np.ndarray:
+    """A bytes tensor's data (a list of bin, or the length framing) as an
+    object array of ``bytes``."""
+    if isinstance(data, bytes):
+        return unframe(data, shape, where)
+    if not isinstance(data, list) or len(data) != math.prod(shape):
+        raise ProtocolError(f"{where}: a bytes tensor's data must be {math.prod(shape)} elements")
+    array = np.empty(len(data), dtype=object)
+    for index, element in enumerate(data):
+        if not isinstance(element, (bytes, str)):
+            raise ProtocolError(f"{where}: element {index} is {type(element).__name__}, not bytes")
+        array[index] = element.encode() if isinstance(element, str) else element
+    return array.reshape(shape)
