@@ -112,6 +112,15 @@ class ContextLoss:
             self.reason,
         )
 
+    def describe(self) -> str | None:
+        """Why nothing runs on CUDA in this process any more (None: it runs)."""
+        if self.reason is None:
+            return None
+        return (
+            f"the CUDA context of this server process is lost ({self.reason}); only a restart "
+            f"recovers it, so readiness and liveness fail"
+        )
+
     def clear(self) -> None:
         """For tests: a new process would start with a working context."""
         with self._lock:

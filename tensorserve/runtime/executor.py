@@ -129,7 +129,7 @@ class ThreadExecutor:
     def health(self) -> str | None:
         """A lost CUDA context (``device.CONTEXT_LOSS``) is the one thing that
         stops a thread executor for good."""
-        return _lost(CONTEXT_LOSS.reason)
+        return CONTEXT_LOSS.describe()
 
     def free_memory_bytes(self) -> int | None:
         if self.device.type != "cuda":
@@ -152,7 +152,7 @@ class ThreadExecutor:
         batcher splits the batch and lowers its ceiling). A sticky CUDA
         error: ``DeviceLost``, now and for every later batch."""
         if CONTEXT_LOSS.reason is not None:
-            raise DeviceLost(f"model {self.label!r}: {_lost(CONTEXT_LOSS.reason)}")
+            raise DeviceLost(f"model {self.label!r}: {CONTEXT_LOSS.describe()}")
         try:
             return self._launch(features, instance, parameters)
         except Exception as exc:
@@ -213,7 +213,7 @@ class ThreadExecutor:
         if reason is None:
             return
         CONTEXT_LOSS.lose(reason, self.label)
-        raise DeviceLost(f"model {self.label!r}: {_lost(CONTEXT_LOSS.reason)}") from exc
+        raise DeviceLost(f"model {self.label!r}: {CONTEXT_LOSS.describe()}") from exc
 
     def _parameter_arguments(
         self, columns: Mapping[str, list[Any]], context: DeviceContext
@@ -336,15 +336,6 @@ def output_parameters(returned: Mapping[str, Any]) -> dict[str, list[Any]]:
                 )
         columns[name] = list(values)
     return columns
-
-
-def _lost(reason: str | None) -> str | None:
-    if reason is None:
-        return None
-    return (
-        f"the CUDA context of this server process is lost ({reason}); only a restart "
-        f"recovers it, so readiness and liveness fail"
-    )
 
 
 def _scalar(value: Any) -> bool:
