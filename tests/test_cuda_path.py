@@ -76,9 +76,13 @@ class FakeCuda:
         self.entered: list[torch.device] = []
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "current_device", self.initialises_cuda)
         monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
         monkeypatch.setattr(torch.cuda, "Stream", lambda device: ("stream", device))
+
+    @staticmethod
+    def initialises_cuda() -> int:
+        raise AssertionError("current_device() initialises CUDA in the server process")
 
     def set_device(self, device: torch.device) -> None:
         if device.index is None:  # torch 2.13's own check
@@ -216,8 +220,12 @@ def test_a_lost_context_makes_a_real_server_not_ready_and_not_live(tmp_path: Pat
     try:
         assert httpx.get(f"{server.url}/v2/health/live").json() == {"live": True}
         item = {"x": np.full(3, 66.0, np.float32)}
-        reply = httpx.post(f"{server.url}/v2/models/asserting/infer", content=body([item]),
-                           headers=MSGPACK, timeout=60)
+        reply = httpx.post(
+            f"{server.url}/v2/models/asserting/infer",
+            content=body([item]),
+            headers=MSGPACK,
+            timeout=60,
+        )
         assert reply.status_code == 500
         live = httpx.get(f"{server.url}/v2/health/live")
         assert live.status_code == 503
@@ -269,8 +277,13 @@ def _executor() -> ThreadExecutor:
 def test_output_parameters_and_per_item_results_are_read_after_the_batch_event() -> None:
     log: list[str] = []
     norms = ReadLogged([1.0, 2.0], log)
-    launched = Launched(None, RecordedEvent(log), [{"y": torch.ones(3)}, {"y": torch.ones(2)}],  # type: ignore[arg-type]
-                        {"norm": norms}, started=RecordedEvent(log))  # type: ignore[arg-type]
+    launched = Launched(
+        None,
+        RecordedEvent(log),
+        [{"y": torch.ones(3)}, {"y": torch.ones(2)}],  # type: ignore[arg-type]
+        {"norm": norms},
+        started=RecordedEvent(log),
+    )  # type: ignore[arg-type]
     executed = _executor().collect(launched)
     assert log[0] == "synchronize" and "read" in log[1:]
     assert executed.parameters == {"norm": [1.0, 2.0]}
@@ -377,16 +390,18 @@ FILE_CONFIG = {
 def _graph_devices(module: torch.nn.Module) -> set[str]:
     graph = getattr(module, "graph", None)
     assert isinstance(graph, torch.fx.Graph)
-    return {str(node.kwargs["device"]) for node in graph.nodes
-            if node.op == "call_function" and "device" in node.kwargs}
+    return {
+        str(node.kwargs["device"])
+        for node in graph.nodes
+        if node.op == "call_function" and "device" in node.kwargs
+    }
 
 
 def test_an_exported_program_is_rewritten_for_its_device(tmp_path: Path) -> None:
     ids = torch.randint(0, 16, (2, 5))
     length = torch.export.Dim("length", min=2, max=64)
     batch = torch.export.Dim("batch", min=1, max=8)
-    program = torch.export.export(Positions(), (ids,),
-                                  dynamic_shapes=({0: batch, 1: length},))
+    program = torch.export.export(Positions(), (ids,), dynamic_shapes=({0: batch, 1: length},))
     torch.export.save(program, tmp_path / "model.pt2")
     config = parse_config(FILE_CONFIG, "positions")
     model = load_torchscript(tmp_path / "model.pt2", config, "positions/1/model.pt2")
@@ -403,8 +418,11 @@ def test_a_traced_file_that_pins_a_device_is_refused_off_that_device(tmp_path: P
     model = load_torchscript(tmp_path / "model.pt", config, "positions/1/model.pt")
     assert isinstance(model, FileModel)
     assert model.to(torch.device("cpu")) is model  # where it was traced: fine
-    with pytest.raises(ConfigError, match=r"^positions/1/model.pt: the TorchScript program "
-                       r"hard-codes device cpu in its code"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^positions/1/model.pt: the TorchScript program "
+        r"hard-codes device cpu in its code",
+    ):
         model.to(torch.device("meta"))
 
 
@@ -445,8 +463,16 @@ def test_no_standby_worker_holds_a_second_cuda_context_by_default(
     source = ModelSource("m", tmp_path / "m", (1,))
 
     def executor(device: str, **faults: object) -> isolated.ProcessExecutor:
-        config = parse_config({**FILE_CONFIG, "platform": "pytorch_tensorserve",
-                               "input": X_IN, "output": Y_OUT, "faults": faults}, "m")
+        config = parse_config(
+            {
+                **FILE_CONFIG,
+                "platform": "pytorch_tensorserve",
+                "input": X_IN,
+                "output": Y_OUT,
+                "faults": faults,
+            },
+            "m",
+        )
         monkeypatch.setattr(isolated, "resolve_device", lambda name: torch.device(device))
         return isolated.ProcessExecutor(source, 1, config)
 
@@ -476,8 +502,9 @@ def test_on_cuda_a_device_side_assert_in_a_worker_fails_only_its_culprit(tmp_pat
     """An id past the embedding on CUDA, without the host range check."""
     write_toy_model(tmp_path, "ids", EMBED_IDS_MODEL, isolation="process", **IDS_ON_CUDA)
     with ServedModel.from_repository(tmp_path, "ids") as model:
-        futures = model.submit_many([{"x": np.array([1, 2, 3])}, {"x": np.array([99, 1, 1])},
-                                     {"x": np.array([4, 5, 6])}])
+        futures = model.submit_many(
+            [{"x": np.array([1, 2, 3])}, {"x": np.array([99, 1, 1])}, {"x": np.array([4, 5, 6])}]
+        )
         outcomes: list[object] = []
         for future in futures:
             try:
@@ -499,8 +526,9 @@ def test_on_cuda_a_device_side_assert_in_a_thread_takes_its_server_down(tmp_path
     server = ServerProcess(tmp_path, "--shutdown-grace-s", "1", log=tmp_path / "server.log")
     try:
         items = [{"x": np.array([1, 2, 3])}, {"x": np.array([99, 1, 1])}]
-        reply = httpx.post(f"{server.url}/v2/models/ids/infer", content=body(items),
-                           headers=MSGPACK, timeout=120)
+        reply = httpx.post(
+            f"{server.url}/v2/models/ids/infer", content=body(items), headers=MSGPACK, timeout=120
+        )
         assert reply.status_code == 500
         live = httpx.get(f"{server.url}/v2/health/live")
         assert live.status_code == 503
@@ -521,8 +549,9 @@ def test_on_cuda_output_parameters_are_never_stale() -> None:
             y = torch.sin(y) + y - torch.sin(y)
         return WithParameters({"y": y}, {"first": y[:, 0]})
 
-    model = ServedModel.from_function(fn, inputs=X_IN, outputs=Y_OUT, device="cuda",
-                                      max_batch_size=8)
+    model = ServedModel.from_function(
+        fn, inputs=X_IN, outputs=Y_OUT, device="cuda", max_batch_size=8
+    )
     busy = torch.cuda.Stream()
     stop = threading.Event()
 
@@ -552,9 +581,12 @@ def test_on_cuda_output_parameters_are_never_stale() -> None:
 def test_on_cuda_an_exported_program_with_positions_runs(tmp_path: Path) -> None:
     ids = torch.randint(0, 16, (2, 5))
     program = torch.export.export(
-        Positions(), (ids,),
-        dynamic_shapes=({0: torch.export.Dim("b", min=1, max=8),
-                         1: torch.export.Dim("n", min=2, max=64)},))
+        Positions(),
+        (ids,),
+        dynamic_shapes=(
+            {0: torch.export.Dim("b", min=1, max=8), 1: torch.export.Dim("n", min=2, max=64)},
+        ),
+    )
     torch.export.save(program, tmp_path / "model.pt2")
     config = parse_config(FILE_CONFIG, "positions")
     model = load_torchscript(tmp_path / "model.pt2", config, "p").to(torch.device("cuda", 0))
@@ -580,8 +612,13 @@ def test_exported_programs_load_on_parallel_threads(tmp_path: Path) -> None:
     """The registry loads models on parallel threads; torch.export.load alone
     fails there ("_CURRENT_DESERIALIZER is already set")."""
     ids = torch.randint(0, 16, (2, 5))
-    program = torch.export.export(Positions(), (ids,), dynamic_shapes=(
-        {0: torch.export.Dim("b", min=1, max=8), 1: torch.export.Dim("n", min=2, max=64)},))
+    program = torch.export.export(
+        Positions(),
+        (ids,),
+        dynamic_shapes=(
+            {0: torch.export.Dim("b", min=1, max=8), 1: torch.export.Dim("n", min=2, max=64)},
+        ),
+    )
     config = parse_config(FILE_CONFIG, "positions")
     paths = []
     for i in range(6):

@@ -34,10 +34,13 @@ def resolve_device(name: str) -> torch.device:
     ``auto`` means CUDA when present; asking for CUDA without one is a
     ``ConfigError`` that says why CUDA is missing (the model is FAILED). A
     bare ``cuda`` (from ``auto``, ``--device cuda`` or the GPU image's
-    ``TENSORSERVE_DEVICE=cuda``) becomes ``cuda:N`` for the current device:
-    ``torch.cuda.set_device`` and NVML need the index, and an index-less
-    device raises there (``ValueError: Expected a torch.device with a
-    specified index``)."""
+    ``TENSORSERVE_DEVICE=cuda``) becomes ``cuda:0``, the first GPU the
+    process sees (``CUDA_VISIBLE_DEVICES``), as torch's own current device is
+    in a process that never set one: ``torch.cuda.set_device`` and NVML need
+    the index, and an index-less device raises there (``ValueError: Expected a
+    torch.device with a specified index``). Not ``torch.cuda.current_device()``:
+    it initialises CUDA in this process, which must not hold a CUDA context of
+    its own when every model runs in worker processes."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
@@ -46,7 +49,7 @@ def resolve_device(name: str) -> torch.device:
     if not torch.cuda.is_available():
         raise ConfigError(f"device {name!r} requested but CUDA is not available: {cuda_missing()}")
     if device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", 0)
     if device.index >= torch.cuda.device_count():
         raise ConfigError(
             f"device {name!r} requested but only {torch.cuda.device_count()} GPU(s) exist"
