@@ -219,6 +219,7 @@ def test_a_lost_context_makes_a_real_server_not_ready_and_not_live(tmp_path: Pat
     server = ServerProcess(tmp_path, "--shutdown-grace-s", "1", log=log)
     try:
         assert httpx.get(f"{server.url}/v2/health/live").json() == {"live": True}
+        assert "tensorserve_cuda_context_lost 0.0" in httpx.get(f"{server.url}/metrics").text
         item = {"x": np.full(3, 66.0, np.float32)}
         reply = httpx.post(
             f"{server.url}/v2/models/asserting/infer",
@@ -234,6 +235,7 @@ def test_a_lost_context_makes_a_real_server_not_ready_and_not_live(tmp_path: Pat
             "error: device-side assert triggered); only a restart recovers it"
         )
         assert httpx.get(f"{server.url}/v2/health/ready").status_code == 503
+        assert "tensorserve_cuda_context_lost 1.0" in httpx.get(f"{server.url}/metrics").text
         lines = [line for line in log.read_text().splitlines() if "CUDA context" in line]
         assert any("the CUDA context of this process is lost" in line for line in lines)
     finally:

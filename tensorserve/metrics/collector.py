@@ -236,6 +236,15 @@ class BatchingCollector(Collector):
         for w in self.liveness.wedged() if self.liveness is not None else []:
             wedged.add_metric([w.model, w.version, str(w.instance)], w.stalled_s)
         yield wedged
+        lost = GaugeMetricFamily(
+            "tensorserve_cuda_context_lost",
+            "1 once a sticky CUDA error lost this server process's CUDA context (readiness "
+            "and /v2/health/live fail until it restarts), else 0.",
+        )
+        lost.add_metric(
+            [], 1.0 if self.liveness is not None and self.liveness.context_lost() else 0.0
+        )
+        yield lost
 
 
 # (report key, metric name, help, scale): a latency target's controller
