@@ -199,3 +199,18 @@ def test_kserve_json_returns_the_row(ragged_server: ServerProcess) -> None:
     assert (outputs["ids"]["shape"], outputs["ids"]["data"]) == ([1, 4], [4, 4, 4, 4])
     assert (outputs["y"]["shape"], outputs["y"]["data"]) == ([1, 3], [8, 8, 8])
     assert outputs["words"]["data"] == ["0", "1", "2", "3"]
+
+
+def test_kserve_json_rows_of_one_request_with_different_lengths_fail_saying_so(
+    ragged_server: ServerProcess,
+) -> None:
+    # KServe answers a request's rows as one tensor, which ragged rows cannot make.
+    data = [4, 4, 2, 2]
+    request = {"inputs": [{"name": "x", "datatype": "INT64", "shape": [2, 2], "data": data}]}
+    url = f"{ragged_server.url}/v2/models/ragged/infer"
+    status, raw = _post(url, json.dumps(request).encode(), {"Content-Type": "application/json"})
+    assert status == 500
+    assert (
+        "output 'ids': the rows of one request came back with different shapes"
+        in (json.loads(raw)["error"])
+    )
