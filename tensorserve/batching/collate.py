@@ -169,8 +169,22 @@ def check_output(name: str, array: np.ndarray, spec: OutputSpec, batch: int) -> 
             )
 
 
+def ragged_rows(spec: OutputSpec, value: object, batch: int) -> Sequence[np.ndarray]:
+    """A ragged output's rows, one per item of the batch, each of the declared
+    rank and fixed sizes, or a sentence saying why not (``ModelFailure``)."""
+    if not isinstance(value, (list, tuple)) or len(value) != batch:
+        got = f"{len(value)} rows" if isinstance(value, (list, tuple)) else type(value).__name__
+        raise ModelFailure(
+            f"ragged output {spec.name!r} must be a list of one tensor per row; got {got} "
+            f"for a batch of {batch}"
+        )
+    for row in value:
+        check_output(spec.name, row[np.newaxis], spec, 1)
+    return value
+
+
 def unpad(
-    outputs: Mapping[str, np.ndarray],
+    outputs: Mapping[str, np.ndarray | Sequence[np.ndarray]],
     batch: PaddedBatch,
     specs: Sequence[OutputSpec],
     sources: Mapping[str, str | None],
@@ -179,10 +193,22 @@ def unpad(
 
     ``sources`` maps an output name to the input it follows (``unpad_like``).
     The rows returned are views into the batch arrays: no copy is made here.
+
+    A ``ragged`` output arrives as one array per row, each its own length
+    (``ragged_rows``), and each row is taken as it is: it was never padded.
+    This is the one place a batch's rows are cut out, ragged or not, so a
+    batch with ragged outputs stays a batch up to here (no per-item results,
+    which would skip the un-padding of its other outputs).
     """
     results: list[Result] = [{} for _ in range(batch.size)]
     for spec in specs:
-        array = outputs[spec.name]
+        value = outputs[spec.name]
+        if spec.ragged:
+            for result, row in zip(results, ragged_rows(spec, value, batch.size)):
+                result[spec.name] = row
+            continue
+        assert isinstance(value, np.ndarray)
+        array = value
         check_output(spec.name, array, spec, batch.size)
         variable = spec.variable_axes
         if not variable:
@@ -260,5 +286,7 @@ class Collator:
             }
         return batch
 
-    def unpad(self, outputs: Mapping[str, np.ndarray], batch: PaddedBatch) -> list[Result]:
+    def unpad(
+        self, outputs: Mapping[str, np.ndarray | Sequence[np.ndarray]], batch: PaddedBatch
+    ) -> list[Result]:
         return unpad(outputs, batch, self.outputs, self.sources)

@@ -23,8 +23,9 @@ class BatchOutputs(Protocol):
     """A batch's outputs, on the host."""
 
     @property
-    def batched(self) -> Mapping[str, np.ndarray] | None:
-        """One array per output with the batch first: un-padded by collate."""
+    def batched(self) -> Mapping[str, np.ndarray | Sequence[np.ndarray]] | None:
+        """One array per output with the batch first (a ragged output: one
+        array per row): un-padded by collate."""
         ...
 
     @property

@@ -23,6 +23,7 @@ from pydantic import (
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.batching_config import DEFAULTS_ONLY, DynamicBatching
+from tensorserve.repository.output_rules import output_problem
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.repository.platforms import (
     DEFAULT_PLATFORM,
@@ -113,6 +114,12 @@ class OutputSpec(TensorSpec):
         None,
         description="Input whose variable axes, in order, give this output's variable axes. "
         "Defaults to the first input with variable axes.",
+    )
+    ragged: bool = Field(
+        False,
+        description="The model returns this output as a list of one tensor per row, each its "
+        "own length (a tokenizer's ids); each row is returned as it is. Needs a -1 axis; "
+        "no unpad_like.",
     )
 
 
@@ -284,20 +291,8 @@ class ModelConfig(_Strict):
             if parameter.name in inputs:  # both are keyword arguments of forward
                 raise ValueError(f"request_parameter {parameter.name!r} has the name of an input")
         for out in self.output:
-            if not out.variable_axes:
-                continue
-            source = self.unpad_source(out)
-            if source is None:
-                raise ValueError(
-                    f"output {out.name!r} has variable axes but no input has any to follow"
-                )
-            if source not in inputs:
-                raise ValueError(f"output {out.name!r}: unpad_like names unknown input {source!r}")
-            if len(inputs[source].variable_axes) < len(out.variable_axes):
-                raise ValueError(
-                    f"output {out.name!r} has {len(out.variable_axes)} variable axes but "
-                    f"input {source!r} has only {len(inputs[source].variable_axes)}"
-                )
+            if (problem := output_problem(out, self.unpad_source(out), inputs)) is not None:
+                raise ValueError(problem)
         return self
 
     def _platform_allows(self) -> None:
@@ -321,7 +316,9 @@ class ModelConfig(_Strict):
             )
 
     def unpad_source(self, out: OutputSpec) -> str | None:
-        """The input whose true lengths un-pad ``out``."""
+        """The input whose true lengths un-pad ``out`` (a ragged one: none)."""
+        if out.ragged:
+            return None
         if out.unpad_like is not None:
             return out.unpad_like
         return next((s.name for s in self.input if s.variable_axes), None)

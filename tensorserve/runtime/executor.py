@@ -15,6 +15,9 @@ name -> tensor, or a list with one entry per item, where an entry may be an
 Exception that fails that item alone; or any of these wrapped in
 ``tensorserve.WithParameters`` with per-row output parameters.
 
+A ``ragged`` output is returned inside the dict as a list of one tensor
+(or array) per row, each its own length (runtime/ragged.py).
+
 A bytes feature reaches the forward as the numpy object array of ``bytes``
 it was padded into (``[batch, *item_shape]``), never as a tensor, and a
 bytes output comes back the same way (an object array or nested lists of
@@ -44,6 +47,7 @@ from tensorserve.errors import BatchOutOfMemory, DeviceLost, InvalidInput, Model
 from tensorserve.repository.config import ModelConfig, OutputSpec
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
+from tensorserve.runtime.ragged import join_rows, rows_in, split_rows
 from tensorserve.runtime.runner import InstanceRunner, reply_on_loop
 from tensorserve.tensors.bytes_tensor import bytes_array
 from tensorserve.tensors.dtypes import Feature, host_array
@@ -66,7 +70,7 @@ def on_device(
 class Executed:
     """A batch's outputs on the host (``batching.executor.BatchOutputs``)."""
 
-    batched: dict[str, np.ndarray] | None  # one array per output, batch first
+    batched: dict[str, Any] | None  # one array per output, batch first (ragged: a list)
     per_item: list[Any] | None  # or: each item's host arrays, or its Exception
     seconds: float | None = None  # the model's own time, when known better
     parameters: dict[str, list[Any]] | None = None  # per-row output parameters
@@ -81,7 +85,7 @@ class Launched:
     by the instance's stream, which the host and the default stream do not
     wait for."""
 
-    host: dict[str, Feature] | None  # batched outputs (pinned, still filling on CUDA)
+    host: dict[str, Feature] | None  # batched outputs, ragged rows (pinned, filling on CUDA)
     done: torch.cuda.Event | None  # recorded after the last of the batch's work (CUDA)
     per_item: list[Any] | None
     parameters: Mapping[str, Any] | None = None  # as the model returned them
@@ -105,8 +109,10 @@ class ThreadExecutor:
         self.instance_count = instance_count
         self.outputs = config.output
         # Numeric outputs go through torch to the host; bytes outputs never do.
-        self._tensor_outputs = [spec for spec in config.output if not spec.dt.is_bytes]
-        self._bytes_outputs = [spec for spec in config.output if spec.dt.is_bytes]
+        batched = [spec for spec in config.output if not spec.ragged]
+        self._tensor_outputs = [spec for spec in batched if not spec.dt.is_bytes]
+        self._bytes_outputs = [spec for spec in batched if spec.dt.is_bytes]
+        self._ragged = [spec for spec in config.output if spec.ragged]
         self.parameter_specs = {spec.name: spec for spec in config.request_parameter}
         self._contexts = [DeviceContext(device, intra_op_threads) for _ in range(instance_count)]
         # On CUDA, launch returns once the work is queued: the batcher pads and
@@ -191,13 +197,14 @@ class ThreadExecutor:
                 seconds = None if on_cuda else time.perf_counter() - clock
                 return Launched(None, done, list(result), returned, started, seconds)
             named = named_outputs(result, self.outputs)
+            rows, string_rows = split_rows(named, self._ragged, rows_in(features))
             tensors, done = context.to_host(
                 {
-                    spec.name: named[spec.name].to(spec.dt.torch_dtype)
-                    for spec in self._tensor_outputs
+                    **{s.name: named[s.name].to(s.dt.torch_dtype) for s in self._tensor_outputs},
+                    **rows,  # behind the same event as the batched outputs
                 }
             )
-            host: dict[str, Feature] = dict(tensors)
+            host: dict[str, Feature] = {**tensors, **string_rows}
             for spec in self._bytes_outputs:
                 host[spec.name] = bytes_output(named[spec.name], spec.name)
         seconds = None if on_cuda else time.perf_counter() - clock
@@ -256,22 +263,21 @@ class ThreadExecutor:
             raise
         assert launched.host is not None
         host = {name: host_array(t) for name, t in launched.host.items()}
-        return Executed(host, None, seconds, parameters)
+        return Executed(join_rows(host, [s.name for s in self._ragged]), None, seconds, parameters)
 
     def _item_result(self, entry: Any) -> Any:
         """One entry of a per-item result list, as host arrays (or the item's Exception)."""
         if isinstance(entry, BaseException):
             return entry  # fails this item alone
         named = named_outputs(entry, self.outputs)
-        result = {
-            spec.name: host_array(
+        return {  # an item's own row of a ragged output too: it is one row
+            spec.name: bytes_output(named[spec.name], spec.name)
+            if spec.dt.is_bytes
+            else host_array(
                 torch.as_tensor(named[spec.name]).detach().cpu().to(spec.dt.torch_dtype)
             )
-            for spec in self._tensor_outputs
+            for spec in self.outputs
         }
-        for spec in self._bytes_outputs:
-            result[spec.name] = bytes_output(named[spec.name], spec.name)
-        return result
 
     # -- the event loop's direct path (batching.executor.DirectExecutor)
     def can_run_direct(self, instance: int) -> bool:

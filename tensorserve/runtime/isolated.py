@@ -43,6 +43,7 @@ from tensorserve.repository.platforms import PLATFORMS
 from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed
+from tensorserve.runtime.ragged import join_rows
 from tensorserve.runtime.standby import Standby
 from tensorserve.runtime.template import Template
 from tensorserve.runtime.worker_process import WorkerProcess
@@ -267,7 +268,8 @@ class ProcessExecutor:
             raise ModelFailure(header["error"])
         parameters = header.get("parameters")  # per-row output parameters, if any
         if "items" not in header:
-            return Executed(tensors, None, header["seconds"], parameters)
+            ragged = [spec.name for spec in self.outputs if spec.ragged]
+            return Executed(join_rows(tensors, ragged), None, header["seconds"], parameters)
         failed = dict(header["failed"])
         per_item: list[Any] = [
             ModelFailure(failed[i])

@@ -36,6 +36,7 @@ from tensorserve.repository.loader import ModelSource, load_model
 from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import ThreadExecutor, on_device
+from tensorserve.runtime.ragged import flat_rows
 from tensorserve.tensors.dtypes import as_feature
 
 log = logging.getLogger("tensorserve.worker")
@@ -76,7 +77,7 @@ def _run_batch(
         returned = {"parameters": executed.parameters} if executed.parameters is not None else {}
         if executed.per_item is None:
             assert executed.batched is not None
-            return {"seconds": seconds, **returned}, executed.batched
+            return {"seconds": seconds, **returned}, flat_rows(executed.batched)
         failed: list[tuple[int, str]] = []  # msgpack maps take string keys only
         tensors: dict[str, np.ndarray] = {}
         for i, result in enumerate(executed.per_item):
