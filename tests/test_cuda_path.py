@@ -399,11 +399,16 @@ def _graph_devices(module: torch.nn.Module) -> set[str]:
     }
 
 
-def test_an_exported_program_is_rewritten_for_its_device(tmp_path: Path) -> None:
+def _exported_positions() -> torch.export.ExportedProgram:
+    """``Positions`` exported with a dynamic batch and length, as a model.pt2 is."""
     ids = torch.randint(0, 16, (2, 5))
-    length = torch.export.Dim("length", min=2, max=64)
     batch = torch.export.Dim("batch", min=1, max=8)
-    program = torch.export.export(Positions(), (ids,), dynamic_shapes=({0: batch, 1: length},))
+    length = torch.export.Dim("length", min=2, max=64)
+    return torch.export.export(Positions(), (ids,), dynamic_shapes=({0: batch, 1: length},))
+
+
+def test_an_exported_program_is_rewritten_for_its_device(tmp_path: Path) -> None:
+    program = _exported_positions()
     torch.export.save(program, tmp_path / "model.pt2")
     config = parse_config(FILE_CONFIG, "positions")
     model = load_torchscript(tmp_path / "model.pt2", config, "positions/1/model.pt2")
@@ -582,14 +587,7 @@ def test_on_cuda_output_parameters_are_never_stale() -> None:
 @needs_cuda
 def test_on_cuda_an_exported_program_with_positions_runs(tmp_path: Path) -> None:
     ids = torch.randint(0, 16, (2, 5))
-    program = torch.export.export(
-        Positions(),
-        (ids,),
-        dynamic_shapes=(
-            {0: torch.export.Dim("b", min=1, max=8), 1: torch.export.Dim("n", min=2, max=64)},
-        ),
-    )
-    torch.export.save(program, tmp_path / "model.pt2")
+    torch.export.save(_exported_positions(), tmp_path / "model.pt2")
     config = parse_config(FILE_CONFIG, "positions")
     model = load_torchscript(tmp_path / "model.pt2", config, "p").to(torch.device("cuda", 0))
     out = model(input_ids=ids.cuda())["out"]
@@ -613,14 +611,7 @@ def test_on_cuda_a_batch_runs_and_its_time_is_the_gpu_time() -> None:
 def test_exported_programs_load_on_parallel_threads(tmp_path: Path) -> None:
     """The registry loads models on parallel threads; torch.export.load alone
     fails there ("_CURRENT_DESERIALIZER is already set")."""
-    ids = torch.randint(0, 16, (2, 5))
-    program = torch.export.export(
-        Positions(),
-        (ids,),
-        dynamic_shapes=(
-            {0: torch.export.Dim("b", min=1, max=8), 1: torch.export.Dim("n", min=2, max=64)},
-        ),
-    )
+    program = _exported_positions()
     config = parse_config(FILE_CONFIG, "positions")
     paths = []
     for i in range(6):
