@@ -308,12 +308,15 @@ def table(result: dict[str, Any]) -> str:
         rows.append(f"{skipped['name']:24} {skipped['model']:22} {'-':9} {'skip':7} {'':5} "
                     f"{skipped['reason']}")
     rows += ["", (f"{'load':10} {'batch':>5} {'c':>4} {'items/s':>9} {'p50 ms':>8} "
-                  f"{'p99 ms':>8} {'GPU %':>6} {'srv CPU us/req':>14}")]
+                  f"{'p99 ms':>8} {'GPU %':>6} {'srv CPU us/req':>14} {'mean batch':>10} "
+                  f"{'device items/s':>14}")]
     for p in result["load"]:
         util = "-" if p["gpu_util"] is None else f"{p['gpu_util']:.0f}"
+        mean_batch = "-" if p.get("mean_batch") is None else f"{p['mean_batch']:.1f}"
+        capacity = "-" if p.get("device_items_per_s") is None else f"{p['device_items_per_s']:.0f}"
         rows.append(f"{p['model']:10} {p['batch_size']:5} {p['concurrency']:4} {p['items_per_s']:9.0f} "
                     f"{p['p50_ms']:8.2f} {p['p99_ms']:8.2f} {util:>6} "
-                    f"{p['server_cpu_us_per_request']:14.0f}")
+                    f"{p['server_cpu_us_per_request']:14.0f} {mean_batch:>10} {capacity:>14}")
     failed = sum(not c["passed"] for c in result["checks"])
     rows += ["", (f"{len(result['checks']) - failed} passed, {failed} failed, "
                   f"{len(result['skipped'])} skipped in {result['seconds']:.0f} s")]

@@ -1,7 +1,10 @@
 """The load part of benchmarks/gpu_check.py: a closed loop of ``c`` callers,
 each sending one item per request and the next as soon as the answer
 arrives, over aiohttp with the native protocol; the GPU's utilisation
-sampled through NVML meanwhile (``nvidia-ml-py``; none without it).
+sampled through NVML meanwhile (``nvidia-ml-py``; none without it), and
+from the server's own statistics the mean batch and what the device could
+take: items per second of the batches' own time (CUDA events on a GPU), beside
+the server's CPU per request, which bounds what one server process can feed it.
 
 Kept apart from the checks: it measures, it does not judge.
 """
@@ -35,6 +38,8 @@ class LoadPoint:
     gpu_util: float | None  # mean NVML utilisation (%), None without NVML or a GPU
     server_cpu_us_per_request: float
     failed: int  # requests answered with anything but 200
+    mean_batch: float | None = None  # items per batch the server ran
+    device_items_per_s: float | None = None  # items per second of the batches' own time
 
     def as_json(self) -> dict[str, Any]:
         return {"model": self.model, "batch_size": self.batch_size, "concurrency": self.concurrency,
@@ -42,7 +47,10 @@ class LoadPoint:
                 "p99_ms": round(self.p99_ms, 3),
                 "gpu_util": None if self.gpu_util is None else round(self.gpu_util, 1),
                 "server_cpu_us_per_request": round(self.server_cpu_us_per_request, 1),
-                "failed": self.failed}
+                "failed": self.failed,
+                "mean_batch": None if self.mean_batch is None else round(self.mean_batch, 1),
+                "device_items_per_s": None if self.device_items_per_s is None
+                else round(self.device_items_per_s, 1)}
 
 
 class GpuSampler:
@@ -116,11 +124,19 @@ async def closed_loop(session: Any, url: str, model: str, bodies: Sequence[bytes
     return latencies, len(latencies), failed
 
 
+async def batching_counters(session: Any, url: str, model: str) -> tuple[int, int, float]:
+    """(batches, items, seconds the batches ran) from the server's statistics."""
+    async with session.get(f"{url}/v2/models/{model}/stats") as response:
+        batching = (await response.json())["model_stats"][0]["batching"]
+    return batching["total_batches"], batching["batch_items"], batching["batch_seconds"]
+
+
 async def run_point(session: Any, server: Any, model: str, batch_size: int, bodies: Sequence[bytes],
                     concurrency: int, seconds: float, warmup: float, gpu_index: int | None) -> LoadPoint:
     """One point: a short warm-up at the same concurrency, then the measured
     run, with the server's CPU time and the GPU's utilisation around it."""
     await closed_loop(session, server.url, model, bodies, concurrency, warmup)
+    counters_before = await batching_counters(session, server.url, model)
     cpu_before = server.cpu_seconds()
     started = time.perf_counter()
     with GpuSampler(gpu_index) as sampler:
@@ -128,7 +144,11 @@ async def run_point(session: Any, server: Any, model: str, batch_size: int, bodi
             session, server.url, model, bodies, concurrency, seconds)
     elapsed = time.perf_counter() - started
     cpu = server.cpu_seconds() - cpu_before
+    batches, items, batch_seconds = (after - before for after, before in zip(
+        await batching_counters(session, server.url, model), counters_before, strict=True))
     ms = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
     return LoadPoint(model, batch_size, concurrency, served / elapsed,
                      float(np.percentile(ms, 50)), float(np.percentile(ms, 99)), sampler.mean,
-                     1e6 * cpu / max(1, served + failed), failed)
+                     1e6 * cpu / max(1, served + failed), failed,
+                     items / batches if batches else None,
+                     items / batch_seconds if batch_seconds > 0 else None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -415,6 +416,33 @@ def test_an_exported_program_is_rewritten_for_its_device(tmp_path: Path) -> None
     assert "cpu" in _graph_devices(model.program)  # what torch.export recorded
     moved = model.to(torch.device("meta"))
     assert _graph_devices(moved.program) == {"meta"}  # nn.Module.to left it on cpu
+
+
+def test_an_exported_program_loads_where_warnings_are_errors(tmp_path: Path, monkeypatch) -> None:
+    """torch 2.11 (the GPU image's) warns while it loads a .pt2 that its weights'
+    buffer is not writable; under pytest's filterwarnings = error, as under
+    ``python -W error``, that warning refused a good model (seen on an H100)."""
+    torch.export.save(_exported_positions(), tmp_path / "model.pt2")
+    real_load = torch.export.load
+
+    def load_as_torch_2_11_does(path: str) -> torch.export.ExportedProgram:
+        warnings.warn(
+            "The given buffer is not writable, and PyTorch does not support non-writable tensors.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return real_load(path)
+
+    monkeypatch.setattr(torch.export, "load", load_as_torch_2_11_does)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_torchscript(
+            tmp_path / "model.pt2", parse_config(FILE_CONFIG, "positions"), "p"
+        )
+    assert isinstance(model, FileModel)
+    with warnings.catch_warnings(), pytest.raises(UserWarning, match="not writable"):
+        warnings.simplefilter("error")
+        load_as_torch_2_11_does(str(tmp_path / "model.pt2"))  # the stand-in does warn
 
 
 def test_a_traced_file_that_pins_a_device_is_refused_off_that_device(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ gives every tensor's dtype and rank, and which axes are dynamic.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -169,9 +170,16 @@ def _check_returns(returns: Sequence[Any], config: ModelConfig, label: str, sign
         )
 
 
+_READ_ONLY_BUFFER = "The given buffer is not writable"
+
+
 def _load_exported(path: Path, config: ModelConfig, label: str) -> FileModel:
     try:
-        with _EXPORT_LOAD:
+        with _EXPORT_LOAD, warnings.catch_warnings():
+            # torch 2.11 reads the archive's weights with torch.frombuffer over a read-only
+            # buffer and warns that it is not writable; the program never writes them. Where
+            # warnings are errors (python -W error, pytest), that warning refused a good model.
+            warnings.filterwarnings("ignore", _READ_ONLY_BUFFER, UserWarning)
             program = torch.export.load(str(path))
     except Exception as exc:  # noqa: BLE001 - torch raises many types
         raise ConfigError(
