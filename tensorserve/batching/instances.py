@@ -1,0 +1,124 @@
+"""One thread per instance for an executor that runs batches in this process.
+
+The scheduler (``scheduler.py``) owns every batch; for a ``ThreadedExecutor``
+(a forward on this process's CPU or GPU) it hands each padded batch to the
+instance's thread here, which launches it, collects it and reports the outcome
+through the batch's ``done``. Nothing here decides anything about a batch.
+
+Where the executor ``overlaps`` (CUDA: ``launch`` only queues the work), a
+batch handed over while another runs is launched before the first is
+collected, so the device has the next batch queued as the first one ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorserve.batching.executor import Done, ThreadedExecutor
+from tensorserve.tensors.dtypes import Feature
+
+
+@dataclass(eq=False)
+class Job:
+    """One batch handed to an instance's thread."""
+
+    features: dict[str, Feature]
+    parameters: Mapping[str, list[Any]] | None
+    done: Done
+    launched: Any = None  # what the executor's launch returned (abort takes it)
+    error: BaseException | None = field(default=None)
+
+
+class InstanceThreads:
+    """The ``LoopExecutor`` face of a ``ThreadedExecutor``: ``dispatch``
+    never blocks the scheduler's loop; each instance runs its batches in the
+    order they were handed over, on a daemon thread started on first use."""
+
+    def __init__(self, executor: ThreadedExecutor, name: str) -> None:
+        self.executor = executor
+        self.name = name
+        self._jobs: list[queue.SimpleQueue[Job | None]] = [
+            queue.SimpleQueue() for _ in range(executor.instance_count)
+        ]
+        self._threads: list[threading.Thread | None] = [None] * executor.instance_count
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Nothing to watch on the loop: each thread reports through ``done``."""
+
+    def dispatch(
+        self,
+        features: dict[str, Feature],
+        instance: int,
+        parameters: Mapping[str, list[Any]] | None,
+        done: Done,
+    ) -> Job:
+        job = Job(features, parameters, done)
+        if self._threads[instance] is None:
+            thread = threading.Thread(
+                target=self._run, args=(instance,), name=f"{self.name}-instance-{instance}"
+            )
+            thread.daemon = True
+            self._threads[instance] = thread
+            thread.start()
+        self._jobs[instance].put(job)
+        return job
+
+    def abort(self, job: Job, because: str) -> bool:
+        return self.executor.abort(job.launched, because)
+
+    def detach(self) -> None:
+        """Each thread stops once the batches handed to it are over."""
+        for jobs, thread in zip(self._jobs, self._threads):
+            if thread is not None:
+                jobs.put(None)
+
+    def _run(self, instance: int) -> None:
+        executor, jobs = self.executor, self._jobs[instance]
+        try:
+            executor.start_instance(instance)
+            broken: BaseException | None = None
+        except BaseException as exc:  # noqa: BLE001 - every batch then fails with it, none hangs
+            broken = exc
+        launched: deque[Job] = deque()  # launched, not yet collected (at most two)
+        while True:
+            if launched:  # only a batch already handed over is launched ahead
+                try:
+                    job = jobs.get_nowait()
+                except queue.Empty:
+                    self._collect(launched.popleft())
+                    continue
+            else:
+                job = jobs.get()
+            if job is None:  # detach: what is launched still ends, then the thread
+                while launched:
+                    self._collect(launched.popleft())
+                return
+            self._launch(job, instance, broken)
+            launched.append(job)
+            if not (executor.overlaps and len(launched) < 2):
+                self._collect(launched.popleft())
+
+    def _launch(self, job: Job, instance: int, broken: BaseException | None) -> None:
+        try:
+            if broken is not None:
+                raise broken
+            job.launched = self.executor.launch(job.features, instance, job.parameters)
+        except BaseException as exc:  # noqa: BLE001 - the model's failure: this batch only
+            job.error = exc
+        job.features = {}  # the device (or the forward) has them now
+
+    def _collect(self, job: Job) -> None:
+        outputs = None
+        if job.error is None:
+            try:
+                outputs = self.executor.collect(job.launched)
+            except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
+                job.error = exc
+        error, job.launched = job.error, None
+        job.done(outputs, error)
