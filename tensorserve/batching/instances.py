@@ -5,9 +5,10 @@ The scheduler (``scheduler.py``) owns every batch; for a ``ThreadedExecutor``
 instance's thread here, which launches it, collects it and reports the outcome
 through the batch's ``done``. Nothing here decides anything about a batch.
 
-Where the executor ``overlaps`` (CUDA: ``launch`` only queues the work), a
-batch handed over while another runs is launched before the first is
-collected, so the device has the next batch queued as the first one ends.
+Where the executor ``overlaps`` (CUDA: ``launch`` only queues the work), an
+instance has two threads: one launches each batch the moment it is handed
+over, the other waits for the device and collects, so a second batch is
+queued on the device while the first runs and no launch waits on a collect.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,14 +60,23 @@ class InstanceThreads:
     ) -> Job:
         job = Job(features, parameters, done)
         if self._threads[instance] is None:
-            thread = threading.Thread(
-                target=self._run, args=(instance,), name=f"{self.name}-instance-{instance}"
-            )
-            thread.daemon = True
-            self._threads[instance] = thread
-            thread.start()
+            self._threads[instance] = self._start(instance)
         self._jobs[instance].put(job)
         return job
+
+    def _start(self, instance: int) -> threading.Thread:
+        collector: queue.SimpleQueue[Job | None] | None = None
+        if self.executor.overlaps:
+            collector = queue.SimpleQueue()
+            self._daemon(f"{instance}-collect", self._collect_each, collector)
+        return self._daemon(str(instance), self._launch_each, instance, collector)
+
+    def _daemon(self, suffix: str, target: Callable[..., None], *args: Any) -> threading.Thread:
+        thread = threading.Thread(
+            target=target, args=args, name=f"{self.name}-instance-{suffix}", daemon=True
+        )
+        thread.start()
+        return thread
 
     def abort(self, job: Job, because: str) -> bool:
         return self.executor.abort(job.launched, because)
@@ -78,31 +87,29 @@ class InstanceThreads:
             if thread is not None:
                 jobs.put(None)
 
-    def _run(self, instance: int) -> None:
+    def _launch_each(self, instance: int, collector: queue.SimpleQueue[Job | None] | None) -> None:
+        """Launch each batch handed over, in order; collect it here too, unless
+        a collector thread waits for the device (``overlaps``)."""
         executor, jobs = self.executor, self._jobs[instance]
         try:
             executor.start_instance(instance)
             broken: BaseException | None = None
         except BaseException as exc:  # noqa: BLE001 - every batch then fails with it, none hangs
             broken = exc
-        launched: deque[Job] = deque()  # launched, not yet collected (at most two)
-        while True:
-            if launched:  # only a batch already handed over is launched ahead
-                try:
-                    job = jobs.get_nowait()
-                except queue.Empty:
-                    self._collect(launched.popleft())
-                    continue
-            else:
-                job = jobs.get()
-            if job is None:  # detach: what is launched still ends, then the thread
-                while launched:
-                    self._collect(launched.popleft())
-                return
+        while (job := jobs.get()) is not None:
             self._launch(job, instance, broken)
-            launched.append(job)
-            if not (executor.overlaps and len(launched) < 2):
-                self._collect(launched.popleft())
+            if collector is not None:
+                collector.put(job)
+            else:
+                self._collect(job)
+            del job
+        if collector is not None:
+            collector.put(None)  # after the last batch: what is launched still ends
+
+    def _collect_each(self, collected: queue.SimpleQueue[Job | None]) -> None:
+        while (job := collected.get()) is not None:
+            self._collect(job)
+            del job
 
     def _launch(self, job: Job, instance: int, broken: BaseException | None) -> None:
         try:

@@ -36,10 +36,10 @@ from collections.abc import Callable
 
 from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
 from tensorserve.batching.collate import Collator
-from tensorserve.batching.delivery import running_loop, settle
+from tensorserve.batching.delivery import settle
 from tensorserve.batching.executor import BatchOutputs, Executor, LoopExecutor
 from tensorserve.batching.instances import InstanceThreads
-from tensorserve.batching.loop_thread import LoopThread
+from tensorserve.batching.loop_thread import SchedulerLoop
 from tensorserve.batching.policy import BatchCostModel
 from tensorserve.batching.recovery import Recovery
 from tensorserve.batching.results import Batch, BatchResults
@@ -107,21 +107,17 @@ class Scheduler:
         self.hung: list[Batch | None] = [None] * count  # forwards the watchdog gave up on
         self.free_at = [0.0] * count  # perf_counter() when each last finished a batch
         self.slowest_s = 0.0  # the longest batch so far (the watchdog's "auto")
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._own_loop: LoopThread | None = None
+        self.home: SchedulerLoop | None = None  # the loop it runs on (start)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 
     # ------------------------------------------------------------------ life cycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Run on ``loop`` (the server's), or on a private loop of its own."""
-        if loop is None:
-            self._own_loop = LoopThread(f"{self.name}-scheduler")
-            loop = self._own_loop.loop
-        self.loop = loop
-        self.instances.attach(loop)
+        self.home = SchedulerLoop(loop, f"{self.name}-scheduler")
+        self.instances.attach(self.home.loop)
         self.accepting = True
-        self.watchdog.start(loop)
+        self.watchdog.start(self.home.loop)
 
     def close(self, timeout: float | None) -> None:
         """Refuse new items; what is queued still runs; then stop. From any
@@ -129,10 +125,10 @@ class Scheduler:
         with self.lock:
             self.accepting = False
             self.closing = True
-        if self.loop is None:
+        if self.home is None:
             return
         self.wake()
-        if self._on_loop():
+        if self.home.here():
             if not self.idle:
                 raise RuntimeError(
                     f"model {self.name!r}: close() on the scheduler's own event loop would wait "
@@ -140,9 +136,8 @@ class Scheduler:
                 )
         else:
             self.wait_idle(timeout)
-        self._on_loop_now(self._stop_on_loop)
-        if self._own_loop is not None:
-            self._own_loop.stop()
+        self.home.run(self._stop_on_loop)
+        self.home.stop()
 
     def _stop_on_loop(self) -> None:
         self.watchdog.stop()
@@ -167,7 +162,7 @@ class Scheduler:
         with self.lock:
             if not self.accepting:
                 raise ModelNotReady(f"model {self.name!r} is not accepting requests (stopping)")
-            self.refuse_if_hung()
+            self.watchdog.refuse_if_hung()
             self.queue.admit(entries, now)
             self._idle = False
         self.wake()
@@ -180,41 +175,15 @@ class Scheduler:
         """Form batches now: on the loop's thread at once (a request's first
         item goes out before its handler returns), from elsewhere through one
         wake-up of the loop however many items arrive meanwhile."""
-        if self._on_loop():
+        assert self.home is not None
+        if self.home.here():
             self._pump()
             return
         with self.lock:
             if self._woken:
                 return
             self._woken = True
-        assert self.loop is not None
-        try:
-            self.loop.call_soon_threadsafe(self._pump_woken)
-        except RuntimeError:  # the loop has closed: nothing can run any more
-            pass
-
-    def _on_loop(self) -> bool:
-        return self.loop is not None and running_loop() is self.loop
-
-    def _on_loop_now(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop and wait for it (or now, on the loop)."""
-        if self._on_loop():
-            fn()
-            return
-        ran = threading.Event()
-
-        def run() -> None:
-            try:
-                fn()
-            finally:
-                ran.set()
-
-        assert self.loop is not None
-        try:
-            self.loop.call_soon_threadsafe(run)
-        except RuntimeError:  # closed: nothing is watched any more
-            return
-        ran.wait()
+        self.home.call_soon(self._pump_woken)
 
     # ------------------------------------------------------------------ forming batches
     def _pump_woken(self) -> None:
@@ -264,16 +233,17 @@ class Scheduler:
 
     def _arm_timer(self, due_in: float) -> None:
         """Come back when the oldest item's queue delay is up."""
-        assert self.loop is not None
+        assert self.home is not None
         if due_in == math.inf:
             return
-        at = self.loop.time() + due_in
+        loop = self.home.loop
+        at = loop.time() + due_in
         if self._timer is not None and self._timer_at <= at:
             return
         if self._timer is not None:
             self._timer.cancel()
         self._timer_at = at
-        self._timer = self.loop.call_at(at, self._timer_fired)
+        self._timer = loop.call_at(at, self._timer_fired)
 
     def _timer_fired(self) -> None:
         self._timer, self._timer_at = None, math.inf
@@ -305,17 +275,11 @@ class Scheduler:
     def _done(self, batch: Batch) -> Callable[[BatchOutputs | None, BaseException | None], None]:
         """The batch's completion, from any thread, handled on the loop in a
         callback of its own (never inside ``dispatch``, never on a thread)."""
-        loop = self.loop
-        assert loop is not None
+        assert self.home is not None
+        call_soon = self.home.call_soon
 
         def done(outputs: BatchOutputs | None, error: BaseException | None) -> None:
-            try:
-                if running_loop() is loop:
-                    loop.call_soon(self._completed, batch, outputs, error)
-                else:
-                    loop.call_soon_threadsafe(self._completed, batch, outputs, error)
-            except RuntimeError:  # the loop has closed: nobody waits any more
-                pass
+            call_soon(self._completed, batch, outputs, error)
 
         return done
 
@@ -349,9 +313,9 @@ class Scheduler:
     def _repair(self, instance: int) -> None:
         """Restore the instance (a new worker) off the loop; no batch goes to
         it meanwhile."""
-        assert self.loop is not None
+        assert self.home is not None
         self.repairing.add(instance)
-        restored = self.loop.run_in_executor(None, self.executor.repair, instance)
+        restored = self.home.loop.run_in_executor(None, self.executor.repair, instance)
 
         def back(_: asyncio.Future[None]) -> None:
             self.repairing.discard(instance)
@@ -360,34 +324,9 @@ class Scheduler:
         restored.add_done_callback(back)
 
     def _finish(self, batch: Batch) -> None:
-        """Un-pad, record and answer; or, for a batch that failed as a whole,
-        what recovery plans: answers, and parts to run again first."""
-        retries: list[list[Pending]] = []
-        try:
-            plan = self.recovery.plan(batch)
-            if plan is not None:
-                outcomes, retries = plan.outcomes, plan.retries
-                self.results.record_recovered(batch, outcomes)
-            else:
-                outcomes = self.results.outcomes(batch)
-                if batch.error is None and self.recovery.ceiling.fitted():
-                    log.info(
-                        "model %s: trying batches of up to %d padded elements again",
-                        self.name,
-                        self.recovery.ceiling.limit,
-                    )
-        except BaseException as exc:  # a bug in un-padding, stats or the cost model
-            log.exception("batcher %s: finishing a batch failed", self.name)
-            error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
-            outcomes, retries = [(entry, error, True) for entry in batch.entries], []
-        if retries:
-            log.warning(
-                "model %s: a batch of %d failed (%s); running it again as %s",
-                self.name,
-                len(batch.entries),
-                batch.error,
-                " + ".join(str(len(part)) for part in retries),
-            )
+        """Answer the batch's callers; a batch that failed as a whole may
+        instead come back in parts (``BatchResults.conclude``), run first."""
+        outcomes, retries = self.results.conclude(batch, self.recovery)
         self.retries.extend(retries)
         with self.lock:
             self.queue.memory_limit = self.recovery.ceiling.limit
@@ -408,27 +347,6 @@ class Scheduler:
             self._idle = not busy
             if self._idle and not len(self.queue):
                 self.changed.notify_all()
-
-    # ------------------------------------------------------------------ health
-    def health(self) -> str | None:
-        """Why no batch can run now (None: one can)."""
-        if self.loop is not None and all(self.hung):
-            return "every instance is stuck in a batch past the watchdog's limit"
-        return self.watchdog.stalled()
-
-    @property
-    def can_admit(self) -> bool:
-        """Accepting, and some instance can run a batch (a hint, unlocked:
-        admission itself checks under the lock)."""
-        return self.accepting and not (self.loop is not None and all(self.hung))
-
-    def refuse_if_hung(self) -> None:
-        """No instance can run a batch: answer now instead of queueing."""
-        if self.loop is not None and all(self.hung):
-            raise ModelNotReady(
-                f"model {self.name!r} is not ready: every instance is stuck in a batch that "
-                f"ran past the watchdog's limit"
-            )
 
     def _fatal(self, exc: BaseException, holding: list[Pending] | None = None) -> None:
         """A bug in the scheduler: answer every caller, queued, running, to be

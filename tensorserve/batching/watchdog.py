@@ -100,6 +100,29 @@ class Watchdog:
                 found.append((oldest, now - max(oldest.started, s.free_at[instance])))
         return found
 
+    def health(self) -> str | None:
+        """Why no batch can run now (None: one can)."""
+        if self._every_instance_hung():
+            return "every instance is stuck in a batch past the watchdog's limit"
+        return self.stalled()
+
+    @property
+    def can_admit(self) -> bool:
+        """Accepting, and some instance can run a batch (a hint, unlocked:
+        admission itself checks under the lock)."""
+        return self.scheduler.accepting and not self._every_instance_hung()
+
+    def refuse_if_hung(self) -> None:
+        """No instance can run a batch: answer now instead of queueing."""
+        if self._every_instance_hung():
+            raise ModelNotReady(
+                f"model {self.scheduler.name!r} is not ready: every instance is stuck in a "
+                f"batch that ran past the watchdog's limit"
+            )
+
+    def _every_instance_hung(self) -> bool:
+        return self._loop is not None and all(self.scheduler.hung)
+
     def stalled(self) -> str | None:
         """Why the model cannot run a batch now, if a batch has stalled."""
         stall = max(STALL_MIN_S, STALL_FACTOR * self.scheduler.slowest_s)

@@ -250,7 +250,7 @@ class ServedModel:
     def health(self) -> str | None:
         """Why the model cannot run a batch now (None: it can): every worker
         down, or every instance stuck in a batch (docs/reliability.md)."""
-        return self.batcher.scheduler.health() or self.executor.health()
+        return self.batcher.scheduler.watchdog.health() or self.executor.health()
 
     @property
     def devices(self) -> list[str]:
@@ -300,7 +300,7 @@ class ServedModel:
         model stops or cannot run a batch: its admission answers those
         (model_not_ready), and being late is not their reason."""
         scheduler = self.batcher.scheduler
-        if scheduler.target is not None and scheduler.can_admit:
+        if scheduler.target is not None and scheduler.watchdog.can_admit:
             scheduler.queue.refuse_if_late(None, 1)
 
     def submit_many(
