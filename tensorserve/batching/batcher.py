@@ -52,12 +52,16 @@ class Batcher:
         name: str = "model",
         stats: BatchStats | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.options = options or BatcherOptions()
         self.name = name
         self.stats = stats or BatchStats()
         self.collator = collator
-        self.scheduler = Scheduler(executor, collator, self.options, name, self.stats, on_fatal)
+        self.scheduler = Scheduler(
+            executor, collator, self.options, name, self.stats, on_fatal, clock
+        )
+        self.clock = clock
 
     # ------------------------------------------------------------------ life cycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> Batcher:
@@ -120,7 +124,7 @@ class Batcher:
         priority: int = 0,
         parameters: Mapping[str, Any] = NO_PARAMETERS,
     ) -> list[Pending]:
-        now = time.monotonic()
+        now = self.clock()
         deadline = None if timeout is None else now + timeout
         tally = RequestTally(len(items)) if len(items) > 1 else None  # one request (stats.py)
         entries = [

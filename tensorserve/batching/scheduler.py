@@ -61,8 +61,10 @@ class Scheduler:
         name: str,
         stats: BatchStats,
         on_fatal: Callable[[BaseException], None] | None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.executor = executor
+        self.clock = clock  # queue time (admission's and deadlines'); made up in tests
         self.instances: LoopExecutor | InstanceThreads = (
             executor if isinstance(executor, LoopExecutor)
             else InstanceThreads(executor, name)  # type: ignore[arg-type]
@@ -222,7 +224,7 @@ class Scheduler:
             # would only come back unrun. It goes alone, on an idle instance.
             return [] if ahead else self.retries.popleft()
         with self.lock:
-            now = time.monotonic()
+            now = self.clock()
             due_in = self.queue.due_in(now, ahead=ahead, closing=self.closing)
             if ahead:  # only a batch that cannot grow goes behind a running one
                 return self.queue.take(now, leave_growing=due_in > 0)
@@ -252,7 +254,7 @@ class Scheduler:
     def _dispatch(self, entries: list[Pending], instance: int) -> None:
         """Drop the entries nobody waits for any more, pad the rest and hand
         them to the instance; a batch that fails before it runs ends here."""
-        now = time.monotonic()
+        now = self.clock()
         live, expired = self.queue.expire(entries, now)
         settle(expired)
         if not live:
