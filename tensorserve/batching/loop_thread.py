@@ -47,8 +47,9 @@ class SchedulerLoop:
             pass
 
     def run(self, fn: Callable[[], None]) -> None:
-        """``fn()`` on the loop, waiting for it (at once on the loop's thread)."""
-        if self.here():
+        """``fn()`` on the loop, waiting for it (at once on the loop's thread,
+        or where the loop no longer runs: nothing else can be on it then)."""
+        if self.here() or not self.loop.is_running():
             fn()
             return
         ran = threading.Event()

@@ -350,6 +350,23 @@ class Scheduler:
             if self._idle and not len(self.queue):
                 self.changed.notify_all()
 
+    def give_up(self, batch: Batch, limit: float) -> None:
+        """The watchdog could not stop a forward past ``limit`` (a thread):
+        answer its callers now; the instance takes no batch until the forward
+        returns, and once every instance is stuck the queue is answered too."""
+        error = ModelFailure(
+            f"model {self.name!r}: the batch ran longer than the watchdog's {limit:g} s and was "
+            f"abandoned; the model is not ready while every instance is stuck"
+        )
+        self.hung[batch.instance] = batch
+        with self.lock:
+            stranded = self.queue.drain() if all(self.hung) else []
+        settle([(entry, error, True) for entry in batch.entries])
+        stuck = ModelNotReady(
+            f"model {self.name!r} is not ready: every instance is stuck in a batch"
+        )
+        settle([(entry, stuck, True) for entry in stranded])
+
     def _fatal(self, exc: BaseException, holding: list[Pending] | None = None) -> None:
         """A bug in the scheduler: answer every caller, queued, running, to be
         retried, or in hand (``holding``), and stop accepting."""

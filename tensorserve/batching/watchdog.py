@@ -31,8 +31,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tensorserve.batching.delivery import settle
-from tensorserve.errors import ModelFailure, ModelNotReady
+from tensorserve.errors import ModelNotReady
 
 if TYPE_CHECKING:
     from tensorserve.batching.results import Batch
@@ -149,7 +148,9 @@ class Watchdog:
         ]
 
     def _expire(self, batch: Batch, ran_s: float, limit: float) -> None:
-        """On the loop: abort the batch, or give up on its instance."""
+        """On the loop: abort the batch (its worker killed: the batch fails as a
+        crash and comes back to the scheduler), or tell the scheduler to give
+        up on the instance, which answers the callers."""
         s = self.scheduler
         batch.overdue = True
         log.error(
@@ -165,13 +166,4 @@ class Watchdog:
             launched, f"the batch ran longer than {limit:g} s"
         ):
             return  # the worker is killed: the batch fails as a crash and is retried split
-        error = ModelFailure(
-            f"model {s.name!r}: the batch ran longer than the watchdog's {limit:g} s and was "
-            f"abandoned; the model is not ready while every instance is stuck"
-        )
-        s.hung[batch.instance] = batch
-        with s.lock:
-            stranded = s.queue.drain() if all(s.hung) else []
-        settle([(entry, error, True) for entry in batch.entries])
-        stuck = ModelNotReady(f"model {s.name!r} is not ready: every instance is stuck in a batch")
-        settle([(entry, stuck, True) for entry in stranded])
+        s.give_up(batch, limit)
