@@ -179,7 +179,7 @@ class Scheduler:
         wake-up of the loop however many items arrive meanwhile."""
         assert self.home is not None
         if self.home.here():
-            self._pump()
+            self._pump(cut_short=False)
             return
         with self.lock:
             if self._woken:
@@ -191,16 +191,20 @@ class Scheduler:
     def _pump_woken(self) -> None:
         with self.lock:
             self._woken = False
-        self._pump()
+        self._pump(cut_short=False)
 
-    def _pump(self) -> None:
-        """Hand every instance that has room the batch that is due for it."""
+    def _pump(self, cut_short: bool = True) -> None:
+        """Hand every instance that has room the batch that is due for it.
+        ``cut_short``: also look for a batch the policy cuts short of what
+        waits (a budget) to go behind a running one; that takes a policy
+        selection, so an arriving item (False) only checks for a full one."""
         try:
             while (instance := self._free_instance()) is not None:
-                entries = self._next_entries(instance)
+                entries = self._next_entries(instance, cut_short)
                 if not entries:
                     break
                 self._dispatch(entries, instance)
+                cut_short = True
         except BaseException as exc:  # noqa: BLE001 - a bug here must answer every caller
             self._fatal(exc)
         self._note_idle()
@@ -217,7 +221,7 @@ class Scheduler:
                 best = instance
         return best
 
-    def _next_entries(self, instance: int) -> list[Pending]:
+    def _next_entries(self, instance: int, cut_short: bool) -> list[Pending]:
         ahead = bool(self.running[instance])
         if self.retries:
             # A part of a failed batch may fail again: one sent behind it
@@ -227,6 +231,8 @@ class Scheduler:
             now = self.clock()
             due_in = self.queue.due_in(now, ahead=ahead, closing=self.closing)
             if ahead:  # only a batch that cannot grow goes behind a running one
+                if due_in > 0 and not cut_short:
+                    return []
                 return self.queue.take(now, leave_growing=due_in > 0)
             if due_in > 0:
                 self._arm_timer(due_in)
