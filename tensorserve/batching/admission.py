@@ -303,8 +303,7 @@ class AdmissionQueue:
         return chosen
 
     def put_back(self, entries: Sequence[Pending], *, declined: bool = False) -> None:
-        """Return taken entries to the head of the queue, in their order (a
-        batch the direct path could not send goes to the model threads).
+        """Return taken entries to the head of the queue, in their order.
         ``declined``: taken by the last ``take``, under the same hold of the
         lock, and never meant to run: the drain rate forgets that take."""
         self._waiting[:0] = entries

@@ -52,7 +52,8 @@ class BatchOutputs(Protocol):
 
 class Executor(Protocol):
     instance_count: int
-    """Model instances: the scheduler keeps up to ``in_flight`` batches on each."""
+    """Model instances: the scheduler keeps up to two batches on each where
+    the executor ``overlaps``, one otherwise."""
 
     overlaps: bool
     """True when ``launch`` returns before the batch has run (CUDA, a worker
@@ -93,7 +94,7 @@ class Executor(Protocol):
         ...
 
     def close(self) -> None:
-        """Release what the executor holds (workers, forward threads)."""
+        """Release what the executor holds (workers, device state)."""
         ...
 
 

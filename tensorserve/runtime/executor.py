@@ -1,6 +1,7 @@
-"""Runs padded batches of a torch callable on its device, in model threads.
+"""Runs padded batches of a torch callable on its device, on each instance's thread.
 
-``ThreadExecutor`` is the executor the batcher drives for a model that runs
+``ThreadExecutor`` is the executor the scheduler drives (through
+``batching/instances.py``) for a model that runs
 in this process (``isolation = "thread"``), and the one a worker process
 runs its batches with (``isolation = "process"``). It sees padded tensors
 only; padding and un-padding are ``batching.collate``'s:

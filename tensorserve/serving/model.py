@@ -105,13 +105,13 @@ class ServedModel:
         on_fatal: Callable[[BaseException], None] | None = None,
         intra_op_threads: int | None = None,
     ) -> None:
-        """Serve ``fn`` (a batch function or ``nn.Module``) in model threads, or
+        """Serve ``fn`` (a batch function or ``nn.Module``) on instance threads, or
         give a ready ``executor`` (a ``ProcessExecutor`` for isolated models)."""
         self.name = name
         self.version = version
         # instance_group: one device -> that device and count; several -> placements.
         config, placements = resolve_placement(config)
-        if config.isolation == "auto":  # a function handed over here runs in a model thread
+        if config.isolation == "auto":  # a function handed over here runs in a thread
             config = config.model_copy(update={"isolation": "thread"})
         self.device = resolve_device(placements[0].device)
         # What the config leaves to the server (a budget of "auto", lengths
