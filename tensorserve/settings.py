@@ -201,7 +201,7 @@ class Settings(BaseSettings):
         ge=0,
         le=MAX_TIMEOUT_S,
         description="/v2/health/live answers 503 once a model instance has been stuck this "
-        "long in a forward the watchdog gave up on and cannot stop (a model thread: only a "
+        "long in a forward the watchdog gave up on and cannot stop (a thread: only a "
         "restart frees it); 0: liveness never fails.",
     )
     # Tracing (docs/observability.md, "Traces"): off unless an endpoint is set.
@@ -253,7 +253,7 @@ class Settings(BaseSettings):
     intra_op_threads: int | None = Field(
         None,
         ge=1,
-        description="torch intra-op threads per model thread (unset: the CPUs this process may "
+        description="torch intra-op threads per instance thread (unset: the CPUs this process may "
         "use, counting a container's CPU quota, less one).",
     )
     switch_interval_ms: float = Field(
@@ -261,7 +261,7 @@ class Settings(BaseSettings):
         gt=0,
         le=100,
         description="Python's GIL switch interval. The default 5 ms lets a busy event loop "
-        "starve the model thread of the GIL; 0.1 ms served 1.1-1.2x the items/s "
+        "starve a forward in a thread of the GIL; 0.1 ms served 1.1-1.2x the items/s "
         "(docs/threading.md).",
     )
 

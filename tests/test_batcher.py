@@ -25,7 +25,7 @@ from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import BatchPolicy, make_policy
 from tensorserve.repository.config import parse_config
 from tensorserve.runtime.executor import Executed
-from tests.helpers import Gate, wait_until_async
+from tests.helpers import Gate, wait_until, wait_until_async
 
 X_IN = [{"name": "x", "dtype": "float32", "shape": [-1], "pad_value": -1.0}]
 Y_OUT = [{"name": "y", "dtype": "float32", "shape": [-1], "unpad_like": "x"}]
@@ -355,10 +355,11 @@ def test_a_full_batch_is_launched_ahead_of_a_busy_device_and_a_growing_one_waits
     with Batcher(device, collator, options) as batcher:
         futures = batcher.submit_many(inputs)
         assert device.first_collect.wait(10)
-        # The model thread decides what to launch ahead *before* it collects
-        # the first batch: by now nothing more can be launched until the gate.
-        assert device.launched_before_first_collect == ahead
-        assert len(device.launched) == ahead
+        # The scheduler hands the instance the second batch while the first is
+        # on the device only if it cannot grow; its launch waits for no collect.
+        wait_until(lambda: len(device.launched) == ahead, f"{ahead} batch(es) launched", 10)
+        assert len(batcher.scheduler.running[0]) == ahead
+        assert batcher.queue_depth == 6 - sum(len(b) for b in device.launched)
         device.gate.set()
         results = [f.result(10) for f in futures]
     for item, result in zip(inputs, results):  # nothing reordered or lost

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorserve.batching.executor import DirectExecutor, Executor
+from tensorserve.batching.executor import Executor, LoopExecutor, ThreadedExecutor
 from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.isolated import ProcessExecutor
 from tensorserve.runtime.placement import PlacedExecutor
@@ -25,13 +25,19 @@ def members(protocol: type) -> set[str]:
     return names
 
 
-def test_the_contract_names_what_the_batcher_and_the_server_call() -> None:
-    assert {"launch", "collect", "abort", "repair", "health", "restarts", "restart_seconds", "close",
-            "pin_memory", "overlaps", "instance_count", "start_instance"} <= members(Executor)
+def test_the_contract_names_what_the_scheduler_and_the_server_call() -> None:
+    assert {"abort", "repair", "health", "restarts", "restart_seconds", "close", "pin_memory",
+            "overlaps", "instance_count", "free_memory_bytes"} <= members(Executor)
+    assert {"launch", "collect", "start_instance"} <= members(ThreadedExecutor)
+    assert {"attach", "dispatch", "detach"} <= members(LoopExecutor)
 
 
-@pytest.mark.parametrize("executor", [ThreadExecutor, ProcessExecutor, PlacedExecutor])
-def test_every_executor_implements_every_member(executor: type) -> None:
+@pytest.mark.parametrize(
+    ("executor", "protocol"),
+    [(ThreadExecutor, ThreadedExecutor), (ProcessExecutor, LoopExecutor),
+     (PlacedExecutor, ThreadedExecutor)],
+)
+def test_every_executor_implements_every_member(executor: type, protocol: type) -> None:
     source = ast.parse(Path(__import__(executor.__module__, fromlist=["_"]).__file__).read_text())
     cls = next(n for n in source.body if isinstance(n, ast.ClassDef) and n.name == executor.__name__)
     defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
@@ -47,13 +53,8 @@ def test_every_executor_implements_every_member(executor: type) -> None:
         node.target.attr for node in ast.walk(init)
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute)
     }
-    missing = members(Executor) - defined
+    missing = members(protocol) - defined
     assert not missing, f"{executor.__name__} lacks {sorted(missing)}"
-
-
-@pytest.mark.parametrize("executor", [ThreadExecutor, ProcessExecutor])
-def test_executors_in_this_process_and_in_workers_can_be_driven_by_a_loop(executor: type) -> None:
-    assert members(DirectExecutor) - members(Executor) <= set(dir(executor))
 
 
 def test_nothing_finds_an_executor_method_with_getattr() -> None:

@@ -82,32 +82,19 @@ def test_a_poisoned_item_fails_alone_and_every_other_caller_gets_its_row() -> No
     assert stats["failed_items"] == 1
 
 
-def test_a_poisoned_batch_the_event_loop_drove_is_split_on_the_model_threads() -> None:
-    """The loop drives a batch (the direct path) but never runs the parts of
-    a failed one: its model thread must be woken for them when the loop hands
-    the instance back, or its callers wait forever."""
+def test_a_poisoned_batch_of_callers_on_a_loop_is_split_and_every_caller_answered() -> None:
+    """Callers on an event loop, the scheduler on its own: the parts of the
+    failed batch run before anything new, and every caller gets its answer."""
     calls: list[int] = []
     values = [1.0, 2.0, 3.0, 13.0, 5.0, 6.0, 7.0, 8.0]
 
     async def run(model: ServedModel) -> list[object]:
-        assert await asyncio.to_thread(model.batcher.wait_idle, 10)  # its thread parked
         loop = asyncio.get_running_loop()
         futures = model.batcher.submit_many(model.validate([_item(v) for v in values]), loop=loop)
         done = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), 20)
         return [r if isinstance(r, BaseException) else r["y"].tolist() for r in done]
 
-    with _poisoned({13.0}, calls, dispatch="eager") as model:
-        pipeline = model.batcher.pipeline
-        finish = pipeline.finish
-
-        def finish_then_let_the_model_thread_look(batch: Any) -> None:
-            finish(batch)  # adds the parts to run again and wakes the model threads
-            if threading.current_thread() is threading.main_thread():
-                # Widen the race on purpose: the woken model thread looks while
-                # the instance is still DRIVEN by the loop, and waits again.
-                time.sleep(0.05)
-
-        pipeline.finish = finish_then_let_the_model_thread_look  # type: ignore[method-assign]
+    with _poisoned({13.0}, calls, dispatch="eager", max_queue_delay_ms=200.0) as model:
         results = asyncio.run(run(model))
     for value, result in zip(values, results):
         if value == 13.0:

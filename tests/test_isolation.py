@@ -235,7 +235,7 @@ async def test_the_event_loop_is_free_while_a_worker_runs(toy_repo: Path) -> Non
     assert ticks > 20
 
 
-# ---------------------------------------------------------------------- the direct path
+# ---------------------------------------------------------------------- one owner: the scheduler
 def _on_loops(make_coroutine: Any) -> None:
     """Run the coroutine on asyncio's own loop and on uvloop (the server's)."""
     import uvloop
@@ -245,94 +245,65 @@ def _on_loops(make_coroutine: Any) -> None:
             runner.run(make_coroutine())
 
 
-def _record_launch_threads(model: ServedModel) -> list[int]:
-    """The thread that sends each batch to the worker: a model thread
-    (``launch``) or the event loop's (``try_launch_direct``)."""
+def _record_dispatch_threads(model: ServedModel) -> list[int]:
+    """The thread that sends each batch to a worker."""
     threads: list[int] = []
-    executor = model.executor
-    for name in ("launch", "try_launch_direct"):
-        send = getattr(executor, name)
+    executor: Any = model.executor
+    send = executor.dispatch
 
-        def recording(*args: Any, send: Any = send) -> Any:
-            threads.append(threading.get_ident())
-            return send(*args)
+    def recording(*args: Any) -> Any:
+        threads.append(threading.get_ident())
+        return send(*args)
 
-        setattr(executor, name, recording)
+    executor.dispatch = recording
     return threads
 
 
-async def _parked(model: ServedModel) -> None:
-    """Wait until the model thread has gone back to waiting for work."""
+async def _idle(model: ServedModel) -> None:
     assert await asyncio.to_thread(model.batcher.wait_idle, 10)
 
 
-def test_a_loop_drives_a_worker_until_a_backlog_and_the_model_thread_takes_over() -> None:
+def test_every_batch_is_sent_by_the_schedulers_loop_whoever_calls(toy_repo: Path) -> None:
+    """Lone callers, bursts, a backlog and callers on threads: one path, every
+    batch sent (and its reply read) by the loop the scheduler runs on."""
     items = [token_item(int(n), rng) for n in rng.integers(8, 128, size=60)]
     with ServedModel.from_repository(REPOSITORY, "tagger") as here:
         expected = here.infer_many_sync(items)
 
     async def run() -> None:
-        # The fixed 1024-token budget the tagger shipped with: 17 waiting items
-        # are a backlog under it, whatever budget a learnt one has reached.
         async with ServedModel.from_repository(
             REPOSITORY, "tagger", isolation="process", max_batch_tokens=1024
         ) as model:
-            launched_on = _record_launch_threads(model)
+            sent_on = _record_dispatch_threads(model)
             loop_thread = threading.get_ident()
-            await _parked(model)
-            # A lone caller: the loop sends the batch and reads the reply.
             lone = await model.infer(items[0])
-            assert launched_on == [loop_thread]
-            # Pairs: the first item goes direct, the second queues behind it,
-            # and the loop sends it as the first one's reply comes in (no
-            # backlog): the model thread never takes the GIL.
-            burst = []
-            for pair in range(6):
-                burst += await asyncio.gather(
-                    *(model.infer(item) for item in items[1 + 2 * pair : 3 + 2 * pair])
-                )
-            assert len(launched_on) >= 4
-            assert set(launched_on) == {loop_thread}
-            # A backlog (more waits than a batch takes): the worker is the
-            # bottleneck, and the model thread takes over, sending the next
-            # batch while one runs.
-            launched_on.clear()
-            await _parked(model)
-            burst += await asyncio.gather(*(model.infer(item) for item in items[13:30]))
-            assert launched_on[0] == loop_thread
-            assert any(thread != loop_thread for thread in launched_on[1:])
-            # Callers without a loop are the model thread's: it reads the same
-            # socket with blocking reads (uvloop had made it non-blocking).
-            launched_on.clear()
+            burst = await asyncio.gather(*(model.infer(item) for item in items[1:30]))
             threaded = await asyncio.to_thread(model.infer_many_sync, items[30:])
-            assert launched_on and loop_thread not in launched_on
+            assert len(sent_on) >= 3 and set(sent_on) == {loop_thread}
             for got, want in zip([lone, *burst, *threaded], expected, strict=True):
                 np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
-            # And alone again: direct once more, once the model thread that
-            # ran the last batch has gone back to waiting.
-            await _parked(model)
-            launched_on.clear()
-            await model.infer(items[0])
-            assert launched_on == [loop_thread]
 
     _on_loops(run)
 
 
-def test_direct_batches_fail_alone_and_a_dead_worker_is_replaced_off_the_loop(toy_repo: Path) -> None:
+def test_a_dead_worker_fails_its_batch_alone_and_is_replaced_off_the_loop(toy_repo: Path) -> None:
     async def run() -> None:
         async with ServedModel.from_repository(toy_repo, "mortal") as model:
             first = _pids(model)[0]
+            executor: Any = model.executor
+            replace, replaced_on = executor._replace, []
+
+            def recording_replace(instance: int) -> object:
+                replaced_on.append(threading.get_ident())
+                return replace(instance)
+
+            executor._replace = recording_replace
             with pytest.raises(ModelFailure, match=r"died while running this batch \(exit code 7\)"):
                 await model.infer(_x(7))
-            # The dead worker is replaced off the loop, right after its batch
-            # (the standby takes over): the next request goes direct again.
-            executor: Any = model.executor
             await wait_until_async(lambda: executor.workers[0].alive, "a worker up again")
             assert executor.workers[0].pid not in (None, first)
-            await _parked(model)
-            launched_on = _record_launch_threads(model)
+            assert replaced_on and threading.get_ident() not in replaced_on
             assert (await model.infer(_x(2)))["y"].tolist() == [[4.0] * 4] * 3
-            assert launched_on[0] == threading.get_ident()  # direct
         async with ServedModel.from_repository(toy_repo, "poison") as model:
             with pytest.raises(ModelFailure, match="model 'poison' failed: RuntimeError: poison value 13"):
                 await model.infer(_x(13))
@@ -341,11 +312,10 @@ def test_direct_batches_fail_alone_and_a_dead_worker_is_replaced_off_the_loop(to
     _on_loops(run)
 
 
-def test_close_from_another_thread_waits_for_the_batch_the_loop_is_driving(toy_repo: Path) -> None:
+def test_close_from_another_thread_waits_for_the_batch_in_flight(toy_repo: Path) -> None:
     async def run() -> None:
-        model = ServedModel.from_repository(toy_repo, "sleepy").start()
+        model = ServedModel.from_repository(toy_repo, "sleepy").start(asyncio.get_running_loop())
         pid = _pids(model)[0]
-        await _parked(model)
         pending = asyncio.ensure_future(model.infer(_x(5.0)))
         await asyncio.sleep(0)  # the task runs up to its await: the batch is sent
         assert not pending.done()
@@ -356,71 +326,77 @@ def test_close_from_another_thread_waits_for_the_batch_the_loop_is_driving(toy_r
     _on_loops(run)
 
 
-def test_close_on_the_loop_that_drives_a_batch_waits_for_it_there(toy_repo: Path) -> None:
+def test_close_on_the_schedulers_own_loop_refuses_to_wait_for_itself(toy_repo: Path) -> None:
     async def run() -> None:
-        model = ServedModel.from_repository(toy_repo, "sleepy").start()
-        await _parked(model)
+        model = ServedModel.from_repository(toy_repo, "sleepy").start(asyncio.get_running_loop())
         pending = asyncio.ensure_future(model.infer(_x(6.0)))
-        await asyncio.sleep(0)  # the task runs up to its await: the batch is sent
-        started = time.monotonic()
-        model.close()  # on the loop's own thread, which holds the reply's reader
-        # It did not wait out the 30 s join timeout: it read the reply itself.
-        assert time.monotonic() - started < 10
-        assert (await pending)["y"][0, 0] == 6.0
+        await asyncio.sleep(0)  # the batch is sent
+        with pytest.raises(RuntimeError, match="would wait for itself; close it from another thread"):
+            model.batcher.close()
+        assert (await pending)["y"][0, 0] == 6.0  # nothing was lost
+        await asyncio.to_thread(model.close)
 
     _on_loops(run)
 
 
-def test_a_batch_the_loop_cannot_send_goes_to_the_model_thread(toy_repo: Path) -> None:
-    """The worker dies between the check that it is up and the send: the loop
-    neither waits for its exit nor restarts it; a model thread does."""
+def test_a_worker_that_died_unseen_runs_the_batch_after_its_replacement(toy_repo: Path) -> None:
+    """The worker dies between the check that it is up and the send: the
+    batch comes back unrun, the worker is replaced off the loop, and the
+    batch runs there: its caller sees nothing of it."""
 
     async def run() -> None:
         async with ServedModel.from_repository(toy_repo, "poison") as model:
-            worker = model.executor.workers[0]
+            worker = model.executor.workers[0]  # type: ignore[attr-defined]
             dead = worker.process
             assert dead is not None
-            await _parked(model)
+            await _idle(model)
             dead.kill()
             dead.wait(10)
             dead.poll = lambda: None  # type: ignore[method-assign]  # still looks alive
-            launched_on = _record_launch_threads(model)
-            replaced_on: list[int] = []
-            replace = model.executor._replace  # type: ignore[attr-defined]
-
-            def recording_replace(instance: int) -> object:
-                replaced_on.append(threading.get_ident())
-                return replace(instance)
-
-            model.executor._replace = recording_replace  # type: ignore[attr-defined]
-            loop_thread = threading.get_ident()
             assert (await model.infer(_x(4.0)))["y"].tolist() == [[8.0] * 4] * 3
-            # Tried on the loop (the send failed), then sent by a model thread
-            # that replaced the worker (by the standby, or a new start).
-            assert launched_on[0] == loop_thread and launched_on[1] != loop_thread
-            assert replaced_on and loop_thread not in replaced_on
             assert model.executor.workers[0].pid != dead.pid  # type: ignore[attr-defined]
 
     _on_loops(run)
 
 
-def test_a_large_batch_is_padded_on_a_model_thread_not_on_the_loop(
+def test_sending_a_batch_never_blocks_the_loop_whatever_the_socket_buffer(
     toy_repo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tensorserve.batching import batcher
+    """Linux clamps SO_SNDBUF to net.core.wmem_max (208 KiB on most hosts):
+    with a 4 KiB buffer, a 1 MiB batch is written as the worker reads it, and
+    the loop runs other callbacks meanwhile."""
+    from tensorserve.runtime import worker_process
 
-    monkeypatch.setattr(batcher, "DIRECT_MAX_ELEMENTS", 12)  # one item of 3 x 4
+    monkeypatch.setattr(worker_process, "SOCKET_BUFFER_BYTES", 4096)
 
     async def run() -> None:
-        async with ServedModel.from_repository(toy_repo, "poison") as model:
-            launched_on = _record_launch_threads(model)
-            await _parked(model)
-            assert (await model.infer(_x(1.0)))["y"].tolist() == [[2.0] * 4] * 3  # 12: direct
-            await _parked(model)
-            long = {"x": np.full((4, 4), 1.0, np.float32)}  # 16 elements
-            assert (await model.infer(long))["y"].tolist() == [[2.0] * 4] * 4
-            loop_thread = threading.get_ident()
-            assert launched_on[0] == loop_thread and launched_on[1] != loop_thread
+        async with ServedModel.from_repository(toy_repo, "poison", max_batch_size=1) as model:
+            sock = model.executor.workers[0].sock  # type: ignore[attr-defined]
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) <= 16384
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            ticker = asyncio.create_task(tick())
+            big = {"x": np.full((1 << 16, 4), 1.5, np.float32)}  # 1 MiB
+            pid = _pids(model)[0]
+            os.kill(pid, signal.SIGSTOP)  # it reads nothing: a blocking send would hang here
+            try:
+                pending = asyncio.ensure_future(model.infer(big))
+                await asyncio.sleep(0)  # the batch goes out, as far as the socket takes it
+                before = ticks
+                while ticks < before + 100:
+                    await asyncio.sleep(0)
+                assert not pending.done()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            result = await pending
+            ticker.cancel()
+            assert result["y"].shape == (1 << 16, 4) and float(result["y"][-1, 3]) == 3.0
 
     _on_loops(run)
 

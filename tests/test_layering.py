@@ -22,12 +22,8 @@ MAX_LINES = 400
 LONG_MODULES: dict[str, str] = {
     "tensorserve/grpc/generated/grpc_service_pb2_grpc.py":
         "generated from Triton's grpc_service.proto by scripts/regenerate_grpc_stubs.py",
-    # Past 400 once the formatter wrapped them at 100 columns: the core that the
-    # one-scheduler-per-model redesign (issue 37) replaces, ending smaller.
-    "tensorserve/batching/batcher.py": "the multi-path core issue 37 replaces",
-    "tensorserve/batching/pipeline.py": "the multi-path core issue 37 replaces",
-    "tensorserve/batching/stats.py": "Triton's per-request statistics beside the batch stats; "
-    "to split along with the scheduler redesign (issue 37)",
+    "tensorserve/batching/stats.py": "Triton's per-request statistics beside the batch stats, "
+    "under the one lock that keeps each snapshot consistent",
 }
 
 

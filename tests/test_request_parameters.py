@@ -203,23 +203,22 @@ def test_a_split_batch_keeps_each_rows_values(served: ServedModel) -> None:
         bad[0].result(60)
 
 
-async def test_the_event_loops_direct_path_to_a_worker_carries_the_values(
+async def test_the_values_reach_a_worker_process_with_their_batch(
     tmp_path: Path,
 ) -> None:
-    # Eager dispatch: a lone request finds the worker idle and the event loop
-    # sends it the batch itself (batcher.py, "the direct path").
+    # The scheduler's loop sends the worker the batch and its parameter columns.
     eager = {**PARAMS, "dynamic_batching": {"dispatch": "eager"}}
     write_toy_model(tmp_path, "params", PARAMS_MODEL, **eager)
     model = ServedModel.from_repository(tmp_path, "params", isolation="process",
                                         faults={"standby_worker": False})
     sent: list[Any] = []
-    real = model.executor.try_launch_direct
+    real = model.executor.dispatch  # type: ignore[attr-defined]
 
     def spy(*args: Any) -> Any:
         sent.append(args[2])
         return real(*args)
 
-    model.executor.try_launch_direct = spy  # type: ignore[method-assign]
+    model.executor.dispatch = spy  # type: ignore[attr-defined]
     async with model:
         model.batcher.wait_idle(30)
         row = (await model.infer_many([{"x": _x(2, 1)}],

@@ -215,18 +215,6 @@ def test_the_queue_tells_the_target_each_take_and_what_it_left_waiting() -> None
     assert target.drain_rate() == pytest.approx((0.95 * 8 + 4) / (0.95 * 0.01 + 0.01))
 
 
-def test_a_batch_declined_right_after_it_was_taken_drained_nothing() -> None:
-    queue, target = queue_with_target(max_batch_size=8)
-    queue.admit([entry() for _ in range(30)], 0.0)
-    queue.take(10.0)  # 22 left: the clock starts
-    queue.take(10.01)  # 8 in 10 ms
-    declined = queue.take(10.011)  # taken and handed straight back (the loop declined it)
-    queue.put_back(declined, declined=True)
-    assert len(queue) == 14
-    queue.take(10.02)  # the model thread takes it: 8 more in 10 ms, not 16
-    assert target.drain_rate() == pytest.approx(800)
-
-
 def test_a_queue_emptied_by_callers_that_left_stops_the_drain_clock() -> None:
     queue, target = queue_with_target(max_batch_size=8)
     waiting = [entry() for _ in range(12)]

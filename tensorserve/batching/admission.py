@@ -302,15 +302,6 @@ class AdmissionQueue:
             chosen.pop()
         return chosen
 
-    def put_back(self, entries: Sequence[Pending], *, declined: bool = False) -> None:
-        """Return taken entries to the head of the queue, in their order (a
-        batch the direct path could not send goes to the model threads).
-        ``declined``: taken by the last ``take``, under the same hold of the
-        lock, and never meant to run: the drain rate forgets that take."""
-        self._waiting[:0] = entries
-        if declined:
-            self.drain_rate.put_back()
-
     def drain(self) -> list[Pending]:
         """Remove and return everything waiting."""
         waiting, self._waiting = self._waiting, []

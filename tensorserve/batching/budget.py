@@ -33,9 +33,9 @@ such buckets: until then there is none, and the full batches of a loaded
 server measure the big buckets. A model with no variable axis has an item
 volume of 1, so its budget is a learnt batch size.
 
-Written by whichever thread finished a batch (the finisher, a model thread,
-or the event loop for a lone item sent straight to a worker), read by the
-one forming the next: ``observe`` holds a lock, ``limit`` reads whole values.
+Written by the scheduler's loop as each batch ends and read as it forms the
+next; ``observe`` holds a lock and ``limit`` reads whole values, so a reader
+elsewhere (the stats) sees a consistent budget.
 """
 
 from __future__ import annotations

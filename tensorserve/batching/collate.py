@@ -65,9 +65,8 @@ def padded_shape(
     to the longest item, rounded up to ``pad_to_multiple_of`` but never past
     ``max_length`` (a model sized to it, a positional table, would fail the
     batch); fixed axes are as declared. ``pad`` allocates this;
-    ``Collator.padded_elements`` (the element cap, the memory ceiling, the
-    direct path's limit) and ``Collator.volume`` (the policies' budget,
-    learnt or fixed) count it."""
+    ``Collator.padded_elements`` (the element cap, the memory ceiling) and
+    ``Collator.volume`` (the policies' budget, learnt or fixed) count it."""
     limit = spec.max_length or DEFAULT_MAX_LENGTH
     return [
         _round_up(int(longest[axis]), pad_to_multiple_of, limit) if dim == VARIABLE else dim

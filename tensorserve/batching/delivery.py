@@ -5,7 +5,7 @@ result is. An ``asyncio.Future`` belongs to its loop and may only be resolved
 on that loop's thread: its outcomes are grouped per loop and handed over with
 one ``call_soon_threadsafe`` per batch and loop (not one wake-up of the loop
 per item), or resolved at once when the code already runs on that loop (the
-direct path).
+scheduler's own loop: every server request's).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def settle(outcomes: Sequence[Outcome]) -> None:
             by_loop.setdefault(loop, []).append(outcome)
     for loop, batch in by_loop.items():
         if running_loop() is loop:
-            _deliver(batch)  # the direct path runs on the loop: no self-pipe round
+            _deliver(batch)  # the scheduler runs on this loop: no self-pipe round
             continue
         try:
             loop.call_soon_threadsafe(_deliver, batch)
@@ -40,7 +40,7 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
     """The event loop running on this thread, if any."""
     try:
         return asyncio.get_running_loop()
-    except RuntimeError:  # a model or finisher thread
+    except RuntimeError:  # a thread without a loop
         return None
 
 

@@ -27,27 +27,14 @@ class DrainRate:
     def __init__(self) -> None:
         self._sums = (0.0, 0.0)  # decayed (items, seconds) drained from a backlog
         self._last_take: tuple[float, int] | None = None  # (when, items it left waiting)
-        # What ``taken`` replaced, so the take that ``put_back`` names can be undone.
-        self._undo: tuple[tuple[float, int] | None, tuple[float, float]] | None = None
 
     def taken(self, items: int, now: float, left: int) -> None:
         """A batch of ``items`` left the queue at ``now``, ``left`` still waiting."""
-        self._undo = (self._last_take, self._sums)
         last = self._last_take
         if last is not None and last[1] > 0 and now > last[0]:
             elapsed = now - last[0]
             self._sums = (self.DECAY * self._sums[0] + items, self.DECAY * self._sums[1] + elapsed)
         self._last_take = (now, left)
-
-    def put_back(self) -> None:
-        """The last batch taken went straight back to the queue, never run (the
-        loop declined it, which happens exactly when others wait): it drained
-        nothing. Counted, its items would be credited twice, once now and
-        once when they are taken again, and the queue would look twice as
-        fast as it drains."""
-        if self._undo is not None:
-            self._last_take, self._sums = self._undo
-            self._undo = None
 
     def emptied(self) -> None:
         """Nothing waits any more, though the last take left items waiting
@@ -55,7 +42,6 @@ class DrainRate:
         idle, not draining."""
         if self._last_take is not None:
             self._last_take = (self._last_take[0], 0)
-        self._undo = None
 
     def items_per_s(self) -> float | None:
         """Items a second the queue drained from a backlog; None until one was seen."""

@@ -4,8 +4,10 @@ contract, declared here so that batching never imports the runtime.
 An executor only *runs* padded batches. Everything about shapes (how big a
 batch would be, padding, un-padding) belongs to ``batching.collate``; the
 executor sees one dict of padded tensors per batch and hands back host
-outputs. ``tensorserve.runtime`` has two: model threads in this process,
-and worker processes of their own.
+outputs. ``tensorserve.runtime`` has two: forwards on a thread of this
+process (``ThreadedExecutor``) and worker processes of their own
+(``LoopExecutor``). Either way the scheduler (``batching/scheduler.py``)
+owns every batch: an executor runs what it is handed and reports back.
 """
 
 from __future__ import annotations
@@ -50,34 +52,16 @@ class BatchOutputs(Protocol):
 
 class Executor(Protocol):
     instance_count: int
-    """Model instances: the batcher runs one model thread per instance."""
+    """Model instances: the scheduler keeps up to two batches on each where
+    the executor ``overlaps``, one otherwise."""
 
     overlaps: bool
     """True when ``launch`` returns before the batch has run (CUDA, a worker
-    process): the batcher may then launch the next full batch meanwhile."""
+    process): a second batch is then handed to an instance while one runs, so
+    the device never waits for the scheduler to pad the next."""
 
     pin_memory: bool
     """True when padded host buffers should be page-locked (CUDA)."""
-
-    def start_instance(self, instance: int) -> None:
-        """Called once on each model thread before its first batch."""
-        ...
-
-    def launch(
-        self,
-        features: dict[str, Feature],
-        instance: int,
-        parameters: Mapping[str, list[Any]] | None = None,
-    ) -> Any:
-        """Start a padded batch on the instance (on a CPU: run it).
-        ``parameters``: the model's declared request parameters, one value
-        per row (empty or None: the model declares none, and its forward
-        gets exactly the features)."""
-        ...
-
-    def collect(self, launched: Any) -> BatchOutputs:
-        """Wait for a launched batch and return its outputs."""
-        ...
 
     restarts: int
     """Instances restored after a failure so far (worker processes replaced;
@@ -110,39 +94,63 @@ class Executor(Protocol):
         ...
 
     def close(self) -> None:
-        """Release what the executor holds (workers, forward threads)."""
+        """Release what the executor holds (workers, device state)."""
         ...
 
 
-@runtime_checkable
-class DirectExecutor(Executor, Protocol):
-    """An executor whose batches an event loop can drive itself, without
-    blocking: launching only hands the batch to another process, and the
-    reply is read as it arrives. The batcher's direct path (see batcher.py)."""
+class ThreadedExecutor(Executor, Protocol):
+    """An executor that runs a batch on the calling thread: the scheduler
+    gives each instance a thread of its own for it (``batching/instances.py``)."""
 
-    def can_run_direct(self, instance: int) -> bool:
-        """The instance is up and idle enough for the loop to use it."""
+    def start_instance(self, instance: int) -> None:
+        """Called once on each instance's thread before its first batch."""
         ...
 
-    def try_launch_direct(
+    def launch(
         self,
         features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None = None,
-    ) -> Any | None:
-        """Send the batch without blocking and without ever waiting for or
-        restarting a worker; None if it could not be sent (the batcher then
-        gives the batch to the model threads)."""
+    ) -> Any:
+        """Start a padded batch on the instance (on a CPU: run it).
+        ``parameters``: the model's declared request parameters, one value
+        per row (empty or None: the model declares none, and its forward
+        gets exactly the features)."""
         ...
 
-    def collect_soon(
+    def collect(self, launched: Any) -> BatchOutputs:
+        """Wait for a launched batch and return its outputs."""
+        ...
+
+
+Done = Callable[[BatchOutputs | None, BaseException | None], None]
+"""A batch's completion: its outputs, or the error that failed it (any thread)."""
+
+
+@runtime_checkable
+class LoopExecutor(Executor, Protocol):
+    """An executor that runs its batches elsewhere (worker processes) and is
+    driven from the scheduler's event loop itself, without a thread of its
+    own: ``dispatch`` only hands the batch over and never blocks, and the
+    reply is read as it arrives. Every other executor runs ``launch`` and
+    ``collect`` on one thread per instance (``batching/instances.py``)."""
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The scheduler's loop: ``dispatch`` is called, and ``done`` runs, on it."""
+        ...
+
+    def dispatch(
         self,
-        launched: Any,
-        loop: asyncio.AbstractEventLoop,
-        done: Callable[[BatchOutputs | None, BaseException | None], None],
-    ) -> Callable[[], None]:
-        """Watch for the reply on ``loop``; ``done(outputs, error)`` runs on
-        the loop's thread once it is in. Returns ``finish_now``: called on the
-        loop's thread, it stops watching and waits for the reply right there
-        (``done`` has run when it returns) — for ``close()`` on that thread."""
+        features: dict[str, Feature],
+        instance: int,
+        parameters: Mapping[str, list[Any]] | None,
+        done: Done,
+    ) -> Any:
+        """Hand the padded batch to the instance without blocking, whatever
+        the host's socket buffers; ``done(outputs, error)`` is called once,
+        on the loop, when it is over. Returns what ``abort`` takes."""
+        ...
+
+    def detach(self) -> None:
+        """On the loop, before ``close``: stop watching the instances."""
         ...

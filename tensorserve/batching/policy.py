@@ -86,7 +86,8 @@ class BatchCostModel:
     is a launch or Python overhead, large on a GPU. The policy weighs real work
     against this cost, so one mechanism serves all three kinds of model.
     Until enough batches of different shapes were seen, ``fitted`` is False.
-    The finisher thread writes, a model thread reads one tuple.
+    The scheduler's loop writes it as batches end and reads one tuple as
+    it forms the next.
     """
 
     MIN_BATCHES = 4

@@ -26,8 +26,8 @@ batch of B (each level runs two halves, one of which is good). With the
 per-model switch ``[faults] split_failed_batches = false`` the whole batch
 fails, as every other batching server does.
 
-This module only plans: no threads, no futures. The pipeline runs the
-retries before any new batch (``Pipeline.retries``) and settles the outcomes.
+This module only plans: no threads, no futures. The scheduler runs the
+retries before any new batch (``Scheduler.retries``) and settles the outcomes.
 """
 
 from __future__ import annotations

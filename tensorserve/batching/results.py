@@ -1,14 +1,14 @@
 """A finished batch's outcome for each of its callers, and its record in the
-stats: no threads, no futures (``Pipeline.finish`` delivers what this returns).
+stats: no threads, no futures (``Scheduler._finish`` delivers what this returns).
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorserve.batching.admission import Outcome, Pending
 from tensorserve.batching.collate import Collator, PaddedBatch
@@ -19,10 +19,15 @@ from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import ModelFailure, as_model_failure
 from tensorserve.tensors.results import RowResult
 
+if TYPE_CHECKING:
+    from tensorserve.batching.recovery import Recovery
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(eq=False)
 class Batch:
-    """One batch from the moment it leaves the queue until ``Pipeline.finish``."""
+    """One batch from the moment it leaves the queue until ``Scheduler._finish``."""
 
     entries: list[Pending]
     dispatched: float  # time.monotonic() when taken from the queue
@@ -38,8 +43,6 @@ class Batch:
     pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
     unpad_started: float = 0.0  # perf_counter() when un-padding began (for its span)
     unpad_seconds: float | None = None
-    finish_now: Callable[[], None] | None = None  # set while an event loop drives it
-    loop: asyncio.AbstractEventLoop | None = None
 
 
 class BatchResults:
@@ -86,6 +89,40 @@ class BatchResults:
             ]
         self._record(batch, outcomes, unpad_seconds if batch.error is None else None)
         return outcomes
+
+    def conclude(
+        self, batch: Batch, recovery: Recovery
+    ) -> tuple[list[Outcome], list[list[Pending]]]:
+        """A finished batch's answers, and the parts of a failed one to run
+        again (``recovery`` plans them). Whatever goes wrong here, every
+        caller gets an answer."""
+        retries: list[list[Pending]] = []
+        try:
+            plan = recovery.plan(batch)
+            if plan is not None:
+                outcomes, retries = plan.outcomes, plan.retries
+                self.record_recovered(batch, outcomes)
+            else:
+                outcomes = self.outcomes(batch)
+                if batch.error is None and recovery.ceiling.fitted():
+                    log.info(
+                        "model %s: trying batches of up to %d padded elements again",
+                        self.name,
+                        recovery.ceiling.limit,
+                    )
+        except BaseException as exc:  # a bug in un-padding, stats or the cost model
+            log.exception("batcher %s: finishing a batch failed", self.name)
+            error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
+            outcomes, retries = [(entry, error, True) for entry in batch.entries], []
+        if retries:
+            log.warning(
+                "model %s: a batch of %d failed (%s); running it again as %s",
+                self.name,
+                len(batch.entries),
+                batch.error,
+                " + ".join(str(len(part)) for part in retries),
+            )
+        return outcomes, retries
 
     def record_recovered(self, batch: Batch, outcomes: list[Outcome]) -> None:
         """A failed batch that batching.recovery answers (and may run again in

@@ -2,7 +2,7 @@
 imports a tracing library (as ``executor.py`` declares the runtime's).
 
 ``tensorserve/tracing/`` implements it with OpenTelemetry. With tracing off
-a pipeline's ``tracer`` is None, and the batcher's only cost is that one
+a scheduler's ``tracer`` is None, and the batcher's only cost is that one
 check, once per request and once per batch.
 """
 
@@ -25,6 +25,6 @@ class BatchTracer(Protocol):
     def batch_finished(self, batch: Batch) -> None:
         """Record a finished batch's stages (queue wait per request, pad,
         compute, un-pad) from the timings the batch already carries. Called
-        by ``Pipeline.finish`` on whichever thread ends the batch: it must
+        by the scheduler on its event loop as the batch ends: it must
         not block (spans go to a background exporter)."""
         ...

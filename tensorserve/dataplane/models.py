@@ -34,7 +34,7 @@ def server_metadata() -> dict[str, Any]:
 
 def server_live(plane: DataPlane) -> dict[str, Any]:
     """``{"live": True}``, or why not: only for what waiting cannot fix, a
-    model thread stuck for good or a lost CUDA context (serving/liveness.py);
+    an instance thread stuck for good or a lost CUDA context (serving/liveness.py);
     the orchestrator then restarts the process."""
     lost = plane.liveness.context_lost()
     if lost is not None:

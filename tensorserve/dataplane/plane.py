@@ -73,7 +73,7 @@ class DataPlane:
         self.tracer = tracer
         self.registry = registry
         self.metrics = metrics
-        self.liveness = liveness  # whether a model thread is stuck for good (serving/liveness.py)
+        self.liveness = liveness  # an instance thread stuck for good? (serving/liveness.py)
         self.lifecycle: Lifecycle | None = None
         # Lines a client can cause (4xx, rejections, disconnects): per code.
         self.log_limit = RateLimit()

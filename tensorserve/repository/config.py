@@ -149,8 +149,8 @@ class Faults(_Strict):
     watchdog_ms: float | Literal["auto"] = Field(
         "auto",
         description="Longest one batch may run. Past it a worker process is killed and "
-        "replaced (the batch is retried split); a model thread is marked not ready and its "
-        "callers answered. auto: 50x the slowest batch so far, at least 30 s (off for a "
+        "replaced (the batch is retried split); a forward in a thread cannot be stopped: its "
+        "instance takes no batch until it returns, and its callers are answered. auto: 50x the slowest batch so far, at least 30 s (off for a "
         "compiled model: compiling a new shape is not a hang); 0: off.",
     )
     standby_worker: bool | Literal["auto"] = Field(
@@ -176,8 +176,8 @@ class Faults(_Strict):
 
 class InstanceGroup(_Strict):
     """Triton's ``instance_group``: ``count`` model instances on each device
-    of the group. Instances on one device share one copy of the model (one
-    model thread each); every device gets its own copy."""
+    of the group. Instances on one device share one copy of the model (each
+    with its own thread, two on CUDA); every device gets its own copy."""
 
     count: int = Field(
         1, **BOUNDS["instance_count"], description="Instances on each device of this group."

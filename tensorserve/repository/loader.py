@@ -124,7 +124,7 @@ def load_model(
 ) -> LoadedModel:
     """Load one version (on the CPU): import model.py, construct it and load
     its weights, or open the platform's model file. ``intra_op_threads`` sizes
-    an ONNX Runtime session's pool (torch's is set on each model thread)."""
+    an ONNX Runtime session's pool (torch's is set on each instance thread)."""
     version = resolve_version(source, version)
     folder = source.path / str(version)
     files = PLATFORMS[config.platform].files

@@ -1,7 +1,7 @@
-"""Per-model-thread device handling: thread set-up, CUDA streams, copies.
+"""Per-instance device handling: thread set-up, CUDA streams, copies.
 
 Grad mode and inference mode are thread-local in torch, and so is the
-OpenMP intra-op thread count: both are set on the model thread itself, never
+OpenMP intra-op thread count: both are set on each instance thread itself, never
 inherited from the thread that loaded the model (see docs/threading.md).
 
 On CUDA each instance owns a stream; inputs travel from pinned host memory
@@ -147,7 +147,7 @@ class DeviceContext:
             torch.set_num_threads(self.intra_op_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # indexed: resolve_device's
-            if self.stream is None:  # the instance's model and forward threads share it
+            if self.stream is None:  # one per instance, made once (its launch thread's)
                 self.stream = torch.cuda.Stream(self.device)
 
     @contextlib.contextmanager
@@ -210,10 +210,10 @@ class DeviceContext:
 
 
 def default_intra_op_threads() -> int:
-    """Intra-op threads for each model thread: every CPU this process may use
-    but one, which is left to the event loop and the pipeline threads. On this
-    project's 2-core machines one model thread plus a free core served 1.4x
-    the items/s of two model threads fighting the HTTP stack for the cores
+    """Intra-op threads for each instance thread: every CPU this process may
+    use but one, which is left to the event loop (HTTP and the scheduler). On
+    this project's 2-core machines one forward thread plus a free core served
+    1.4x the items/s of two intra-op threads fighting the HTTP stack for the cores
     (docs/threading.md). The CPUs are counted as a container sees them: its
     cpuset and its cgroup CPU quota (``runtime.cpus.available_cpus``), not
     the node's cores. The server's ``--intra-op-threads`` /

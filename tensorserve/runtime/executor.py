@@ -1,6 +1,7 @@
-"""Runs padded batches of a torch callable on its device, in model threads.
+"""Runs padded batches of a torch callable on its device, on each instance's thread.
 
-``ThreadExecutor`` is the executor the batcher drives for a model that runs
+``ThreadExecutor`` is the executor the scheduler drives (through
+``batching/instances.py``) for a model that runs
 in this process (``isolation = "thread"``), and the one a worker process
 runs its batches with (``isolation = "process"``). It sees padded tensors
 only; padding and un-padding are ``batching.collate``'s:
@@ -31,12 +32,10 @@ only, exactly as before parameters existed.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +47,6 @@ from tensorserve.repository.config import ModelConfig, OutputSpec
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
 from tensorserve.runtime.ragged import join_rows, rows_in, split_rows
-from tensorserve.runtime.runner import InstanceRunner, reply_on_loop
 from tensorserve.tensors.bytes_tensor import bytes_array
 from tensorserve.tensors.dtypes import Feature, host_array
 from tensorserve.tensors.results import WithParameters
@@ -115,13 +113,10 @@ class ThreadExecutor:
         self._ragged = [spec for spec in config.output if spec.ragged]
         self.parameter_specs = {spec.name: spec for spec in config.request_parameter}
         self._contexts = [DeviceContext(device, intra_op_threads) for _ in range(instance_count)]
-        # On CUDA, launch returns once the work is queued: the batcher pads and
-        # launches the next full batch while this one runs.
+        # On CUDA, launch returns once the work is queued: the scheduler pads and
+        # hands over the next full batch while this one runs.
         self.overlaps = device.type == "cuda"
         self.pin_memory = device.type == "cuda"
-        # The forward threads of instances an event loop drives (the batcher's
-        # direct path), started on first use: a worker process never needs one.
-        self._runners: list[InstanceRunner | None] = [None] * instance_count
         self.restarts = 0  # a thread is never replaced
         self.restart_seconds: float | None = None
         self.label = name  # for messages
@@ -279,39 +274,8 @@ class ThreadExecutor:
             for spec in self.outputs
         }
 
-    # -- the event loop's direct path (batching.executor.DirectExecutor)
-    def can_run_direct(self, instance: int) -> bool:
-        return True  # a thread in this process is always there
-
-    def try_launch_direct(
-        self,
-        features: dict[str, Feature],
-        instance: int,
-        parameters: Mapping[str, list[Any]] | None = None,
-    ) -> Future[Executed]:
-        """Hand the padded batch to the instance's forward thread; never blocks."""
-        runner = self._runners[instance]
-        if runner is None:
-            runner = self._runners[instance] = InstanceRunner(
-                f"forward-{instance}",
-                self._contexts[instance].enter_thread,
-                lambda f, p: self.collect(self.launch(f, instance, p)),
-            )
-        return runner.submit(features, parameters)
-
-    def collect_soon(
-        self,
-        ticket: Future[Executed],
-        loop: asyncio.AbstractEventLoop,
-        done: Callable[[Executed | None, BaseException | None], None],
-    ) -> Callable[[], None]:
-        return reply_on_loop(ticket, loop, done)
-
     def close(self) -> None:
-        """Stop the forward threads (the model threads belong to the batcher)."""
-        for runner in self._runners:
-            if runner is not None:
-                runner.close()
+        """Nothing to release: the instances' threads are the scheduler's."""
 
 
 def output_parameters(returned: Mapping[str, Any]) -> dict[str, list[Any]]:

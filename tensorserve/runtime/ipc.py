@@ -44,15 +44,16 @@ Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 EXIT_DEVICE_LOST = 70
 
 
-def send(
-    sock: socket.socket, header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = None
-) -> None:
-    """Send ``header`` and the named host arrays (dtype given per array by name)."""
+def frames(
+    header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = None
+) -> list[bytes | memoryview]:
+    """One message as the buffers to write, in order: the length and header,
+    then each tensor's bytes as a view of the array (no copy)."""
     # (not ascontiguousarray: it turns a 0-d array into a 1-d one)
     arrays = [a if a.flags.c_contiguous else a.copy() for a in (tensors or {}).values()]
     names = list(tensors or {})
     specs: list[list[Any]] = []
-    payloads: list[Any] = []
+    payloads: list[bytes | memoryview] = []
     for name, array in zip(names, arrays):
         if array.dtype == object:  # bytes: never pickled, framed
             framed = frame(array)
@@ -64,10 +65,15 @@ def send(
             specs.append([name, array.dtype.name, list(array.shape)])
             payloads.append(array.reshape(-1).view(np.uint8).data)
     head = msgpack.packb({**header, "tensors": specs})
-    sock.sendall(_LENGTH.pack(len(head)) + head)
-    for payload in payloads:
-        if len(payload):
-            sock.sendall(payload)
+    return [_LENGTH.pack(len(head)) + head, *(p for p in payloads if len(p))]
+
+
+def send(
+    sock: socket.socket, header: Mapping[str, Any], tensors: Mapping[str, np.ndarray] | None = None
+) -> None:
+    """Send ``header`` and the named host arrays (blocking: the worker's end)."""
+    for buffer in frames(header, tensors):
+        sock.sendall(buffer)
 
 
 def recv(sock: socket.socket) -> Message:

@@ -7,20 +7,19 @@ encodes requests; on a busy server the forward runs measurably slower
 pool. The price is one copy of the padded inputs and of the outputs
 through a socketpair per batch.
 
-The batcher does not know the difference: ``ProcessExecutor`` is an
-executor whose ``launch`` sends the padded batch to the instance's worker
-(``tensorserve/runtime/worker_main.py``) and whose ``collect`` waits for the reply
-with the GIL released; like CUDA, it ``overlaps``, so a full next batch can
-be sent while the worker runs this one. Padding and un-padding stay in the
-server, so the worker only ever sees whole padded batches. It is also a
-``DirectExecutor``: an event loop may send a batch to an idle worker and
-read the reply itself, without ever blocking on the worker.
+``ProcessExecutor`` is a ``LoopExecutor``: the model's scheduler sends each
+padded batch to the instance's worker (``tensorserve/runtime/worker_main.py``)
+from its event loop and reads the reply as it arrives, never blocking on
+the worker (``worker_channel.py``); like CUDA, it ``overlaps``, so a full
+next batch is sent while the worker runs this one. Padding and un-padding
+stay in the server, so the worker only ever sees whole padded batches.
 
 A worker that dies (a segfault in a native extension, the OOM killer, an
 ``os._exit`` in model code, the watchdog) fails the batch it was running
 with ``WorkerCrashed`` saying how it died, and a batch queued behind it with
-``WorkerCrashed(ran=False)``; the batcher retries them (batching.recovery).
-The instance gets a new worker at once: the standby, a spare worker kept
+``WorkerCrashed(ran=False)``; the scheduler retries them (batching.recovery).
+The instance gets a new worker at once (``repair``, off the scheduler's
+loop, while it sends the instance nothing): the standby, a spare worker kept
 loaded (``[faults] standby_worker``), takes over in milliseconds, and a new
 standby loads in the background; without one, a new worker loads.
 """
@@ -50,6 +49,8 @@ from tensorserve.runtime.worker_process import WorkerProcess
 from tensorserve.tensors.dtypes import Feature, host_array
 
 log = logging.getLogger(__name__)
+
+Done = Callable[[Executed | None, BaseException | None], None]
 
 # The weight of the newest restart in ``restart_seconds``.
 RESTART_ALPHA = 0.3
@@ -108,6 +109,7 @@ class ProcessExecutor:
         on_cpu = resolve_device(config.device).type == "cpu"
         standby = on_cpu if faults.standby_worker == "auto" else faults.standby_worker
         self.standby = Standby(self.hello, self.label, self.template) if standby else None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the scheduler's (attach)
         self.restarts = 0  # dead workers replaced (tensorserve_worker_restarts_total)
         # A moving average of what replacing one cost: a swap when the standby
         # was loaded, a wait for it or a model load when crashes came faster.
@@ -133,9 +135,6 @@ class ProcessExecutor:
         if self.template is not None:
             self.template.stop()
 
-    def start_instance(self, instance: int) -> None:
-        """Thread set-up happens in the worker."""
-
     def free_memory_bytes(self) -> int | None:
         return None  # the device is the workers'
 
@@ -145,27 +144,47 @@ class ProcessExecutor:
             return None
         return "its worker process is being replaced"
 
-    def launch(
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        for worker in self.workers:
+            worker.attach(loop)
+
+    def dispatch(
         self,
         features: dict[str, Feature],
         instance: int,
-        parameters: Mapping[str, list[Any]] | None = None,
+        parameters: Mapping[str, list[Any]] | None,
+        done: Done,
     ) -> Sent:
-        """Send the batch to the instance's worker (a dead one is replaced
-        first); ``collect`` waits for it. Meanwhile the batcher may pad and
-        send the next full batch, so the worker never waits for the server."""
+        """On the scheduler's loop: send the batch to the instance's worker
+        without blocking; ``done`` once its reply is in. A dead worker fails it
+        unrun (``WorkerCrashed(ran=False)``): the scheduler runs it again once
+        ``repair`` has replaced the worker."""
         worker = self.workers[instance]
-        if not worker.alive:
-            worker = self._replace(instance)
-        return Sent(instance, worker, worker.submit(_host(features), parameters))
+        if worker.loop is None and self.loop is not None:
+            worker.attach(self.loop)  # a standby that took over
 
-    def collect(self, sent: Sent) -> Executed:
-        return self._executed(sent.worker.receive(sent.ticket))
+        def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
+            if message is None:
+                done(None, error)
+                return
+            try:
+                executed = self._executed(message)
+            except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
+                done(None, exc)
+            else:
+                done(executed, None)
+
+        return Sent(instance, worker, worker.dispatch(_host(features), parameters, on_reply))
+
+    def detach(self) -> None:
+        for worker in self.workers:
+            worker.detach()
 
     def repair(self, instance: int) -> None:
-        """After a failed batch: a dead worker is replaced at once (not at the
-        next batch), so the model is ready again without waiting for traffic.
-        On the instance's model thread, like every restart."""
+        """After a worker died: replace it at once (not at the next batch), so
+        the model is ready again without waiting for traffic. On a thread of
+        the scheduler's, which sends the instance nothing meanwhile."""
         try:
             self._replace(instance)
         except ModelFailure as exc:  # the next batch tries again, and says why
@@ -180,17 +199,13 @@ class ProcessExecutor:
 
     def _replace(self, instance: int) -> WorkerProcess:
         """An up worker for the instance: the standby if one is loaded (a
-        swap), else a new one (a full model load, on this model thread).
-        Only the thread that holds the instance replaces its worker: the
-        slot's swap is read by the event loop only once the instance is
-        handed back to it (``NotOwner`` if another thread holds it)."""
-        with self.workers[instance].owner.held():
-            started = time.perf_counter()
-            restarts = self.restarts
-            worker = self._replace_held(instance)
-            if self.restarts != restarts:
-                self._restarted_in(time.perf_counter() - started)
-            return worker
+        swap), else a new one (a full model load)."""
+        started = time.perf_counter()
+        restarts = self.restarts
+        worker = self._replace_held(instance)
+        if self.restarts != restarts:
+            self._restarted_in(time.perf_counter() - started)
+        return worker
 
     def _restarted_in(self, seconds: float) -> None:
         last = self.restart_seconds
@@ -217,45 +232,6 @@ class ProcessExecutor:
             ) from None
         self.restarts += 1
         return old
-
-    # -- the event loop's direct path (batching.executor.DirectExecutor)
-    def can_run_direct(self, instance: int) -> bool:
-        """Only a worker that is up: a dead one restarts on a model thread."""
-        return self.workers[instance].alive
-
-    def try_launch_direct(
-        self,
-        features: dict[str, Feature],
-        instance: int,
-        parameters: Mapping[str, list[Any]] | None = None,
-    ) -> Sent | None:
-        worker = self.workers[instance]
-        ticket = worker.try_submit(_host(features), parameters)
-        return None if ticket is None else Sent(instance, worker, ticket)
-
-    def collect_soon(
-        self,
-        sent: Sent,
-        loop: asyncio.AbstractEventLoop,
-        done: Callable[[Executed | None, BaseException | None], None],
-    ) -> Callable[[], None]:
-        """``collect`` without blocking ``loop``: ``done(outputs, error)`` runs
-        on the loop's thread once the worker has answered."""
-
-        def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
-            # A dead worker is replaced by the instance's model thread, which
-            # the batcher asks to ``repair`` once the failed batch is over.
-            if message is None:
-                done(None, error)
-                return
-            try:
-                executed = self._executed(message)
-            except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
-                done(None, exc)
-            else:
-                done(executed, None)
-
-        return sent.worker.receive_soon(sent.ticket, loop, on_reply)
 
     def _executed(self, message: ipc.Message) -> Executed:
         header, tensors = message

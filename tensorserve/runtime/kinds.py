@@ -1,7 +1,7 @@
 """Executors by kind: the one place that maps a model's ``isolation`` to
 the executor that runs its batches.
 
-    thread    model threads in this process (``ThreadExecutor``; over several
+    thread    instance threads in this process (``ThreadExecutor``; over several
               devices, ``PlacedExecutor``): a repository model loaded here, or
               a batch function handed to ``ServedModel.from_function``
     process   one worker process per instance (``ProcessExecutor``), which

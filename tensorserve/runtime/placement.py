@@ -192,7 +192,7 @@ def resolve_isolation(
     two CPUs or more: there the forward and the event loop (decoding,
     encoding, un-padding) no longer take turns at one GIL. On 2 cores, with
     the learnt budget, it served four of the five bundled models 1.1-1.9x
-    the items/s of a model thread at 32 callers and the GRU tagger about the
+    the items/s of the model in a thread at 32 callers and the GRU tagger about the
     same (docs/performance.md, "Defaults"). A thread on one CPU, where
     the two could not run at once anyway, and on a GPU, where the forward
     waits on the device without the GIL and a worker would only add a copy

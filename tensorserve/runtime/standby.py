@@ -3,8 +3,8 @@ for whichever instance's worker dies next, so that a crash costs a swap
 instead of a model load.
 
 A spare belongs to the thread that loads it until it is ready, then to the
-standby (under its lock) until ``take`` hands it to the model thread that
-replaces a dead worker; ``close`` only kills one that is still loading.
+standby (under its lock) until ``take`` hands it to ``repair`` (on a
+pool thread of the scheduler's loop), which replaces a dead worker; ``close`` only kills one that is still loading.
 """
 
 from __future__ import annotations

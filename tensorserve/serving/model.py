@@ -105,13 +105,13 @@ class ServedModel:
         on_fatal: Callable[[BaseException], None] | None = None,
         intra_op_threads: int | None = None,
     ) -> None:
-        """Serve ``fn`` (a batch function or ``nn.Module``) in model threads, or
+        """Serve ``fn`` (a batch function or ``nn.Module``) on instance threads, or
         give a ready ``executor`` (a ``ProcessExecutor`` for isolated models)."""
         self.name = name
         self.version = version
         # instance_group: one device -> that device and count; several -> placements.
         config, placements = resolve_placement(config)
-        if config.isolation == "auto":  # a function handed over here runs in a model thread
+        if config.isolation == "auto":  # a function handed over here runs in a thread
             config = config.model_copy(update={"isolation": "thread"})
         self.device = resolve_device(placements[0].device)
         # What the config leaves to the server (a budget of "auto", lengths
@@ -223,8 +223,10 @@ class ServedModel:
             raise
 
     # ------------------------------------------------------------------ life cycle
-    def start(self) -> Self:
-        self.batcher.start()
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> Self:
+        """Serve: its scheduler runs on ``loop`` (the server's), or on a
+        private loop of its own."""
+        self.batcher.start(loop)
         return self
 
     def close(self) -> None:
@@ -238,17 +240,17 @@ class ServedModel:
         self.close()
 
     async def __aenter__(self) -> Self:
-        return self.start()
+        return self.start(asyncio.get_running_loop())
 
     async def __aexit__(self, *exc: object) -> None:
-        # Not on the loop's thread: a batch the loop drives itself (a worker
-        # process's direct path) must be able to finish while close() waits.
+        # Not on the loop's thread: the scheduler runs on this loop, and its
+        # queued batches must be able to finish while close() waits.
         await asyncio.to_thread(self.close)
 
     def health(self) -> str | None:
         """Why the model cannot run a batch now (None: it can): every worker
         down, or every instance stuck in a batch (docs/reliability.md)."""
-        return self.batcher.pipeline.health() or self.executor.health()
+        return self.batcher.scheduler.watchdog.health() or self.executor.health()
 
     @property
     def devices(self) -> list[str]:
@@ -261,7 +263,7 @@ class ServedModel:
     def stuck_instances(self) -> list[tuple[int, float]]:
         """(instance, seconds) for each instance stuck in a forward that the
         watchdog could not stop: only a restart of the process frees it."""
-        return self.batcher.pipeline.watchdog.stuck()
+        return self.batcher.scheduler.watchdog.stuck()
 
     # ------------------------------------------------------------------ inference
     def validate(
@@ -297,9 +299,9 @@ class ServedModel:
         and decoded, a request costs the front end least. Not while the
         model stops or cannot run a batch: its admission answers those
         (model_not_ready), and being late is not their reason."""
-        pipeline = self.batcher.pipeline
-        if pipeline.target is not None and pipeline.can_admit:
-            pipeline.queue.refuse_if_late(None, 1)
+        scheduler = self.batcher.scheduler
+        if scheduler.target is not None and scheduler.watchdog.can_admit:
+            scheduler.queue.refuse_if_late(None, 1)
 
     def submit_many(
         self,

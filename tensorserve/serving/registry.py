@@ -157,7 +157,9 @@ class ModelRegistry:
                 entry.state = ModelState.LOADING
             started = time.monotonic()
             try:
-                served = await asyncio.to_thread(self._build, sources[name])
+                served = await asyncio.to_thread(
+                    self._build, sources[name], asyncio.get_running_loop()
+                )
             except Exception as exc:  # noqa: BLE001 - reported; the others still load
                 reason = (
                     str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
@@ -186,7 +188,10 @@ class ModelRegistry:
                 await asyncio.to_thread(old.close)
             return entry
 
-    def _build(self, source: ModelSource) -> ServedModel:
+    def _build(self, source: ModelSource, loop: asyncio.AbstractEventLoop) -> ServedModel:
+        """Load and start a model (on a thread); its scheduler runs on
+        ``loop``, the server's, so a request reaches its batch with no
+        thread hand-off."""
         config = read_config(source, self.overrides, self.default_device)
         served = ServedModel.from_source(
             source,
@@ -196,8 +201,8 @@ class ModelRegistry:
             intra_op_threads=self.intra_op_threads,
         )
         if self.batch_tracer is not None:
-            served.batcher.pipeline.tracer = self.batch_tracer(source.name, served.version)
-        served.start()
+            served.batcher.scheduler.tracer = self.batch_tracer(source.name, served.version)
+        served.start(loop)
         if config.warmup.enabled:
             try:
                 served.warmup()

@@ -1,0 +1,78 @@
+"""The event loop a scheduler runs on: the server's, or a private one on a
+thread of its own (a model used as a library, outside a server)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+from tensorserve.batching.delivery import running_loop
+
+
+class SchedulerLoop:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None, name: str) -> None:
+        self._thread: threading.Thread | None = None
+        if loop is None:
+            loop = asyncio.new_event_loop()
+            started = threading.Event()
+            self._thread = threading.Thread(
+                target=self._run, args=(loop, started), name=name, daemon=True
+            )
+            self._thread.start()
+            started.wait()
+        self.loop = loop
+
+    @staticmethod
+    def _run(loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
+        asyncio.set_event_loop(loop)
+        loop.call_soon(started.set)
+        try:
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    def here(self) -> bool:
+        """True on the loop's own thread, while it runs."""
+        return running_loop() is self.loop
+
+    def call_soon(self, fn: Callable[..., None], *args: object) -> None:
+        """``fn(*args)`` on the loop, from any thread (nothing once it has closed)."""
+        try:
+            if self.here():
+                self.loop.call_soon(fn, *args)
+            else:
+                self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
+
+    def run(self, fn: Callable[[], None]) -> None:
+        """``fn()`` on the loop, waiting for it (at once on the loop's thread,
+        or where the loop no longer runs: nothing else can be on it then)."""
+        if self.here() or not self.loop.is_running():
+            fn()
+            return
+        ran = threading.Event()
+
+        def run_then_tell() -> None:
+            try:
+                fn()
+            finally:
+                ran.set()
+
+        try:
+            self.loop.call_soon_threadsafe(run_then_tell)
+        except RuntimeError:  # closed: nothing runs there any more
+            return
+        ran.wait()
+
+    def stop(self) -> None:
+        """Stop a private loop once what is queued on it has run; join it."""
+        if self._thread is None or self.loop.is_closed():
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:  # closed meanwhile
+            return
+        if self._thread is not threading.current_thread():
+            self._thread.join()
