@@ -23,13 +23,14 @@ from pydantic import (
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.batching_config import DEFAULTS_ONLY, DynamicBatching
+from tensorserve.repository.ensemble_config import EnsembleScheduling
 from tensorserve.repository.output_rules import output_problem
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.repository.platforms import (
     DEFAULT_PLATFORM,
-    PLATFORMS,
     OnnxRuntimeOptions,
     Platform,
+    platform_problem,
 )
 from tensorserve.repository.value_bounds import bounds_problem
 from tensorserve.settings import BOUNDS, check_device
@@ -210,7 +211,11 @@ class ModelConfig(_Strict):
         DEFAULT_PLATFORM,
         description="What a version folder holds (Triton's names): pytorch_tensorserve: "
         "model.py (+ model.safetensors); onnxruntime_onnx: model.onnx; pytorch_libtorch: "
-        "model.pt (TorchScript) or model.pt2 (torch.export).",
+        "model.pt (TorchScript) or model.pt2 (torch.export); ensemble: an empty folder, "
+        "the steps run other models.",
+    )
+    ensemble_scheduling: EnsembleScheduling | None = Field(
+        None, description="platform = 'ensemble': its steps (docs/model-repository.md)."
     )
     onnxruntime: OnnxRuntimeOptions | None = Field(
         None, description="Session options of an onnxruntime_onnx model."
@@ -275,7 +280,16 @@ class ModelConfig(_Strict):
             raise ValueError(
                 "instance_group places the instances itself: leave device and instance_count unset"
             )
-        self._platform_allows()
+        problem = platform_problem(
+            self.platform,
+            onnxruntime=self.onnxruntime is not None,
+            compile=self.compile,
+            request_parameters=bool(self.request_parameter),
+            bytes_tensors=[s.name for s in (*self.input, *self.output) if s.dt.is_bytes],
+            ensemble_scheduling=self.ensemble_scheduling is not None,
+        )
+        if problem is not None:
+            raise ValueError(problem)
         kinds = (
             ("input", self.input),
             ("output", self.output),
@@ -290,34 +304,16 @@ class ModelConfig(_Strict):
         for parameter in self.request_parameter:
             if parameter.name in inputs:  # both are keyword arguments of forward
                 raise ValueError(f"request_parameter {parameter.name!r} has the name of an input")
-        for out in self.output:
+        # An ensemble's outputs take their shapes from its steps (checked at load).
+        for out in self.output if self.platform != "ensemble" else []:
             if (problem := output_problem(out, self.unpad_source(out), inputs)) is not None:
                 raise ValueError(problem)
         return self
 
-    def _platform_allows(self) -> None:
-        if self.onnxruntime is not None and self.platform != "onnxruntime_onnx":
-            raise ValueError("[onnxruntime] is for platform = 'onnxruntime_onnx'")
-        if PLATFORMS[self.platform].python:
-            return
-        # A model file takes its inputs only, and is already compiled its own way.
-        if self.compile != "off":
-            raise ValueError(f"compile needs a model.py, not platform = {self.platform!r}")
-        if self.request_parameter:
-            raise ValueError(
-                f"request_parameter needs a model.py (forward's keyword arguments), not "
-                f"platform = {self.platform!r}"
-            )
-        strings = [s.name for s in (*self.input, *self.output) if s.dt.is_bytes]
-        if strings:  # a model file takes tensors; bytes reach a forward as numpy arrays
-            raise ValueError(
-                f"dtype bytes ({', '.join(map(repr, strings))}) needs a model.py, not "
-                f"platform = {self.platform!r}"
-            )
-
     def unpad_source(self, out: OutputSpec) -> str | None:
-        """The input whose true lengths un-pad ``out`` (a ragged one: none)."""
-        if out.ragged:
+        """The input whose true lengths un-pad ``out`` (a ragged one, or an
+        ensemble's, whose steps give its shape: none)."""
+        if out.ragged or self.platform == "ensemble":
             return None
         if out.unpad_like is not None:
             return out.unpad_like

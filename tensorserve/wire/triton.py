@@ -24,7 +24,9 @@ _STATES = {"READY": "READY", "LOADING": "LOADING", "UNLOADING": "UNLOADING"}
 def model_config(name: str, config: ModelConfig) -> dict[str, Any]:
     """The config as tensorserve declares it, plus Triton's ``model_config``
     fields (``data_type``, ``dims``, ``max_queue_delay_microseconds``...)."""
-    data: dict[str, Any] = {"name": name, "platform": PLATFORM, "backend": "tensorserve"}
+    # An ensemble has no backend of its own, as in Triton.
+    backend = "" if config.platform == "ensemble" else "tensorserve"
+    data: dict[str, Any] = {"name": name, "platform": PLATFORM, "backend": backend}
     data.update(config.model_dump(mode="json"))
     for key, specs in (("input", config.input), ("output", config.output)):
         for tensor, spec in zip(data[key], specs):
@@ -67,14 +69,15 @@ def _duration(count: int, ns: int) -> dict[str, int]:
 
 
 def model_stat(
-    name: str, version: str, counts: TritonCounts, batching: Mapping[str, Any]
+    name: str, version: str, counts: TritonCounts, own: Mapping[str, Any]
 ) -> dict[str, Any]:
     """Triton's ``$model_stat`` in Triton's units (``batching/stats.py``):
     ``inference_stats`` counts requests, each charged the whole time of the
     batches it ran in; ``inference_count`` items; ``execution_count`` and
     ``batch_stats`` batches. perf_analyzer requires the three compute counts to
     agree: they, and the queue's, are the successful requests, as in Triton.
-    tensorserve's own ``batching`` snapshot is kept beside them."""
+    tensorserve's own fields are kept beside them (``own``: a model's
+    ``batching`` snapshot, an ensemble's ``ensemble`` steps)."""
     ok = counts.success
     zero = _duration(0, 0)
     return {
@@ -103,7 +106,7 @@ def model_stat(
             for size, (batches, input_ns, infer_ns, output_ns) in counts.batch_sizes.items()
         ],
         "memory_usage": [],
-        "batching": dict(batching),
+        **own,
     }
 
 
