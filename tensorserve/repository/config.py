@@ -24,6 +24,7 @@ from pydantic import (
 from tensorserve.errors import ConfigError
 from tensorserve.repository.batching_config import DEFAULTS_ONLY, DynamicBatching
 from tensorserve.repository.ensemble_config import EnsembleScheduling
+from tensorserve.repository.faults_config import Faults
 from tensorserve.repository.output_rules import output_problem
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.repository.platforms import (
@@ -102,9 +103,17 @@ class InputSpec(TensorSpec):
         "larger one is that caller's 400, never an out-of-range index in a batch.",
     )
 
+    utf8: bool = Field(
+        False,
+        description="A bytes input whose every element must be UTF-8 text (a tokenizer's): "
+        "an element that is not is that caller's 400, naming the input, before it is queued.",
+    )
+
     @model_validator(mode="after")
     def _bounds_fit(self) -> InputSpec:
         problem = bounds_problem(self.dt, self.min_value, self.max_value)
+        if problem is None and self.utf8 and not self.dt.is_bytes:
+            problem = f"utf8 = true is for a bytes input, not {self.dtype}"
         if problem is not None:
             raise ValueError(f"input {self.name!r}: {problem}")
         return self
@@ -136,42 +145,6 @@ class Warmup(_Strict):
     def _positive(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and any(v < 1 for v in value):
             raise ValueError(f"every entry must be >= 1, got {value}")
-        return value
-
-
-class Faults(_Strict):
-    """What the batcher does when a batch fails (docs/reliability.md)."""
-
-    split_failed_batches: bool = Field(
-        True,
-        description="Re-run a batch that raised in halves until the failure is pinned on the "
-        "items that fail alone; every other caller gets its row (about 2*log2(B) extra runs).",
-    )
-    watchdog_ms: float | Literal["auto"] = Field(
-        "auto",
-        description="Longest one batch may run. Past it a worker process is killed and "
-        "replaced (the batch is retried split); a model thread is marked not ready and its "
-        "callers answered. auto: 50x the slowest batch so far, at least 30 s (off for a "
-        "compiled model: compiling a new shape is not a hang); 0: off.",
-    )
-    standby_worker: bool | Literal["auto"] = Field(
-        "auto",
-        description="isolation = 'process': keep one loaded spare worker, so a crashed "
-        "worker is replaced in milliseconds instead of a full model load. auto: on the CPU "
-        "only (on a GPU a spare holds a CUDA context and a copy of the weights of its own).",
-    )
-    worker_template: bool = Field(
-        True,
-        description="isolation = 'process': fork workers from a template process that has "
-        "imported torch and (on the CPU) loaded the model, so a new worker costs "
-        "milliseconds, not a model load (runtime/template.py).",
-    )
-
-    @field_validator("watchdog_ms")
-    @classmethod
-    def _watchdog(cls, value: float | str) -> float | str:
-        if value != "auto" and not (0 <= float(value) <= 86_400_000):
-            raise ValueError(f"must be 'auto' or between 0 (off) and 86400000 ms, got {value}")
         return value
 
 
