@@ -15,6 +15,11 @@ from typing import Any
 from tensorserve.repository.config import ModelConfig
 
 PLATFORM = "pytorch_tensorserve"
+# What an ensemble's config does not use: it runs no model of its own.
+ENSEMBLE_UNUSED = (
+    "dynamic_batching", "instance_group", "device", "instance_count", "isolation",
+    "onnxruntime", "compile", "warmup", "faults", "parameters",
+)  # fmt: skip
 
 # Triton knows READY, LOADING, UNLOADING and UNAVAILABLE; a model that failed
 # to load is UNAVAILABLE there, with the failure as its reason.
@@ -33,6 +38,10 @@ def model_config(name: str, config: ModelConfig) -> dict[str, Any]:
             # Triton's model config calls BYTES TYPE_STRING (its one other name).
             tensor["data_type"] = "TYPE_STRING" if spec.dt.is_bytes else f"TYPE_{spec.dt.v2}"
             tensor["dims"] = list(spec.shape)
+    if config.platform == "ensemble":  # its steps' models batch and place themselves
+        for key in ENSEMBLE_UNUSED:
+            data.pop(key)
+        return data
     data["dynamic_batching"]["max_queue_delay_microseconds"] = round(
         config.dynamic_batching.max_queue_delay_ms * 1000
     )
