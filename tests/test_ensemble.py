@@ -552,3 +552,28 @@ async def test_each_step_is_a_span_under_the_request(models: dict[str, ServedMod
     assert [s.status.status_code for s in spans][-1] is StatusCode.ERROR
     assert spans[-1].attributes["tensorserve.ensemble.step_model"] == "poison"
     provider.shutdown()
+
+
+async def test_a_step_model_not_ready_makes_the_ensemble_not_ready_naming_the_step(
+    repository: Path,
+) -> None:
+    from tensorserve.errors import ModelNotReady
+    from tensorserve.serving.registry import ModelRegistry
+
+    registry = ModelRegistry(repository)
+    await registry.load_all()
+    try:
+        pair = registry.ready_model("pair")
+        assert registry.health(registry.get("pair")) is None
+        await registry.unload("shift")
+        why = "step 2 ('shift'): model 'shift' is not ready (UNAVAILABLE)"
+        assert registry.health(registry.get("pair")) == why
+        assert registry.not_ready()["pair"] == why
+        with pytest.raises(ModelNotReady) as caught:
+            await pair.infer_many([_x(1)], timeout=10)
+        assert caught.value.message == f"ensemble 'pair' {why}"
+        await registry.load("shift")  # back: the ensemble finds the new instance
+        rows = await pair.infer_many([_x(1)], timeout=10)
+        assert rows[0]["OUT"].tolist() == [3.5]
+    finally:
+        await registry.close()
