@@ -149,6 +149,7 @@ def main() -> None:
     tokenizer.enable_truncation(512)
     corpus = texts(4096)
     cost = tokenizer_cost(tokenizer, corpus)
+    load_before = os.getloadavg()[0]  # a shared machine: say how busy it was
     server = ServerProcess(str(REPOSITORY), ["--grpc-port", "-1"], ready_timeout=180).start()
     runs = []
     try:
@@ -202,6 +203,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "commit": commit,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}",
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "runs": runs,
         "tokenizer_served": served,
         "tokenizer_in_process": cost,
