@@ -577,3 +577,12 @@ async def test_a_step_model_not_ready_makes_the_ensemble_not_ready_naming_the_st
         assert rows[0]["OUT"].tolist() == [3.5]
     finally:
         await registry.close()
+
+
+def test_an_ensemble_alone_is_not_a_served_model(repository: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        ServedModel.from_repository(repository, "pair", isolation="thread")
+    assert str(caught.value) == (
+        "pair: platform = 'ensemble' runs other models of its repository; serve the "
+        "repository (tensorserve serve), not the ensemble alone"
+    )
