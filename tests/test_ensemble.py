@@ -391,6 +391,22 @@ async def test_a_caller_that_leaves_withdraws_its_queued_step_items(
     assert gate.seen == [1.0]  # the caller that left never reached the model
 
 
+async def test_priority_orders_the_step_models_queue(models: dict[str, ServedModel]) -> None:
+    gate = Gate()
+    models["hold"] = _function(gate, ["x"], ["OUT"], max_batch_size=1, priority_levels=2).start()
+    ensemble = _runner([_step("hold", {"x": "X"}, {"OUT": "OUT"})], models)
+    batcher = models["hold"].batcher
+    first = asyncio.ensure_future(ensemble.infer_many([_x(0)], timeout=20))
+    await asyncio.to_thread(gate.wait_entered)
+    low = asyncio.ensure_future(ensemble.infer_many([_x(1)], timeout=20, priority=2))
+    await wait_until_async(lambda: batcher.queue_depth == 1, "the low-priority caller queued")
+    high = asyncio.ensure_future(ensemble.infer_many([_x(2)], timeout=20, priority=1))
+    await wait_until_async(lambda: batcher.queue_depth == 2, "the high-priority caller queued")
+    gate.release.set()
+    await asyncio.gather(first, low, high)
+    assert gate.seen == [0.0, 2.0, 1.0]  # the later, higher-priority caller ran first
+
+
 async def test_request_parameters_reach_every_step(models: dict[str, ServedModel]) -> None:
     models["scale"] = ServedModel.from_function(
         lambda x, factor: x * factor[:, None],
