@@ -389,6 +389,9 @@ async def test_a_caller_that_leaves_withdraws_its_queued_step_items(
     gate.release.set()
     assert (await first)[0]["OUT"].tolist() == [1.0]
     assert gate.seen == [1.0]  # the caller that left never reached the model
+    step = ensemble.stats.report()["steps"][0]
+    assert (step["calls"], step["failures"]) == (1, 0)  # leaving is no failure of the step
+    assert ensemble.stats.triton_counts().fail == 0
 
 
 async def test_priority_orders_the_step_models_queue(models: dict[str, ServedModel]) -> None:

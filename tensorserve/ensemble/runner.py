@@ -141,13 +141,15 @@ class Ensemble:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         call = _Call(priority, parameters, max_bytes_element_length, deadline)
-        failed = True
         try:
             await self._run_graph(rows, call)
-            failed = False
-        finally:
-            seconds = time.monotonic() - started
-            self.stats.request_done(len(rows), seconds, failed, int(time.time() * 1000))
+        except asyncio.CancelledError:
+            raise  # the caller left: neither a success nor a failure of the ensemble
+        except BaseException:
+            self.stats.request_done(len(rows), time.monotonic() - started, True, 0)
+            raise
+        now_ms = int(time.time() * 1000)
+        self.stats.request_done(len(rows), time.monotonic() - started, False, now_ms)
         names = [out.name for out in self.config.output]
         return [{name: row[name] for name in names} for row in rows]
 
@@ -181,7 +183,7 @@ class Ensemble:
     async def _run_step(self, step: Step, rows: list[Row], call: _Call) -> list[dict[str, Any]]:
         where = f"ensemble {self.name!r} {step.where}"
         started = time.perf_counter()
-        failed = True
+        outcome: bool | None = False  # succeeded; None: cancelled (the caller left), not counted
         span = self.tracer.step(step.label, step.model) if self.tracer else contextlib.nullcontext()
         try:
             with span:
@@ -195,12 +197,17 @@ class Ensemble:
                     parameters=call.parameters,
                     max_bytes_element_length=call.max_bytes_element_length,
                 )
-            failed = False
+            outcome = True
             return results
+        except asyncio.CancelledError:
+            outcome = None
+            raise
         except TensorServeError as exc:
             raise in_step(exc, where) from exc
         finally:
-            self.stats.step_done(step.label, len(rows), time.perf_counter() - started, failed)
+            if outcome is not None:
+                seconds = time.perf_counter() - started
+                self.stats.step_done(step.label, len(rows), seconds, failed=not outcome)
 
 
 class _Call:
