@@ -179,3 +179,25 @@ def test_the_ensembles_are_models_to_triton_clients(grpc_client: Any) -> None:
     assert steps[0]["output_map"] == {"input_ids": "ids", "attention_mask": "mask"}
     index = {m["name"]: m["state"] for m in grpc_client.get_model_repository_index(as_json=True)["models"]}
     assert index["text_tagger"] == index["text_embedder"] == index["tokenizer"] == "READY"
+
+
+def test_utf8_is_for_a_bytes_input_and_checks_every_element() -> None:
+    from tensorserve.errors import ConfigError, InvalidInput
+    from tensorserve.repository.config import parse_config
+    from tensorserve.tensors.bytes_tensor import check_utf8
+
+    with pytest.raises(ConfigError) as caught:
+        parse_config(
+            {"input": [{"name": "x", "dtype": "int64", "shape": [1], "utf8": True}],
+             "output": [{"name": "y", "dtype": "int64", "shape": [1]}]},
+            "m/config.toml",
+        )  # fmt: skip
+    assert str(caught.value) == (
+        "m/config.toml: input[0]: input 'x': utf8 = true is for a bytes input, not int64"
+    )
+    check_utf8(np.array(["héllo", "é".encode()], dtype=object), "x")  # str and UTF-8 bytes pass
+    with pytest.raises(InvalidInput) as refused:
+        check_utf8(np.array([b"fine", b"caf\xe9"], dtype=object), "x")
+    assert refused.value.message == (
+        "x: element 1 is not UTF-8 text: byte 0xe9 at position 3 (unexpected end of data)"
+    )
