@@ -584,6 +584,10 @@ async def test_a_step_model_not_ready_makes_the_ensemble_not_ready_naming_the_st
     try:
         pair = registry.ready_model("pair")
         assert registry.health(registry.get("pair")) is None
+        with pytest.raises(ModelNotReady, match=r"^model 'double' serves version 1, not version 2$"):
+            registry.step_model("double", 2)
+        with pytest.raises(ModelNotReady, match=r"^model 'pair' is an ensemble, not a model a step"):
+            registry.step_model("pair", None)
         await registry.unload("shift")
         why = "step 2 ('shift'): model 'shift' is not ready (UNAVAILABLE)"
         assert registry.health(registry.get("pair")) == why
