@@ -33,6 +33,7 @@ from tensorserve.repository.config import (
     OutputSpec,
     Warmup,
 )
+from tensorserve.repository.ensemble_config import EnsembleStep
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.repository.platforms import OnnxRuntimeOptions
 from tensorserve.settings import Settings
@@ -80,10 +81,20 @@ def default(field: FieldInfo) -> str:
 def bounds(field: FieldInfo) -> str:
     found = []
     for item in field.metadata:
-        for attribute, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "length >=")):
+        for attribute, sign in (
+            ("ge", ">="),
+            ("gt", ">"),
+            ("le", "<="),
+            ("lt", "<"),
+            ("min_length", "length >="),
+        ):
             value = getattr(item, attribute, None)
             if value is not None:
-                found.append(f"{sign} {value:_}".replace("_", ",") if isinstance(value, int) else f"{sign} {value}")
+                found.append(
+                    f"{sign} {value:_}".replace("_", ",")
+                    if isinstance(value, int)
+                    else f"{sign} {value}"
+                )
     return ", ".join(found)
 
 
@@ -126,8 +137,10 @@ def reference() -> str:
         "### `[[output]]`\n\n" + model_table(OutputSpec),
         "### `[[request_parameter]]`\n\n" + model_table(RequestParameterSpec),
         "### `[warmup]`\n\n" + model_table(Warmup),
-        "### `[onnxruntime]` (`platform = \"onnxruntime_onnx\"`)\n\n"
+        '### `[onnxruntime]` (`platform = "onnxruntime_onnx"`)\n\n'
         + model_table(OnnxRuntimeOptions),
+        '### `[[ensemble_scheduling.step]]` (`platform = "ensemble"`)\n\n'
+        + model_table(EnsembleStep),
     ]
     for name, field in ModelConfig.model_fields.items():
         # Tables added to ModelConfig later get their section without an edit here.

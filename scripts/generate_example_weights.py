@@ -7,6 +7,12 @@ For every model directory ``<repo>/<model>/`` that has ``config.toml`` and
 ``torch.manual_seed(seed)``, and writes ``1/model.safetensors`` (fp32) with
 ``safetensors.torch.save_file``.  Running it twice yields byte-identical files.
 
+The ``tokenizer`` has no weights: its ``1/tokenizer.json`` (a WordPiece
+vocabulary of at most 4096 entries, the tagger's, with ``[PAD]`` = 0, for
+the Hugging Face ``tokenizers`` library) is learnt from
+``scripts/data/tokenizer_corpus.txt``, a small corpus kept in the repository
+(nothing is downloaded); the same corpus gives the same file.
+
 It also exports ``examples/model_repository/tagger_onnx/1/model.onnx`` (an
 example beside the default repository: serving it needs the ``onnx`` extra):
 the tagger's own weights (the same seed) as an ONNX graph with dynamic batch and token axes, through
@@ -41,6 +47,7 @@ try:
 except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib  # type: ignore[no-redef]
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +60,11 @@ DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 # default repository so that a plain install serves every model of it.
 EXAMPLES_REPOSITORY = REPO_ROOT / "examples" / "model_repository"
 VERSION = "1"
+CORPUS = REPO_ROOT / "scripts" / "data" / "tokenizer_corpus.txt"
+# Models whose version folder holds a trained tokenizer.json instead of weights.
+TOKENIZERS = {"tokenizer"}
+# The tokenizer's special tokens: [PAD] is 0, the tagger's and embedder's pad_value.
+SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]"]
 
 
 def read_parameters(model_dir: Path) -> dict[str, Any]:
@@ -113,6 +125,54 @@ def write_weights(
     tmp = path.with_suffix(".safetensors.tmp")
     save_file(_state_dict_for_safetensors(model), str(tmp))
     tmp.replace(path)
+    return path
+
+
+def learn_vocabulary(words: Counter[str], vocab_size: int) -> list[str]:
+    """A WordPiece vocabulary from word counts, deterministically (the
+    library's own trainer breaks ties differently from run to run): the
+    special tokens, every character (alone and as a ``##`` continuation),
+    then whole words and the ``##`` endings of 2-4 characters that at least
+    three words share, most frequent first, ties in alphabetical order."""
+    chars = sorted({c for word in words for c in word})
+    pieces: Counter[str] = Counter()
+    for word, count in words.items():
+        for size in range(2, 5):
+            if len(word) > size:
+                pieces["##" + word[-size:]] += count
+    ranked = [(-n, w) for w, n in words.items() if len(w) > 1]
+    ranked += [(-n, p) for p, n in pieces.items() if n >= 3]
+    vocabulary = [*SPECIAL_TOKENS, *chars, *("##" + c for c in chars)]
+    vocabulary += [token for _, token in sorted(ranked)][: vocab_size - len(vocabulary)]
+    return vocabulary
+
+
+def write_tokenizer(
+    model_dir: Path, corpus: Path = CORPUS, vocab_size: int = 4096, max_length: int = 512
+) -> Path:
+    """Learn a WordPiece vocabulary from ``corpus`` (lower-cased, split by
+    BERT's pre-tokenizer, the ``tokenizers`` library's own) and write
+    ``model_dir/1/tokenizer.json``: ``[CLS] text [SEP]``, truncated at
+    ``max_length`` tokens. The same corpus gives the same file."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    normalizer, splitter = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    words: Counter[str] = Counter()
+    for line in Path(corpus).read_text(encoding="utf-8").splitlines():
+        words.update(w for w, _ in splitter.pre_tokenize_str(normalizer.normalize_str(line)))
+    vocabulary = learn_vocabulary(words, vocab_size)
+    tokenizer = Tokenizer(
+        models.WordPiece({t: i for i, t in enumerate(vocabulary)}, unk_token="[UNK]")
+    )
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, splitter
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        special_tokens=[(t, vocabulary.index(t)) for t in ("[CLS]", "[SEP]")],
+    )
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.enable_truncation(max_length)
+    path = Path(model_dir) / VERSION / "tokenizer.json"
+    path.write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
     return path
 
 
@@ -279,7 +339,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown model(s) in {args.repo}: {', '.join(missing)}")
         dirs = [by_name[m] for m in asked]
     for d in dirs:
-        path = write_weights(d, seed=args.seed)
+        if d.name in TOKENIZERS:
+            path = write_tokenizer(d)
+        else:
+            path = write_weights(d, seed=args.seed)
         print(f"{d.name}: {path.relative_to(args.repo)} ({path.stat().st_size} bytes)")
     if export_onnx:
         try:

@@ -98,7 +98,7 @@ def read(url: str, timeout: float = 5.0) -> Reading:
         at=time.monotonic(),
         samples=samples,
         states={m["name"]: m["state"] for m in models},
-        stats={s["name"]: s["batching"] for s in stats},
+        stats={s["name"]: s["batching"] for s in stats if "batching" in s},  # not ensembles
     )
 
 

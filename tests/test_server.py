@@ -183,7 +183,8 @@ async def test_health_metadata_and_model_list(client: Any) -> None:
     models = (await (await client.get("/v2/models")).json())["models"]
     assert {m["name"]: m["state"] for m in models} == {
         "attention_tagger": "READY", "embedder": "READY", "gru_tagger": "READY",
-        "image_filter": "READY", "tagger": "READY",
+        "image_filter": "READY", "tagger": "READY", "text_embedder": "READY",
+        "text_tagger": "READY", "tokenizer": "READY",
     }
     meta = await (await client.get("/v2/models/tagger")).json()
     assert meta["inputs"][0] == {

@@ -11,6 +11,7 @@ from tensorserve import __version__
 from tensorserve.batching.policy import budget_report
 from tensorserve.dataplane.lifecycle import SHUTTING_DOWN
 from tensorserve.dataplane.plane import DataPlane
+from tensorserve.ensemble import Ensemble
 from tensorserve.errors import InvalidInput, ModelControlDisabled, ModelNotReady
 from tensorserve.serving import ServedModel
 from tensorserve.serving.registry import ModelState
@@ -81,18 +82,24 @@ def config(plane: DataPlane, name: str, version: str | None) -> dict[str, Any]:
     return triton.model_config(entry.name, entry.config)
 
 
-def _stat(served: ServedModel) -> dict[str, Any]:
+def _stat(served: ServedModel | Ensemble) -> dict[str, Any]:
+    if isinstance(served, Ensemble):  # its requests and steps; its steps' models batch
+        stats = served.stats
+        return triton.model_stat(
+            served.name, str(served.version), stats.triton_counts(), {"ensemble": stats.report()}
+        )
     snapshot = served.stats.snapshot(served.batcher.queue_depth)
     snapshot["budget"] = budget_report(served.batcher.options.policy)
     if (target := served.batcher.latency_target) is not None:
         snapshot["latency_target"] = target.report()
     return triton.model_stat(
-        served.name, str(served.version), served.stats.triton_counts(), snapshot
+        served.name, str(served.version), served.stats.triton_counts(), {"batching": snapshot}
     )
 
 
 def model_stats(plane: DataPlane, name: str, version: str | None) -> dict[str, Any]:
-    """One served model's Triton statistics (with tensorserve's ``batching``)."""
+    """One served model's Triton statistics (with tensorserve's ``batching``,
+    or an ensemble's ``ensemble``)."""
     entry = plane.registry.get(name, version)
     return _stat(plane.registry.ready_model(entry.name))
 

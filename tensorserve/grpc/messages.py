@@ -51,7 +51,16 @@ def model_config(data: dict[str, Any]) -> pb.ModelConfigResponse:
             for g in data.get("instance_group", [])
         ],
     )
-    if data["max_batch_size"]:
+    scheduling = data.get("ensemble_scheduling")
+    if scheduling is not None:  # one of Triton's scheduling choices: not dynamic_batching
+        for step in scheduling["step"]:
+            config.ensemble_scheduling.step.add(
+                model_name=step["model_name"],
+                model_version=step["model_version"],
+                input_map=step["input_map"],
+                output_map=step["output_map"],
+            )
+    elif data["max_batch_size"]:
         config.dynamic_batching.max_queue_delay_microseconds = batching.get(
             "max_queue_delay_microseconds", 0
         )

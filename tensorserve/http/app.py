@@ -97,6 +97,7 @@ def create_app(
         intra_op_threads=settings.intra_op_threads,
         default_device=settings.device,
         batch_tracer=tracer.batch_tracer if tracer is not None else None,
+        step_tracer=tracer.ensemble_tracer if tracer is not None else None,
     )
     liveness = Liveness(registry, settings.liveness_stall_s)
     loop_lag = LoopLag()  # the loop's (gRPC's calls run on it too); exported, dataplane/lag.py

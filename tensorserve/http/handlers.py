@@ -50,10 +50,10 @@ async def model_config(request: web.Request) -> web.Response:
 
 
 async def model_stats(request: web.Request) -> web.Response:
-    """tensorserve's ``batching`` object at top level, and Triton's
-    ``model_stats`` list (which repeats it) for Triton clients."""
+    """tensorserve's ``batching`` object (an ensemble's ``ensemble``) at top
+    level, and Triton's ``model_stats`` list (which repeats it) for Triton clients."""
     stat = models.model_stats(request.app[PLANE], *_model(request))
-    body = {"name": stat["name"], "version": stat["version"], "batching": stat["batching"]}
+    body = {k: stat[k] for k in ("name", "version", "batching", "ensemble") if k in stat}
     return web.json_response({**body, "model_stats": [stat]})
 
 

@@ -5,6 +5,8 @@ lists every one).
                    scrape time (the hot path never calls the metrics library)
     requests.py    per-request outcome, rejection and latency metrics,
                    observed once per request by the HTTP layer
+    ensemble.py    each ensemble step's calls, items, failures and seconds,
+                   read from the ensembles' stats at scrape time
     triton.py      Triton's names (nv_inference_*) for the same quantities,
                    read from the two above at scrape time
 
@@ -31,6 +33,7 @@ from prometheus_client import (
 
 from tensorserve import __version__
 from tensorserve.metrics.collector import BatchingCollector
+from tensorserve.metrics.ensemble import EnsembleCollector
 from tensorserve.metrics.requests import RequestMetrics
 from tensorserve.metrics.triton import TritonCollector
 
@@ -62,6 +65,7 @@ class Metrics:
         self.prometheus = CollectorRegistry()
         batching = BatchingCollector(registry, liveness)
         self.prometheus.register(batching)
+        self.prometheus.register(EnsembleCollector(registry))
         self.requests = RequestMetrics(self.prometheus)
         self.prometheus.register(TritonCollector(batching, self.requests))
         ProcessCollector(registry=self.prometheus)

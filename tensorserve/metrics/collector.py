@@ -26,6 +26,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from tensorserve.batching.stats import BatchStats, Buckets
+from tensorserve.ensemble import Ensemble
 
 if TYPE_CHECKING:
     from tensorserve.serving.liveness import Liveness
@@ -134,7 +135,7 @@ class BatchingCollector(Collector):
         current = {}
         for entry in list(self.registry.entries.values()):
             served = entry.served
-            if served is None:
+            if served is None or isinstance(served, Ensemble):  # its steps' models batch
                 continue
             key = (entry.name, str(served.version))
             seen = self._seen.setdefault(key, _Seen())

@@ -23,13 +23,15 @@ from pydantic import (
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.batching_config import DEFAULTS_ONLY, DynamicBatching
+from tensorserve.repository.ensemble_config import EnsembleScheduling
+from tensorserve.repository.faults_config import Faults
 from tensorserve.repository.output_rules import output_problem
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.repository.platforms import (
     DEFAULT_PLATFORM,
-    PLATFORMS,
     OnnxRuntimeOptions,
     Platform,
+    platform_problem,
 )
 from tensorserve.repository.value_bounds import bounds_problem
 from tensorserve.settings import BOUNDS, check_device
@@ -101,9 +103,17 @@ class InputSpec(TensorSpec):
         "larger one is that caller's 400, never an out-of-range index in a batch.",
     )
 
+    utf8: bool = Field(
+        False,
+        description="A bytes input whose every element must be UTF-8 text (a tokenizer's): "
+        "an element that is not is that caller's 400, naming the input, before it is queued.",
+    )
+
     @model_validator(mode="after")
     def _bounds_fit(self) -> InputSpec:
         problem = bounds_problem(self.dt, self.min_value, self.max_value)
+        if problem is None and self.utf8 and not self.dt.is_bytes:
+            problem = f"utf8 = true is for a bytes input, not {self.dtype}"
         if problem is not None:
             raise ValueError(f"input {self.name!r}: {problem}")
         return self
@@ -135,42 +145,6 @@ class Warmup(_Strict):
     def _positive(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and any(v < 1 for v in value):
             raise ValueError(f"every entry must be >= 1, got {value}")
-        return value
-
-
-class Faults(_Strict):
-    """What the batcher does when a batch fails (docs/reliability.md)."""
-
-    split_failed_batches: bool = Field(
-        True,
-        description="Re-run a batch that raised in halves until the failure is pinned on the "
-        "items that fail alone; every other caller gets its row (about 2*log2(B) extra runs).",
-    )
-    watchdog_ms: float | Literal["auto"] = Field(
-        "auto",
-        description="Longest one batch may run. Past it a worker process is killed and "
-        "replaced (the batch is retried split); a forward in a thread cannot be stopped: its "
-        "instance takes no batch until it returns, and its callers are answered. auto: 50x the slowest batch so far, at least 30 s (off for a "
-        "compiled model: compiling a new shape is not a hang); 0: off.",
-    )
-    standby_worker: bool | Literal["auto"] = Field(
-        "auto",
-        description="isolation = 'process': keep one loaded spare worker, so a crashed "
-        "worker is replaced in milliseconds instead of a full model load. auto: on the CPU "
-        "only (on a GPU a spare holds a CUDA context and a copy of the weights of its own).",
-    )
-    worker_template: bool = Field(
-        True,
-        description="isolation = 'process': fork workers from a template process that has "
-        "imported torch and (on the CPU) loaded the model, so a new worker costs "
-        "milliseconds, not a model load (runtime/template.py).",
-    )
-
-    @field_validator("watchdog_ms")
-    @classmethod
-    def _watchdog(cls, value: float | str) -> float | str:
-        if value != "auto" and not (0 <= float(value) <= 86_400_000):
-            raise ValueError(f"must be 'auto' or between 0 (off) and 86400000 ms, got {value}")
         return value
 
 
@@ -210,7 +184,11 @@ class ModelConfig(_Strict):
         DEFAULT_PLATFORM,
         description="What a version folder holds (Triton's names): pytorch_tensorserve: "
         "model.py (+ model.safetensors); onnxruntime_onnx: model.onnx; pytorch_libtorch: "
-        "model.pt (TorchScript) or model.pt2 (torch.export).",
+        "model.pt (TorchScript) or model.pt2 (torch.export); ensemble: an empty folder, "
+        "the steps run other models.",
+    )
+    ensemble_scheduling: EnsembleScheduling | None = Field(
+        None, description="platform = 'ensemble': its steps (docs/model-repository.md)."
     )
     onnxruntime: OnnxRuntimeOptions | None = Field(
         None, description="Session options of an onnxruntime_onnx model."
@@ -275,7 +253,16 @@ class ModelConfig(_Strict):
             raise ValueError(
                 "instance_group places the instances itself: leave device and instance_count unset"
             )
-        self._platform_allows()
+        problem = platform_problem(
+            self.platform,
+            onnxruntime=self.onnxruntime is not None,
+            compile=self.compile,
+            request_parameters=bool(self.request_parameter),
+            bytes_tensors=[s.name for s in (*self.input, *self.output) if s.dt.is_bytes],
+            ensemble_scheduling=self.ensemble_scheduling is not None,
+        )
+        if problem is not None:
+            raise ValueError(problem)
         kinds = (
             ("input", self.input),
             ("output", self.output),
@@ -290,34 +277,16 @@ class ModelConfig(_Strict):
         for parameter in self.request_parameter:
             if parameter.name in inputs:  # both are keyword arguments of forward
                 raise ValueError(f"request_parameter {parameter.name!r} has the name of an input")
-        for out in self.output:
+        # An ensemble's outputs take their shapes from its steps (checked at load).
+        for out in self.output if self.platform != "ensemble" else []:
             if (problem := output_problem(out, self.unpad_source(out), inputs)) is not None:
                 raise ValueError(problem)
         return self
 
-    def _platform_allows(self) -> None:
-        if self.onnxruntime is not None and self.platform != "onnxruntime_onnx":
-            raise ValueError("[onnxruntime] is for platform = 'onnxruntime_onnx'")
-        if PLATFORMS[self.platform].python:
-            return
-        # A model file takes its inputs only, and is already compiled its own way.
-        if self.compile != "off":
-            raise ValueError(f"compile needs a model.py, not platform = {self.platform!r}")
-        if self.request_parameter:
-            raise ValueError(
-                f"request_parameter needs a model.py (forward's keyword arguments), not "
-                f"platform = {self.platform!r}"
-            )
-        strings = [s.name for s in (*self.input, *self.output) if s.dt.is_bytes]
-        if strings:  # a model file takes tensors; bytes reach a forward as numpy arrays
-            raise ValueError(
-                f"dtype bytes ({', '.join(map(repr, strings))}) needs a model.py, not "
-                f"platform = {self.platform!r}"
-            )
-
     def unpad_source(self, out: OutputSpec) -> str | None:
-        """The input whose true lengths un-pad ``out`` (a ragged one: none)."""
-        if out.ragged:
+        """The input whose true lengths un-pad ``out`` (a ragged one, or an
+        ensemble's, whose steps give its shape: none)."""
+        if out.ragged or self.platform == "ensemble":
             return None
         if out.unpad_like is not None:
             return out.unpad_like

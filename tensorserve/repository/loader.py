@@ -125,6 +125,11 @@ def load_model(
     """Load one version (on the CPU): import model.py, construct it and load
     its weights, or open the platform's model file. ``intra_op_threads`` sizes
     an ONNX Runtime session's pool (torch's is set on each instance thread)."""
+    if config.platform == "ensemble":  # the registry serves it (tensorserve/ensemble/)
+        raise ConfigError(
+            f"{source.name}: platform = 'ensemble' runs other models of its repository; "
+            f"serve the repository (tensorserve serve), not the ensemble alone"
+        )
     version = resolve_version(source, version)
     folder = source.path / str(version)
     files = PLATFORMS[config.platform].files

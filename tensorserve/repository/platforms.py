@@ -5,6 +5,8 @@ names), and the ONNX Runtime session options a config may set.
     onnxruntime_onnx      <version>/model.onnx, run by an ONNX Runtime session
     pytorch_libtorch      <version>/model.pt (TorchScript, torch.jit.load) or
                           <version>/model.pt2 (a torch.export program)
+    ensemble              an empty <version>/: [[ensemble_scheduling.step]] runs
+                          other models (tensorserve/ensemble/)
 
 One table: the loader finds a version's file here, the config checks what a
 platform allows here, and the worker template asks here whether a model may
@@ -18,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Platform = Literal["pytorch_tensorserve", "onnxruntime_onnx", "pytorch_libtorch"]
+Platform = Literal["pytorch_tensorserve", "onnxruntime_onnx", "pytorch_libtorch", "ensemble"]
 DEFAULT_PLATFORM: Platform = "pytorch_tensorserve"
 
 
@@ -40,7 +42,43 @@ PLATFORMS: dict[str, PlatformFiles] = {
     "pytorch_libtorch": PlatformFiles(
         ("model.pt", "model.pt2"), loads_before_fork=True, python=False
     ),
+    # Nothing to load: its steps' models run (the registry builds an Ensemble).
+    "ensemble": PlatformFiles((), loads_before_fork=False, python=False),
 }
+
+
+def platform_problem(
+    platform: str,
+    *,
+    onnxruntime: bool,
+    compile: str,
+    request_parameters: bool,
+    bytes_tensors: list[str],
+    ensemble_scheduling: bool,
+) -> str | None:
+    """Why a config asks for what its platform cannot do, as one sentence
+    (None: nothing). A model file takes its inputs only, and is already
+    compiled its own way; an ensemble runs other models, which declare
+    their own request parameters (every step is given the request's)."""
+    if onnxruntime and platform != "onnxruntime_onnx":
+        return "[onnxruntime] is for platform = 'onnxruntime_onnx'"
+    if ensemble_scheduling != (platform == "ensemble"):
+        return "platform = 'ensemble' and [[ensemble_scheduling.step]] go together"
+    if PLATFORMS[platform].python:
+        return None
+    if compile != "off":
+        return f"compile needs a model.py, not platform = {platform!r}"
+    if request_parameters:
+        return (
+            f"request_parameter needs a model.py (forward's keyword arguments), not "
+            f"platform = {platform!r}"
+        )
+    if bytes_tensors and platform != "ensemble":  # bytes reach a forward as numpy arrays
+        return (
+            f"dtype bytes ({', '.join(map(repr, bytes_tensors))}) needs a model.py, not "
+            f"platform = {platform!r}"
+        )
+    return None
 
 
 class OnnxRuntimeOptions(BaseModel):

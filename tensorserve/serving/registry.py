@@ -5,7 +5,9 @@ failed warm-up) does not stop the others: it is kept as FAILED with the
 reason, reported on its ready/metadata endpoints and logged.
 
 Loading (import, weights, warm-up) runs in a worker thread so the server
-answers liveness while models load. Reload swaps the new version in and
+answers liveness while models load. An ensemble (``platform = "ensemble"``)
+loads after the other models: it is checked against its step models'
+configs and served by an ``Ensemble`` that looks its steps up here. Reload swaps the new version in and
 then closes the old one, whose queued and in-flight requests finish first.
 """
 
@@ -22,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from tensorserve.batching.tracer import BatchTracer
+from tensorserve.ensemble import Candidate, Ensemble, plan_ensemble
+from tensorserve.ensemble.tracer import StepTracer
 from tensorserve.errors import ConfigError, ModelNotFound, ModelNotReady
-from tensorserve.repository.config import ModelConfig
-from tensorserve.repository.loader import ModelSource, discover, read_config
+from tensorserve.repository.config import ModelConfig, load_config
+from tensorserve.repository.loader import ModelSource, discover, read_config, resolve_version
 from tensorserve.serving import ServedModel
 
 log = logging.getLogger(__name__)
@@ -43,7 +47,8 @@ class ModelEntry:
     name: str
     state: ModelState
     reason: str = ""
-    served: ServedModel | None = None
+    # What serves its requests: a model behind its batcher, or an ensemble of them.
+    served: ServedModel | Ensemble | None = None
     config: ModelConfig | None = None
     version: int | None = None
     load_seconds: float | None = None  # the last successful load's duration (metrics)
@@ -66,6 +71,7 @@ class ModelRegistry:
         intra_op_threads: int | None = None,
         default_device: str = "auto",
         batch_tracer: Callable[[str, int], BatchTracer] | None = None,
+        step_tracer: Callable[[str, int], StepTracer] | None = None,
     ) -> None:
         self.repository = repository
         self.overrides = overrides or {}
@@ -73,6 +79,7 @@ class ModelRegistry:
         self.intra_op_threads = intra_op_threads
         # (model, version) -> its batches' tracer, when tracing is on (tensorserve/tracing/).
         self.batch_tracer = batch_tracer
+        self.step_tracer = step_tracer  # (ensemble, version) -> its steps' tracer
         self.entries: dict[str, ModelEntry] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -87,7 +94,7 @@ class ModelRegistry:
             )
         return entry
 
-    def ready_model(self, name: str, version: str | None = None) -> ServedModel:
+    def ready_model(self, name: str, version: str | None = None) -> ServedModel | Ensemble:
         """The model to send a request to: ``ModelNotFound`` if there is no
         such model (or version), ``ModelNotReady`` (with its state and reason)
         if it cannot take requests now. A lookup, not a yes/no question: for
@@ -97,6 +104,18 @@ class ModelRegistry:
             detail = f": {entry.reason}" if entry.reason else ""
             raise ModelNotReady(f"model {name!r} is not ready ({entry.state.value}){detail}")
         return entry.served
+
+    def step_model(self, name: str, version: int | None) -> ServedModel:
+        """An ensemble step's model (``ensemble.runner.StepLookup``): served
+        now, and at ``version`` when the step names one."""
+        served = self.ready_model(name)
+        if not isinstance(served, ServedModel):  # refused at load; a reload may change it
+            raise ModelNotReady(f"model {name!r} is an ensemble, not a model a step can run")
+        if version is not None and served.version != version:
+            raise ModelNotReady(
+                f"model {name!r} serves version {served.version}, not version {version}"
+            )
+        return served
 
     @property
     def all_ready(self) -> bool:
@@ -143,7 +162,9 @@ class ModelRegistry:
             raise
         for name in names:
             self.entries[name].state = ModelState.LOADING
-        await asyncio.gather(*(self.load(name) for name in names))
+        ensembles = [name for name in names if _is_ensemble(self.repository / name)]
+        await asyncio.gather(*(self.load(name) for name in names if name not in ensembles))
+        await asyncio.gather(*(self.load(name) for name in ensembles))  # on loaded steps
 
     async def load(self, name: str) -> ModelEntry:
         """Load (or reload) a model; on failure it is FAILED with the reason."""
@@ -181,18 +202,22 @@ class ModelRegistry:
                 "model %s version %s ready on %s (loaded in %.2f s)",
                 name,
                 served.version,
-                served.device,
+                ", ".join(served.devices) or "its steps' models",
                 entry.load_seconds,
             )
             if old is not None:
                 await asyncio.to_thread(old.close)
             return entry
 
-    def _build(self, source: ModelSource, loop: asyncio.AbstractEventLoop) -> ServedModel:
+    def _build(
+        self, source: ModelSource, loop: asyncio.AbstractEventLoop
+    ) -> ServedModel | Ensemble:
         """Load and start a model (on a thread); its scheduler runs on
         ``loop``, the server's, so a request reaches its batch with no
         thread hand-off."""
         config = read_config(source, self.overrides, self.default_device)
+        if config.platform == "ensemble":
+            return self._build_ensemble(source, config)
         served = ServedModel.from_source(
             source,
             None,
@@ -210,6 +235,28 @@ class ModelRegistry:
                 served.close()
                 raise ConfigError(f"{source.name}: warm-up failed: {exc}") from exc
         return served
+
+    def _build_ensemble(self, source: ModelSource, config: ModelConfig) -> Ensemble:
+        """Checked against its step models' configs as the repository holds
+        them (loaded or not: an ensemble does not depend on load order)."""
+        version = resolve_version(source, None)  # its empty version folder, as in Triton
+        assert config.ensemble_scheduling is not None
+        sources = discover(self.repository)
+        candidates = {}
+        for step in config.ensemble_scheduling.step:
+            step_source = sources.get(step.model_name)
+            if step_source is None:
+                continue  # plan_ensemble names it
+            try:
+                step_config = read_config(step_source, self.overrides, self.default_device)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"{source.name}: step model {step.model_name!r} has an invalid config: {exc}"
+                ) from None
+            candidates[step.model_name] = Candidate(step_config, step_source.versions)
+        plan = plan_ensemble(source.name, config, candidates)
+        tracer = self.step_tracer(source.name, version) if self.step_tracer else None
+        return Ensemble(source.name, config, plan, self.step_model, version=version, tracer=tracer)
 
     def _mark_failed(self, name: str, exc: BaseException) -> None:
         entry = self.entries.get(name)
@@ -243,3 +290,12 @@ class ModelRegistry:
 
     def _lock(self, name: str) -> asyncio.Lock:
         return self._locks.setdefault(name, asyncio.Lock())
+
+
+def _is_ensemble(folder: Path) -> bool:
+    """Whether a model's config asks for an ensemble (an unreadable one: no,
+    its own load reports why)."""
+    try:
+        return load_config(folder / "config.toml").platform == "ensemble"
+    except ConfigError:
+        return False

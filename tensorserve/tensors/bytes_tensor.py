@@ -106,6 +106,21 @@ def check_element_lengths(array: np.ndarray, limit: int, where: str) -> None:
             )
 
 
+def check_utf8(array: np.ndarray, where: str) -> None:
+    """``InvalidInput`` naming ``where`` when an element is not UTF-8 text
+    (an input declared ``utf8 = true``: a tokenizer's)."""
+    for index, element in enumerate(array.reshape(-1)):
+        if isinstance(element, str):
+            continue  # text already
+        try:
+            element.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(
+                f"{where}: element {index} is not UTF-8 text: byte 0x{element[exc.start]:02x} "
+                f"at position {exc.start} ({exc.reason})"
+            ) from None
+
+
 def frame(array: np.ndarray) -> bytes:
     """A bytes array in the 4-byte little-endian length framing, row-major."""
     parts: list[bytes] = []

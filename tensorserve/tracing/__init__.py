@@ -10,6 +10,8 @@ OpenTelemetry SDK (the ``otel`` extra) and nothing else ever does, so
                   request span (``OtelTracer``)
     batches.py    the spans of a finished batch (``ModelBatchTracer``, the
                   ``batching/tracer.py`` contract)
+    ensemble.py   the span of each step of an ensemble (``EnsembleStepTracer``,
+                  the ``ensemble/tracer.py`` contract)
     http.py       an HTTP request as OpenTelemetry's conventions name it
                   (``HttpOrigin``)
     grpc.py       a gRPC call as they name it (``GrpcOrigin``)
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from tensorserve.batching.tracer import BatchTracer
+    from tensorserve.ensemble.tracer import StepTracer
     from tensorserve.settings import Settings
 
 INSTALL = "pip install 'tensorserve[otel]' (in a checkout: pip install -e '.[otel]')"
@@ -103,6 +106,10 @@ class RequestTracer(Protocol):
 
     def batch_tracer(self, model: str, version: int) -> BatchTracer:
         """The tracer of one model's batches (the registry installs it)."""
+        ...
+
+    def ensemble_tracer(self, ensemble: str, version: int) -> StepTracer:
+        """The tracer of one ensemble's steps (the registry installs it)."""
         ...
 
     def shutdown(self) -> None:

@@ -29,6 +29,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from tensorserve import __version__
 from tensorserve.tracing import Attributes
 from tensorserve.tracing.batches import ModelBatchTracer, WallClock
+from tensorserve.tracing.ensemble import EnsembleStepTracer
 
 SCOPE = "tensorserve"
 DEFAULT_SERVICE = "tensorserve"
@@ -97,6 +98,9 @@ class OtelTracer:
 
     def batch_tracer(self, model: str, version: int) -> ModelBatchTracer:
         return ModelBatchTracer(self.tracer, model, version)
+
+    def ensemble_tracer(self, ensemble: str, version: int) -> EnsembleStepTracer:
+        return EnsembleStepTracer(self.tracer, ensemble, version)
 
     def shutdown(self) -> None:
         self.provider.shutdown()

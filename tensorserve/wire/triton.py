@@ -15,6 +15,11 @@ from typing import Any
 from tensorserve.repository.config import ModelConfig
 
 PLATFORM = "pytorch_tensorserve"
+# What an ensemble's config does not use: it runs no model of its own.
+ENSEMBLE_UNUSED = (
+    "dynamic_batching", "instance_group", "device", "instance_count", "isolation",
+    "onnxruntime", "compile", "warmup", "faults", "parameters",
+)  # fmt: skip
 
 # Triton knows READY, LOADING, UNLOADING and UNAVAILABLE; a model that failed
 # to load is UNAVAILABLE there, with the failure as its reason.
@@ -24,13 +29,19 @@ _STATES = {"READY": "READY", "LOADING": "LOADING", "UNLOADING": "UNLOADING"}
 def model_config(name: str, config: ModelConfig) -> dict[str, Any]:
     """The config as tensorserve declares it, plus Triton's ``model_config``
     fields (``data_type``, ``dims``, ``max_queue_delay_microseconds``...)."""
-    data: dict[str, Any] = {"name": name, "platform": PLATFORM, "backend": "tensorserve"}
+    # An ensemble has no backend of its own, as in Triton.
+    backend = "" if config.platform == "ensemble" else "tensorserve"
+    data: dict[str, Any] = {"name": name, "platform": PLATFORM, "backend": backend}
     data.update(config.model_dump(mode="json"))
     for key, specs in (("input", config.input), ("output", config.output)):
         for tensor, spec in zip(data[key], specs):
             # Triton's model config calls BYTES TYPE_STRING (its one other name).
             tensor["data_type"] = "TYPE_STRING" if spec.dt.is_bytes else f"TYPE_{spec.dt.v2}"
             tensor["dims"] = list(spec.shape)
+    if config.platform == "ensemble":  # its steps' models batch and place themselves
+        for key in ENSEMBLE_UNUSED:
+            data.pop(key)
+        return data
     data["dynamic_batching"]["max_queue_delay_microseconds"] = round(
         config.dynamic_batching.max_queue_delay_ms * 1000
     )
@@ -67,14 +78,15 @@ def _duration(count: int, ns: int) -> dict[str, int]:
 
 
 def model_stat(
-    name: str, version: str, counts: TritonCounts, batching: Mapping[str, Any]
+    name: str, version: str, counts: TritonCounts, own: Mapping[str, Any]
 ) -> dict[str, Any]:
     """Triton's ``$model_stat`` in Triton's units (``batching/stats.py``):
     ``inference_stats`` counts requests, each charged the whole time of the
     batches it ran in; ``inference_count`` items; ``execution_count`` and
     ``batch_stats`` batches. perf_analyzer requires the three compute counts to
     agree: they, and the queue's, are the successful requests, as in Triton.
-    tensorserve's own ``batching`` snapshot is kept beside them."""
+    tensorserve's own fields are kept beside them (``own``: a model's
+    ``batching`` snapshot, an ensemble's ``ensemble`` steps)."""
     ok = counts.success
     zero = _duration(0, 0)
     return {
@@ -103,7 +115,7 @@ def model_stat(
             for size, (batches, input_ns, infer_ns, output_ns) in counts.batch_sizes.items()
         ],
         "memory_usage": [],
-        "batching": dict(batching),
+        **own,
     }
 
 

@@ -23,7 +23,7 @@ from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, DynamicB
 from tensorserve.repository.parameters import RequestParameterSpec, check_value
 from tensorserve.repository.value_bounds import values_problem
 from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
-from tensorserve.tensors.bytes_tensor import bytes_array, check_element_lengths
+from tensorserve.tensors.bytes_tensor import bytes_array, check_element_lengths, check_utf8
 from tensorserve.tensors.dtypes import BY_TORCH, from_torch
 from tensorserve.tensors.wire_tensor import WireTensor
 from tensorserve.wire.lists import array_from_list
@@ -69,6 +69,8 @@ def validate_tensor(
     dt = spec.dt
     if dt.is_bytes:
         array = _bytes_input(value, where, max_bytes_element_length)
+        if spec.utf8:
+            check_utf8(array, where)
     else:
         array = _numeric_input(value, spec, where)
     problem = shape_problem(array.shape, spec)

@@ -25,7 +25,10 @@ from tritonclient.utils import InferenceServerException
 from tests.helpers import MSGPACK, body, from_wire
 
 rng = np.random.default_rng(4)
-MODELS = ["attention_tagger", "embedder", "gru_tagger", "image_filter", "tagger"]
+MODELS = [
+    "attention_tagger", "embedder", "gru_tagger", "image_filter", "tagger",
+    "text_embedder", "text_tagger", "tokenizer",
+]
 
 
 @pytest.fixture(scope="module")
