@@ -281,13 +281,18 @@ class Scheduler:
             done(None, exc)
 
     def _done(self, batch: Batch) -> Callable[[BatchOutputs | None, BaseException | None], None]:
-        """The batch's completion, from any thread, handled on the loop in a
-        callback of its own (never inside ``dispatch``, never on a thread)."""
-        assert self.home is not None
-        call_soon = self.home.call_soon
+        """The batch's completion, from any thread, handled on the loop: at
+        once when it arrives there (a worker's reply, read by the loop), in a
+        callback of its own from a thread or from inside ``_dispatch`` (a
+        batch that failed before it ran: never inside the pump that sent it)."""
+        home = self.home
+        assert home is not None
 
         def done(outputs: BatchOutputs | None, error: BaseException | None) -> None:
-            call_soon(self._completed, batch, outputs, error)
+            if batch.launched is not None and home.here():
+                self._completed(batch, outputs, error)
+            else:
+                home.call_soon(self._completed, batch, outputs, error)
 
         return done
 
