@@ -201,16 +201,18 @@ def test_kserve_json_returns_the_row(ragged_server: ServerProcess) -> None:
     assert outputs["words"]["data"] == ["0", "1", "2", "3"]
 
 
-def test_kserve_json_rows_of_one_request_with_different_lengths_fail_saying_so(
+def test_kserve_json_rows_of_one_request_with_different_lengths_are_a_400_saying_so(
     ragged_server: ServerProcess,
 ) -> None:
-    # KServe answers a request's rows as one tensor, which ragged rows cannot make.
+    # KServe answers a request's rows as one tensor, which ragged rows cannot
+    # make: the caller sent a request only the native protocol can answer.
     data = [4, 4, 2, 2]
     request = {"inputs": [{"name": "x", "datatype": "INT64", "shape": [2, 2], "data": data}]}
     url = f"{ragged_server.url}/v2/models/ragged/infer"
     status, raw = _post(url, json.dumps(request).encode(), {"Content-Type": "application/json"})
-    assert status == 500
-    assert (
-        "output 'ids': the rows of one request came back with different shapes"
-        in (json.loads(raw)["error"])
+    assert status == 400
+    assert json.loads(raw)["error"] == (
+        "output 'ids': the 2 rows of this request have different shapes [(2,), (4,)], which "
+        "one KServe v2 tensor cannot hold; send one item per request, or use the native "
+        "protocol, which answers each item with its own rows"
     )

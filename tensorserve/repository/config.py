@@ -132,6 +132,11 @@ class OutputSpec(TensorSpec):
         "no unpad_like.",
     )
 
+    @property
+    def variable_length(self) -> bool:
+        """Its rows may differ in length from item to item (a -1 axis)."""
+        return any(d == -1 for d in self.shape)
+
 
 class Warmup(_Strict):
     enabled: bool = Field(True, description="Run padded batches at load; ready only after.")

@@ -17,15 +17,13 @@ tensor's elements each a 4-byte little-endian length and its bytes,
 How OIP batches map onto tensorserve items: a batching model's inputs carry a
 leading batch dimension, ``[k, *item_shape]``; row ``i`` of every input forms
 item ``i``, so one request is ``k`` items for the batcher, padded together
-with other requests' rows of other lengths. The rows of one request share
-their shape, so its un-padded outputs stack back into dense ``[k, ...]``
-tensors. As in Triton, only ``max_batch_size`` 0 means no batch dimension
-(a request is exactly one item); 1 has one, like any other size.
+with other requests' rows of other lengths. Its un-padded outputs stack back
+into dense ``[k, ...]`` tensors (rows of different lengths: a 400). As in
+Triton, only ``max_batch_size`` 0 means no batch dimension.
 
 Response: ``{"model_name", "model_version", "id"?, "outputs": [...], "parameters"?}``;
-outputs asked for as binary carry ``parameters.binary_data_size`` and their bytes
-follow the JSON in output order, and the response's
-``Inference-Header-Content-Length`` says how long the JSON is.
+binary outputs carry ``parameters.binary_data_size`` and their bytes follow the
+JSON in output order (``Inference-Header-Content-Length``: the JSON's length).
 """
 
 from __future__ import annotations
@@ -322,8 +320,9 @@ def _split_rows(
 
 
 # ---------------------------------------------------------------------- encoding
-def stack_rows(results: Results, name: str, batched: bool) -> np.ndarray:
-    """One output of a request: its items' un-padded rows, stacked."""
+def stack_rows(results: Results, name: str, batched: bool, variable: bool = False) -> np.ndarray:
+    """One output of a request: its items' un-padded rows, stacked. Rows of a
+    ``variable`` length output that differ are the caller's to split (400)."""
     if not batched:
         return results[0][name]
     if len(results) == 1:  # one row (the common case): a view, not np.stack's copy
@@ -331,6 +330,11 @@ def stack_rows(results: Results, name: str, batched: bool) -> np.ndarray:
     rows = [result[name] for result in results]
     if any(row.shape != rows[0].shape for row in rows):
         shapes = sorted({tuple(row.shape) for row in rows})
+        if variable:
+            raise InvalidInput(f"output {name!r}: the {len(rows)} rows of this request have "
+                               f"different shapes {shapes}, which one KServe v2 tensor cannot "
+                               f"hold; send one item per request, or use the native protocol, "
+                               f"which answers each item with its own rows")  # fmt: skip
         raise ModelFailure(
             f"output {name!r}: the rows of one request came back with different shapes {shapes}"
         )
@@ -353,7 +357,8 @@ def encode_response(
     tensors: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
     for requested in request.outputs:
-        array = stack_rows(results, requested.name, config.batching)
+        variable = any(o.variable_length for o in config.output if o.name == requested.name)
+        array = stack_rows(results, requested.name, config.batching, variable)
         tensor: dict[str, Any] = {
             "name": requested.name,
             "datatype": requested.dt.v2,

@@ -433,5 +433,7 @@ def test_rows_stack_into_a_dense_batch_and_must_agree() -> None:
     stacked = oip.stack_rows(rows, "y", batched=True)
     assert stacked.shape == (4, 2, 3) and stacked[3, 0, 0] == 3
     assert oip.stack_rows(rows[:1], "y", batched=False).shape == (2, 3)
-    with pytest.raises(ModelFailure, match="different shapes"):
+    with pytest.raises(ModelFailure, match="different shapes"):  # a fixed shape: the model's bug
         oip.stack_rows(rows + [{"y": np.zeros((1, 3), np.float32)}], "y", batched=True)
+    with pytest.raises(InvalidInput, match="send one item per request"):  # a -1 axis: the caller's
+        oip.stack_rows(rows + [{"y": np.zeros((1, 3), np.float32)}], "y", True, variable=True)
