@@ -190,10 +190,6 @@ class AdmissionQueue:
             retry_after=retry_after_s(predicted - target_s),
         )
 
-    def oldest_loop(self) -> asyncio.AbstractEventLoop | None:
-        """The event loop of the oldest waiting item's caller (None: a thread's)."""
-        return self._waiting[0].loop if self._waiting else None
-
     def batch_cap(self) -> int:
         """The most items the next batch may hold: the target's cap, if any."""
         cap = self.options.max_batch_size
