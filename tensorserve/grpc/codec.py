@@ -136,8 +136,7 @@ def encode(
     dense tensor, as raw little-endian bytes (BYTES: length-framed)."""
     reply = pb.ModelInferResponse(model_name=name, model_version=version, id=request.id or "")
     for requested in request.outputs:
-        variable = any(o.variable_length for o in config.output if o.name == requested.name)
-        array = oip.stack_rows(results, requested.name, config.batching, variable)
+        array = oip.stack_rows(results, requested.name, config)
         reply.outputs.add(name=requested.name, datatype=requested.dt.v2, shape=array.shape)
         reply.raw_output_contents.append(bytes(to_bytes(array, requested.dt)))
     for key, value in response_parameters(results, config.batching).items():

@@ -320,9 +320,10 @@ def _split_rows(
 
 
 # ---------------------------------------------------------------------- encoding
-def stack_rows(results: Results, name: str, batched: bool, variable: bool = False) -> np.ndarray:
-    """One output of a request: its items' un-padded rows, stacked. Rows of a
-    ``variable`` length output that differ are the caller's to split (400)."""
+def stack_rows(results: Results, name: str, config: ModelConfig) -> np.ndarray:
+    """One output of a request: its items' un-padded rows, stacked. Rows of an
+    output with a -1 axis that differ are the caller's to split (400)."""
+    batched = config.batching
     if not batched:
         return results[0][name]
     if len(results) == 1:  # one row (the common case): a view, not np.stack's copy
@@ -330,7 +331,7 @@ def stack_rows(results: Results, name: str, batched: bool, variable: bool = Fals
     rows = [result[name] for result in results]
     if any(row.shape != rows[0].shape for row in rows):
         shapes = sorted({tuple(row.shape) for row in rows})
-        if variable:
+        if any(o.variable_length for o in config.output if o.name == name):
             raise InvalidInput(f"output {name!r}: the {len(rows)} rows of this request have "
                                f"different shapes {shapes}, which one KServe v2 tensor cannot "
                                f"hold; send one item per request, or use the native protocol, "
@@ -357,8 +358,7 @@ def encode_response(
     tensors: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
     for requested in request.outputs:
-        variable = any(o.variable_length for o in config.output if o.name == requested.name)
-        array = stack_rows(results, requested.name, config.batching, variable)
+        array = stack_rows(results, requested.name, config)
         tensor: dict[str, Any] = {
             "name": requested.name,
             "datatype": requested.dt.v2,

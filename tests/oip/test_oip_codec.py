@@ -428,12 +428,20 @@ def test_only_many_json_values_move_the_encoder_off_the_loop() -> None:
     assert not oip.decode_is_costly(bytes(oip.COSTLY_BODY_BYTES))
 
 
+def _y(shape: list[int], max_batch_size: int = 8) -> ModelConfig:
+    return parse_config(
+        {"max_batch_size": max_batch_size,
+         "input": [{"name": "x", "dtype": "float32", "shape": [-1]}],
+         "output": [{"name": "y", "dtype": "float32", "shape": shape}]}, "y")
+
+
 def test_rows_stack_into_a_dense_batch_and_must_agree() -> None:
     rows = [{"y": np.full((2, 3), i, np.float32)} for i in range(4)]
-    stacked = oip.stack_rows(rows, "y", batched=True)
+    stacked = oip.stack_rows(rows, "y", _y([2, 3]))
     assert stacked.shape == (4, 2, 3) and stacked[3, 0, 0] == 3
-    assert oip.stack_rows(rows[:1], "y", batched=False).shape == (2, 3)
+    assert oip.stack_rows(rows[:1], "y", _y([2, 3], max_batch_size=0)).shape == (2, 3)
+    uneven = rows + [{"y": np.zeros((1, 3), np.float32)}]
     with pytest.raises(ModelFailure, match="different shapes"):  # a fixed shape: the model's bug
-        oip.stack_rows(rows + [{"y": np.zeros((1, 3), np.float32)}], "y", batched=True)
+        oip.stack_rows(uneven, "y", _y([2, 3]))
     with pytest.raises(InvalidInput, match="send one item per request"):  # a -1 axis: the caller's
-        oip.stack_rows(rows + [{"y": np.zeros((1, 3), np.float32)}], "y", True, variable=True)
+        oip.stack_rows(uneven, "y", _y([-1, 3]))
