@@ -19,7 +19,7 @@ from tensorserve.batching.admission import BatcherOptions
 from tensorserve.batching.batcher import Batcher
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import make_policy
-from tensorserve.errors import DeadlineExceeded, ModelFailure, WorkerCrashed
+from tensorserve.errors import DeadlineExceeded, ModelFailure, ModelNotReady, WorkerCrashed
 from tensorserve.repository.config import parse_config
 from tensorserve.runtime.executor import Executed
 
@@ -133,7 +133,7 @@ def test_a_batch_is_taken_when_due_and_each_caller_gets_its_own_row(loop) -> Non
     assert [sent.rows for sent in instance.sent] == [[1.0, 2.0]]
     settle(loop, instance.sent[0].succeed)
     assert [f.result()["y"].tolist() for f in futures] == [[2.0] * 3, [4.0] * 3]
-    assert batcher.scheduler.idle
+    assert batcher.scheduler.wait_idle(0)
 
 
 def test_a_second_batch_goes_behind_a_running_one_only_if_it_cannot_grow(loop) -> None:
@@ -216,3 +216,14 @@ def test_an_item_past_its_deadline_is_answered_and_never_dispatched(loop) -> Non
 async def _until(condition: Callable[[], bool]) -> None:
     while not condition():
         await asyncio.sleep(0.001)
+
+
+def test_a_close_that_times_out_answers_what_it_leaves_behind(loop) -> None:
+    instance, clock = ScriptedInstance(), Clock()
+    batcher = scheduler(loop, instance, clock, max_batch_size=1)
+    running, queued = submit(loop, batcher, 1.0, 2.0)  # [1] on the instance, [2] behind it
+    batcher.close(timeout=0.01)  # the instance never answers
+    settle(loop)
+    for future in (running, queued):
+        with pytest.raises(ModelNotReady, match="closed before this item's batch finished"):
+            future.result()

@@ -17,11 +17,10 @@ Each instance holds up to two batches where its executor overlaps (CUDA, a
 worker), so the next one is padded and queued while one runs; a second
 batch is formed only if it cannot grow any more (``AdmissionQueue.take``).
 
-Who owns what: everything below ``lock`` in ``__init__`` is the loop's
-alone. The queue is shared with the callers that admit items (any thread),
-under ``lock``; the watchdog is a timer on the same loop; statistics lock
-themselves. Failed batches come back here too: recovery plans what they
-become, and the parts to run again go before any new batch.
+Who owns what: what ``__init__`` sets below ``lock`` is the loop's alone;
+the queue is shared with admitting callers (any thread) under ``lock``; the
+watchdog is a timer on this loop; statistics lock themselves. Failed batches
+come back here too: their parts to run again go before any new batch.
 """
 
 from __future__ import annotations
@@ -131,7 +130,7 @@ class Scheduler:
             return
         self.wake()
         if self.home.here():
-            if not self.idle:
+            if not self.wait_idle(0):
                 raise RuntimeError(
                     f"model {self.name!r}: close() on the scheduler's own event loop would wait "
                     f"for itself; close it from another thread (asyncio.to_thread)"
@@ -146,16 +145,15 @@ class Scheduler:
         if self._timer is not None:
             self._timer.cancel()
         self.instances.detach()
+        # A close whose wait timed out: nothing will answer these any more.
+        closed = ModelNotReady(f"model {self.name!r} closed before this item's batch finished")
+        if left := self._answer_all(closed):
+            log.error("model %s: closed with %d items unanswered", self.name, left)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """True once nothing is queued, running, to retry or being restored."""
         with self.lock:
             return self.changed.wait_for(lambda: self._idle and not len(self.queue), timeout)
-
-    @property
-    def idle(self) -> bool:
-        with self.lock:
-            return self._idle and not len(self.queue)
 
     # ------------------------------------------------------------------ any thread
     def admit(self, entries: list[Pending], now: float) -> None:
@@ -384,12 +382,17 @@ class Scheduler:
         log.exception("batcher %s: internal scheduler failure", self.name, exc_info=exc)
         with self.lock:
             self.accepting = False
-            stranded = self.queue.drain()
-        stranded += [e for running in self.running for b in running for e in b.entries]
-        stranded += holding or []
-        stranded += [entry for part in self.retries for entry in part]
-        self.retries.clear()
         error = ModelFailure(f"model {self.name!r}: internal batcher failure: {exc!r}")
-        settle([(entry, error, True) for entry in stranded])
+        self._answer_all(error, tuple(holding or ()))
         if self._on_fatal is not None:
             self._on_fatal(exc)
+
+    def _answer_all(self, error: Exception, holding: tuple[Pending, ...] = ()) -> int:
+        """Fail every item queued, running, to be retried or in hand; how many."""
+        with self.lock:
+            stranded = self.queue.drain()
+        stranded += [e for running in self.running for b in running for e in b.entries]
+        stranded += [*holding, *(entry for part in self.retries for entry in part)]
+        self.retries.clear()
+        settle([(entry, error, True) for entry in stranded])
+        return len(stranded)
