@@ -17,7 +17,7 @@ import asyncio
 import queue
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tensorserve.batching.executor import Done, ThreadedExecutor
@@ -32,7 +32,7 @@ class Job:
     parameters: Mapping[str, list[Any]] | None
     done: Done
     launched: Any = None  # what the executor's launch returned (abort takes it)
-    error: BaseException | None = field(default=None)
+    error: BaseException | None = None
 
 
 class InstanceThreads:

@@ -222,8 +222,7 @@ class WorkerProcess:
             process, self.process = self.process, None
         if sock is not None:
             try:
-                sock.setblocking(True)
-                sock.settimeout(1.0)
+                sock.settimeout(1.0)  # the loop had made it non-blocking
                 ipc.send(sock, {"stop": True})
             except OSError:
                 pass
