@@ -157,6 +157,13 @@ def serve(settings: Settings) -> int:
             return 1
         front_ends.append(GrpcFrontEnd)
     try:
+        if settings.frontends != 1:  # a scheduler process and its front-end processes
+            from tensorserve.frontends.supervisor import frontend_count
+            from tensorserve.frontends.supervisor import run as run_with_frontends
+
+            if frontend_count(settings) > 1:
+                run_with_frontends(settings)
+                return 0
         run(settings, front_ends)
     except StartupError as exc:
         print(f"tensorserve serve: error: {exc}", file=sys.stderr)

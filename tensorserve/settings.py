@@ -52,6 +52,10 @@ BOUNDS: dict[str, Bounds] = {
 DEFAULT_MAX_BYTES_ELEMENT_LENGTH = 1 << 20
 
 
+# More front ends than this would only take cores from the models.
+MAX_FRONTENDS = 64
+
+
 def check_device(value: str) -> str:
     """The one check of a device name, for the settings and for config.toml."""
     ok = value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
@@ -131,6 +135,13 @@ class Settings(BaseSettings):
         ge=-1,
         le=65535,
         description="Port of the KServe v2 gRPC front end (0: any free port; -1: no gRPC).",
+    )
+    frontends: int | Literal["auto"] = Field(
+        1,
+        description="Front-end processes that serve HTTP and gRPC on the same ports and feed one "
+        "scheduler process, which owns the models and batches every front end's requests "
+        "together (1: one process serves everything; auto: the CPUs this process may use "
+        "less one, 1 to 8).",
     )
     model_repository: Path = Field(Path("model_repository"), description="Model repository folder.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
@@ -313,6 +324,15 @@ class Settings(BaseSettings):
         if isinstance(value, str) and value.isdigit():  # a flag's or a variable's digits
             value = int(value)
         return None if value is None else check_batch_tokens(value)
+
+    @field_validator("frontends", mode="before")
+    @classmethod
+    def _frontends(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.isdigit():  # a flag's or a variable's digits
+            value = int(value)
+        if isinstance(value, int) and not 1 <= value <= MAX_FRONTENDS:
+            raise ValueError(f"must be auto or 1 to {MAX_FRONTENDS}")
+        return value
 
     @field_validator("restricted_api")
     @classmethod

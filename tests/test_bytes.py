@@ -37,7 +37,7 @@ from tensorserve.errors import ConfigError, InvalidInput
 from tensorserve.grpc.generated import grpc_service_pb2 as pb
 from tensorserve.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from tensorserve.repository.config import parse_config
-from tensorserve.runtime import ipc
+from tensorserve.ipc import messages as ipc
 from tensorserve.tensors.bytes_tensor import bytes_array, frame, unframe
 from tests.conftest import ServerProcess
 from tests.helpers import wait_until, write_toy_model

@@ -23,7 +23,7 @@ import torch
 
 from tensorserve import ModelFailure, ServedModel
 from tensorserve.errors import ConfigError
-from tensorserve.runtime import ipc
+from tensorserve.ipc import messages as ipc
 from tests.conftest import REPOSITORY, ServerProcess
 from tests.helpers import (
     ECHO,

@@ -116,6 +116,25 @@ class Batcher:
         entries = self._enqueue(items, timeout, loop, priority, parameters)
         return [entry.future for entry in entries]
 
+    def submit_into(
+        self,
+        items: Sequence[Any],
+        futures: Sequence[Any],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        timeout: float | None,
+        priority: int,
+        parameters: Mapping[str, Any],
+        wake: bool,
+    ) -> list[Pending]:
+        """Queue a request's items, each answered through the given future-like
+        object (what the scheduler calls on it: ``done``, ``cancelled``,
+        ``cancel``, ``set_result``, ``set_exception``; resolved on ``loop``):
+        the front ends' requests (``frontends/hub.py``). Without ``wake``
+        the caller wakes the scheduler once after queueing several requests.
+        Returns the entries, for ``withdraw``."""
+        return self._enqueue(items, timeout, loop, priority, parameters, futures, wake)
+
     def _enqueue(
         self,
         items: Sequence[Any],
@@ -123,6 +142,8 @@ class Batcher:
         loop: asyncio.AbstractEventLoop | None,
         priority: int = 0,
         parameters: Mapping[str, Any] = NO_PARAMETERS,
+        futures: Sequence[Any] | None = None,
+        wake: bool = True,
     ) -> list[Pending]:
         now = self.clock()
         deadline = None if timeout is None else now + timeout
@@ -131,7 +152,11 @@ class Batcher:
             Pending(
                 item,
                 self.collator.volume(item),
-                loop.create_future() if loop is not None else Future(),
+                futures[i]
+                if futures is not None
+                else loop.create_future()
+                if loop is not None
+                else Future(),
                 loop,
                 now,
                 deadline,
@@ -139,14 +164,14 @@ class Batcher:
                 parameters=parameters,
                 request=tally,
             )
-            for item in items
+            for i, item in enumerate(items)
         ]
         tracer = self.scheduler.tracer
         if tracer is not None:  # the request's span, for its items' queue and batch spans
             trace = tracer.current_request()
             for entry in entries:
                 entry.trace = trace
-        self.scheduler.admit(entries, now)
+        self.scheduler.admit(entries, now, wake=wake)
         self.stats.record_request(len(entries))
         return entries
 
@@ -194,9 +219,9 @@ class Batcher:
             # cancelled its task, and with it the futures it awaited: those
             # are done too, but still queued.
             if not all(future.done() and not future.cancelled() for future in futures):
-                self._withdraw(entries)
+                self.withdraw(entries)
 
-    def _withdraw(self, entries: list[Pending]) -> None:
+    def withdraw(self, entries: list[Pending]) -> None:
         """Cancel what is unanswered; the entries still queued leave the queue
         now, so their slots go to live requests at once."""
         for entry in entries:

@@ -156,16 +156,18 @@ class Scheduler:
             return self.changed.wait_for(lambda: self._idle and not len(self.queue), timeout)
 
     # ------------------------------------------------------------------ any thread
-    def admit(self, entries: list[Pending], now: float) -> None:
+    def admit(self, entries: list[Pending], now: float, *, wake: bool = True) -> None:
         """Queue a request's entries (all or none: admission's errors are the
-        caller's), then let the loop form batches."""
+        caller's), then let the loop form batches (unless the caller wakes
+        it once for several requests)."""
         with self.lock:
             if not self.accepting:
                 raise ModelNotReady(f"model {self.name!r} is not accepting requests (stopping)")
             self.watchdog.refuse_if_hung()
             self.queue.admit(entries, now)
             self._idle = False
-        self.wake()
+        if wake:
+            self.wake()
 
     def withdraw(self, entries: list[Pending]) -> None:
         with self.lock:

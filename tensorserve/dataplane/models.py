@@ -5,6 +5,8 @@ them as JSON; the gRPC front end copies them into its messages."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from tensorserve import __version__
@@ -37,10 +39,12 @@ def server_live(plane: DataPlane) -> dict[str, Any]:
     """``{"live": True}``, or why not: only for what waiting cannot fix, a
     an instance thread stuck for good or a lost CUDA context (serving/liveness.py);
     the orchestrator then restarts the process."""
-    lost = plane.liveness.context_lost()
+    liveness = plane.liveness
+    assert liveness is not None  # answered where the models are
+    lost = liveness.context_lost()
     if lost is not None:
         return {"live": False, "reason": lost}
-    wedged = plane.liveness.wedged()
+    wedged = liveness.wedged()
     if not wedged:
         return {"live": True}
     return {"live": False, "reason": wedged[0].reason, "wedged": [w.describe() for w in wedged]}
@@ -164,3 +168,46 @@ def require_model_control(settings: Settings, action: str, model: str) -> None:
         f"with --model-control-mode explicit (TENSORSERVE_MODEL_CONTROL_MODE=explicit) to "
         f"{action} models through the API"
     )
+
+
+def metrics_text(plane: DataPlane) -> bytes:
+    """The Prometheus exposition of the whole server."""
+    return plane.local_metrics.exposition()
+
+
+def model_index(plane: DataPlane) -> list[dict[str, Any]]:
+    return plane.registry.index()
+
+
+# Every answer a front end gives about the server and its models, by name:
+# computed here where the models are, asked of the scheduler process from a
+# front-end process (``--frontends N``; ``frontends/hub.py``).
+ANSWERS: dict[str, Callable[..., Any]] = {
+    "server_live": server_live,
+    "server_ready": server_ready,
+    "model_ready": model_ready,
+    "metadata": metadata,
+    "config": config,
+    "model_stats": model_stats,
+    "all_model_stats": all_model_stats,
+    "model_index": model_index,
+    "repository_index": repository_index,
+    "load": load,
+    "unload": unload,
+    "metrics": metrics_text,
+}
+
+
+async def answer(plane: DataPlane, what: str, *args: Any) -> Any:
+    """``ANSWERS[what](plane, *args)``, here or, in a front-end process, from
+    the scheduler process; a front end that is shutting down says so itself
+    (the scheduler process serves on for the other front ends)."""
+    if plane.remote is None:
+        value = ANSWERS[what](plane, *args)
+        return await value if inspect.isawaitable(value) else value
+    if what == "server_ready" and plane.draining:
+        return {"ready": False, "reason": SHUTTING_DOWN}
+    value = await plane.remote(what, args)
+    if what == "model_ready" and plane.draining:
+        value = {**value, "ready": False, "reason": SHUTTING_DOWN}
+    return value

@@ -29,9 +29,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from contextvars import Token
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tensorserve.dataplane.calls import Call, WireCall
 from tensorserve.dataplane.lifecycle import Lifecycle
@@ -53,30 +53,93 @@ async def _maybe_in_thread(costly: bool, fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(fn, *args) if costly else fn(*args)
 
 
+class InFlight(Protocol):
+    def inc(self, amount: float = 1) -> None: ...
+
+    def dec(self, amount: float = 1) -> None: ...
+
+
+class RequestObserver(Protocol):
+    """Where a call's request metrics go: the Prometheus metrics of this
+    process (``metrics/requests.py``), or a front end's report to the
+    scheduler process that exports them (``frontends/report.py``)."""
+
+    @property
+    def in_flight(self) -> InFlight: ...
+
+    def observe(
+        self,
+        protocol: str,
+        model: str,
+        version: str,
+        code: str,
+        status: int,
+        items: int,
+        seconds: float,
+    ) -> None: ...
+
+    def observe_encode(self, model: str, seconds: float) -> None: ...
+
+
+class Observers(Protocol):
+    @property
+    def requests(self) -> RequestObserver: ...
+
+
+class ModelLookup(Protocol):
+    """What the infer path asks of the models: the registry in one process,
+    a front end's copy of the scheduler process's table (``frontends/``)."""
+
+    @property
+    def entries(self) -> Mapping[str, Any]: ...
+
+    def ready_model(self, name: str, version: str | None = None) -> Any: ...
+
+
 class DataPlane:
     """The state every front end shares, each piece with one owner: the
     registry (its models' loading and closing are the app's start-up and
-    clean-up, ``http/app.py``), the metrics, the lifecycle (the server's,
+    clean-up, ``dataplane/assembly.py``), the metrics, the lifecycle (the server's,
     ``http/server.py``; None outside a running server: always
     serving), the rate limit of lines a client can cause, and the tracer
-    (None unless tracing is configured; shut down with the registry)."""
+    (None unless tracing is configured; shut down with the registry).
+
+    In a front-end process (``--frontends N``) the models live in the
+    scheduler process: ``models`` is its table, ``remote`` asks it the
+    answers of ``dataplane/models.py``, and there is no local registry,
+    liveness or Prometheus registry."""
 
     def __init__(
         self,
         settings: Settings,
-        registry: ModelRegistry,
-        metrics: Metrics,
-        liveness: Liveness,
+        registry: ModelRegistry | None,
+        metrics: Metrics | Observers,
+        liveness: Liveness | None,
         tracer: RequestTracer | None = None,
+        *,
+        models: ModelLookup | None = None,
+        remote: Callable[[str, tuple[Any, ...]], Awaitable[Any]] | None = None,
     ) -> None:
         self.settings = settings
         self.tracer = tracer
-        self.registry = registry
+        self._registry = registry
+        self.models: ModelLookup = models if models is not None else _required(registry)
+        self.remote = remote
         self.metrics = metrics
         self.liveness = liveness  # an instance thread stuck for good? (serving/liveness.py)
         self.lifecycle: Lifecycle | None = None
         # Lines a client can cause (4xx, rejections, disconnects): per code.
         self.log_limit = RateLimit()
+
+    @property
+    def registry(self) -> ModelRegistry:
+        """This process's registry (not in a front-end process: it asks)."""
+        return _required(self._registry)
+
+    @property
+    def local_metrics(self) -> Metrics:
+        assert isinstance(self.metrics, Metrics), "a front end's metrics are the scheduler's"
+        return self.metrics
 
     # -- request ids, shutdown ------------------------------------------------
 
@@ -127,7 +190,7 @@ class DataPlane:
         gRPC deadline): the call's deadline is never later."""
         with self.track():  # in flight, for a shutdown's grace period
             settings = self.settings
-            served = self.registry.ready_model(model, version)
+            served = self.models.ready_model(model, version)
             call.model, call.version = served.name, str(served.version)
             # A latency target refuses before the body is read and decoded.
             served.refuse_if_late()
@@ -174,7 +237,7 @@ class DataPlane:
         of random names cannot add series)."""
         if call.model is not None:
             return call.model, call.version
-        if route_name is not None and route_name in self.registry.entries:
+        if route_name is not None and route_name in self.models.entries:
             return route_name, ""
         return UNKNOWN_MODEL, ""
 
@@ -190,7 +253,7 @@ class DataPlane:
         requests = self.metrics.requests
         requests.observe(call.protocol, model, version, code, status, call.items, seconds)
         if call.encode_seconds is not None:
-            requests.encode.labels(model).observe(call.encode_seconds)
+            requests.observe_encode(model, call.encode_seconds)
 
     def inject_trace(self, call: Call, headers: MutableMapping[str, str]) -> None:
         """The call's ``traceparent`` into its reply's headers (HTTP) or
@@ -242,6 +305,11 @@ class DataPlane:
         if allowed:
             more = f" ({dropped} more since the last line)" if dropped else ""
             log.info("%s: the client disconnected before the answer%s", where, more)
+
+
+def _required(registry: ModelRegistry | None) -> ModelRegistry:
+    assert registry is not None, "a front-end process has no registry: it asks the scheduler's"
+    return registry
 
 
 def is_server_fault(code: str, status: int) -> bool:

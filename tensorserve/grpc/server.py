@@ -26,8 +26,11 @@ OFF = -1  # --grpc-port -1: no gRPC front end
 class GrpcFrontEnd:
     """One ``grpc.aio.Server``, owned by the server's run (``http/server.py``)."""
 
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, reuse_port: bool = False) -> None:
         self.plane = plane
+        # One of the front ends' servers on the same port (--frontends N):
+        # the scheduler process has reserved it, and checked it was free.
+        self.reuse_port = reuse_port
         self.port: int | None = None  # the bound port, once started (0 asks for any free one)
         self._server: aio.Server | None = None
         self._stopping: asyncio.Task[None] | None = None
@@ -40,7 +43,7 @@ class GrpcFrontEnd:
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", -1),  # replies: as large as the model made them
                 # A port in use is a start-up error, as for HTTP, not a shared port.
-                ("grpc.so_reuseport", 0),
+                ("grpc.so_reuseport", int(self.reuse_port)),
             ],
         )
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(self.plane), server)

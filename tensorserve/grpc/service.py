@@ -168,17 +168,19 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     @rpc
     async def ServerLive(self, request: Any, context: Any, call: Call) -> pb.ServerLiveResponse:
-        return pb.ServerLiveResponse(live=models.server_live(self.plane)["live"])
+        return pb.ServerLiveResponse(live=(await models.answer(self.plane, "server_live"))["live"])
 
     @rpc
     async def ServerReady(self, request: Any, context: Any, call: Call) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=models.server_ready(self.plane)["ready"])
+        return pb.ServerReadyResponse(
+            ready=(await models.answer(self.plane, "server_ready"))["ready"]
+        )
 
     @rpc
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: Any, call: Call
     ) -> pb.ModelReadyResponse:
-        body = models.model_ready(self.plane, request.name, request.version or None)
+        body = await models.answer(self.plane, "model_ready", request.name, request.version or None)
         return pb.ModelReadyResponse(ready=body["ready"])
 
     @rpc
@@ -191,7 +193,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Any, call: Call
     ) -> pb.ModelMetadataResponse:
-        data = models.metadata(self.plane, request.name, request.version or None)
+        data = await models.answer(self.plane, "metadata", request.name, request.version or None)
         return messages.model_metadata(data)
 
     @rpc
@@ -199,7 +201,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelConfigRequest, context: Any, call: Call
     ) -> pb.ModelConfigResponse:
         return messages.model_config(
-            models.config(self.plane, request.name, request.version or None)
+            await models.answer(self.plane, "config", request.name, request.version or None)
         )
 
     @rpc
@@ -207,8 +209,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self, request: pb.ModelStatisticsRequest, context: Any, call: Call
     ) -> pb.ModelStatisticsResponse:
         if not request.name:
-            return messages.model_statistics(models.all_model_stats(self.plane))
-        stat = models.model_stats(self.plane, request.name, request.version or None)
+            return messages.model_statistics(await models.answer(self.plane, "all_model_stats"))
+        stat = await models.answer(self.plane, "model_stats", request.name, request.version or None)
         return messages.model_statistics([stat])
 
     # -- inference -----------------------------------------------------------------
@@ -233,19 +235,21 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.RepositoryIndexResponse:
         if request.repository_name:
             raise InvalidInput("tensorserve serves one repository: leave repository_name empty")
-        return messages.repository_index(models.repository_index(self.plane, request.ready))
+        return messages.repository_index(
+            await models.answer(self.plane, "repository_index", request.ready)
+        )
 
     @rpc
     async def RepositoryModelLoad(
         self, request: pb.RepositoryModelLoadRequest, context: Any, call: Call
     ) -> pb.RepositoryModelLoadResponse:
         parameters = {k: codec.parameter_value(v) for k, v in request.parameters.items()}
-        await models.load(self.plane, request.model_name, parameters)
+        await models.answer(self.plane, "load", request.model_name, parameters)
         return pb.RepositoryModelLoadResponse()
 
     @rpc
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Any, call: Call
     ) -> pb.RepositoryModelUnloadResponse:
-        await models.unload(self.plane, request.model_name)
+        await models.answer(self.plane, "unload", request.model_name)
         return pb.RepositoryModelUnloadResponse()

@@ -4,36 +4,29 @@ liveness answers while they load) and are drained and closed on exit."""
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from tensorserve.dataplane import DataPlane
-from tensorserve.dataplane.lag import LoopLag
+from tensorserve.dataplane import DataPlane, models
+from tensorserve.dataplane.assembly import build_plane, models_served
 from tensorserve.dataplane.logs import install_request_ids
 from tensorserve.http import handlers, infer, repository
 from tensorserve.http.access import restricted_api_middleware
 from tensorserve.http.errors import Handler, error_middleware
 from tensorserve.http.keys import METRICS, PLANE, REGISTRY, SETTINGS
 from tensorserve.http.observe import observe_middleware
-from tensorserve.metrics import CONTENT_TYPE, Metrics
-from tensorserve.serving.liveness import Liveness
-from tensorserve.serving.poller import RepositoryPoller
-from tensorserve.serving.registry import ModelRegistry
+from tensorserve.metrics import CONTENT_TYPE
 from tensorserve.settings import Settings
-from tensorserve.tracing import configure as configure_tracing
 
 log = logging.getLogger(__name__)
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(
-        body=request.app[METRICS].exposition(), headers={"Content-Type": CONTENT_TYPE}
-    )
+    body = await models.answer(request.app[PLANE], "metrics")  # the whole server's
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 def _routes() -> list[tuple[str, str, Handler, str | None]]:
@@ -70,12 +63,17 @@ API_OF_PATH = {path: api for _, path, _, api in ROUTES if api is not None}
 
 
 def create_app(
-    settings: Settings | None = None, *, wait_for_models: bool = False
+    settings: Settings | None = None,
+    *,
+    wait_for_models: bool = False,
+    plane: DataPlane | None = None,
 ) -> web.Application:
     """Build the HTTP front end and its data plane (``app[PLANE]``), whose
     models load and close with the app. With ``wait_for_models`` start-up returns only once
     every model has loaded (tests use this); otherwise loading runs in the
-    background and ``/v2/health/ready`` tells when it is done."""
+    background and ``/v2/health/ready`` tells when it is done. A front-end
+    process (``--frontends N``) gives its own ``plane``, whose models live
+    in the scheduler process: nothing loads here."""
     settings = settings or Settings()
     install_request_ids()  # every log record carries the request id (dataplane/logs.py)
     # observe (request id, metrics, access log) sees what error_middleware answered;
@@ -90,50 +88,21 @@ def create_app(
         # Bodies are decompressed by http/bodies.py, bounded by max_request_bytes.
         handler_args={"auto_decompress": False},
     )
-    tracer = configure_tracing(settings)  # None unless an OTLP endpoint is set
-    registry = ModelRegistry(
-        settings.model_repository,
-        settings.model_overrides(),
-        intra_op_threads=settings.intra_op_threads,
-        default_device=settings.device,
-        batch_tracer=tracer.batch_tracer if tracer is not None else None,
-        step_tracer=tracer.ensemble_tracer if tracer is not None else None,
-    )
-    liveness = Liveness(registry, settings.liveness_stall_s)
-    loop_lag = LoopLag()  # the loop's (gRPC's calls run on it too); exported, dataplane/lag.py
-    metrics = Metrics(registry, liveness, loop_lag=lambda: loop_lag.seconds)
-    plane = DataPlane(settings, registry, metrics, liveness, tracer)
+    app[SETTINGS] = settings
+    if plane is None:
+        plane, loop_lag = build_plane(settings)
+        app[REGISTRY], app[METRICS] = plane.registry, plane.local_metrics
+
+        async def models(app: web.Application) -> AsyncIterator[None]:
+            assert plane is not None
+            async with models_served(plane, loop_lag, wait_for_models):
+                yield
+
+        app.cleanup_ctx.append(models)
     app[PLANE] = plane  # what the gRPC front end, when there is one, shares (http/server.py)
-    app[SETTINGS], app[REGISTRY], app[METRICS] = settings, registry, plane.metrics
     for method, path, handler, _ in ROUTES:
         if method == "GET":
             app.router.add_get(path, handler)  # HEAD too: some probes send it
         else:
             app.router.add_route(method, path, handler)
-
-    async def models(app: web.Application) -> AsyncIterator[None]:
-        poller = None
-        if settings.model_control_mode == "poll":
-            poller = RepositoryPoller(registry, settings.repository_poll_secs)
-            poller.take_baseline()  # before loading: a file changed meanwhile is a change
-        loading = asyncio.create_task(registry.load_all())
-        # The models' objects live until unloaded: out of the collector's full
-        # passes too (http/server.py freezes what was imported before).
-        loading.add_done_callback(lambda _: gc.freeze())
-        polling = asyncio.create_task(poller.run(loading)) if poller is not None else None
-        if wait_for_models:
-            await loading
-        loop_lag.start()  # here: a start-up that raised above has no clean-up to stop it
-        yield
-        tasks = [task for task in (polling, loading) if task is not None]
-        for task in tasks:
-            if not task.done():
-                task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        loop_lag.stop()
-        await registry.close()
-        if tracer is not None:  # the last batches' spans are exported before exit
-            await asyncio.to_thread(tracer.shutdown)
-
-    app.cleanup_ctx.append(models)
     return app

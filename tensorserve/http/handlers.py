@@ -21,42 +21,44 @@ async def server_metadata(request: web.Request) -> web.Response:
 
 
 async def live(request: web.Request) -> web.Response:
-    body = models.server_live(request.app[PLANE])
+    body = await models.answer(request.app[PLANE], "server_live")
     return web.json_response(body, status=200 if body["live"] else 503)
 
 
 async def ready(request: web.Request) -> web.Response:
     # 200 while every model meant to serve can run a batch now; else 503
     # naming the models that cannot, and why (or that the server is shutting down).
-    body = models.server_ready(request.app[PLANE])
+    body = await models.answer(request.app[PLANE], "server_ready")
     return web.json_response(body, status=200 if body["ready"] else 503)
 
 
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"models": request.app[PLANE].registry.index()})
+    return web.json_response({"models": await models.answer(request.app[PLANE], "model_index")})
 
 
 async def metadata(request: web.Request) -> web.Response:
-    return web.json_response(models.metadata(request.app[PLANE], *_model(request)))
+    return web.json_response(await models.answer(request.app[PLANE], "metadata", *_model(request)))
 
 
 async def model_ready(request: web.Request) -> web.Response:
-    body = models.model_ready(request.app[PLANE], *_model(request))
+    body = await models.answer(request.app[PLANE], "model_ready", *_model(request))
     return web.json_response(body, status=200 if body["ready"] else 503)
 
 
 async def model_config(request: web.Request) -> web.Response:
-    return web.json_response(models.config(request.app[PLANE], *_model(request)))
+    return web.json_response(await models.answer(request.app[PLANE], "config", *_model(request)))
 
 
 async def model_stats(request: web.Request) -> web.Response:
     """tensorserve's ``batching`` object (an ensemble's ``ensemble``) at top
     level, and Triton's ``model_stats`` list (which repeats it) for Triton clients."""
-    stat = models.model_stats(request.app[PLANE], *_model(request))
+    stat = await models.answer(request.app[PLANE], "model_stats", *_model(request))
     body = {k: stat[k] for k in ("name", "version", "batching", "ensemble") if k in stat}
     return web.json_response({**body, "model_stats": [stat]})
 
 
 async def all_model_stats(request: web.Request) -> web.Response:
     """Every served model, as Triton's ``GET /v2/models/stats``."""
-    return web.json_response({"model_stats": models.all_model_stats(request.app[PLANE])})
+    return web.json_response(
+        {"model_stats": await models.answer(request.app[PLANE], "all_model_stats")}
+    )

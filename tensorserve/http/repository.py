@@ -25,7 +25,7 @@ async def index(request: web.Request) -> web.Response:
     ready = body.get("ready", False)
     if not isinstance(ready, bool):
         raise InvalidInput("'ready' must be a boolean")
-    return web.json_response(models.repository_index(request.app[PLANE], ready))
+    return web.json_response(await models.answer(request.app[PLANE], "repository_index", ready))
 
 
 async def load(request: web.Request) -> web.Response:
@@ -34,7 +34,7 @@ async def load(request: web.Request) -> web.Response:
     if not isinstance(parameters, dict):
         raise InvalidInput("'parameters' must be a JSON object")
     return web.json_response(
-        await models.load(request.app[PLANE], request.match_info["model"], parameters)
+        await models.answer(request.app[PLANE], "load", request.match_info["model"], parameters)
     )
 
 
@@ -42,4 +42,6 @@ async def unload(request: web.Request) -> web.Response:
     body = await read_json_object(request, "unload request")
     if not isinstance(body.get("parameters", {}), dict):
         raise InvalidInput("'parameters' must be a JSON object")
-    return web.json_response(await models.unload(request.app[PLANE], request.match_info["model"]))
+    return web.json_response(
+        await models.answer(request.app[PLANE], "unload", request.match_info["model"])
+    )

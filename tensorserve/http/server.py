@@ -87,10 +87,12 @@ def check_repository(settings: Settings) -> None:
         )
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port``, or ``StartupError`` saying why not."""
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket on ``host:port``, or ``StartupError`` saying why not.
+    ``reuse_port``: one of the front ends' sockets on the same port
+    (``SO_REUSEPORT``: the kernel spreads connections among them)."""
     try:
-        return socket.create_server((host, port), backlog=BACKLOG)
+        return socket.create_server((host, port), backlog=BACKLOG, reuse_port=reuse_port)
     except socket.gaierror as exc:
         raise StartupError(
             f"cannot listen on {host}:{port}: unknown host ({exc.strerror})"
@@ -108,25 +110,39 @@ def _install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-__all__ = ["StartupError", "run"]
-
-
-def run(settings: Settings, front_ends: Sequence[FrontEndFactory] = ()) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down in phases. Raises
-    ``StartupError`` (before anything started) when the server cannot start."""
-    logs.configure(settings.log_level, settings.log_format)  # text or JSON lines, request ids
-    check_repository(settings)
-    sock = bind(settings.host, settings.port)
-    # Only a server that can start logs its banner: one that cannot says why
-    # in one line (the CLI prints the StartupError), nothing else.
-    logs.log_startup(settings)
+def tune_process(settings: Settings) -> None:
+    """What every serving process sets before its loop starts."""
     _install_uvloop()
     sys.setswitchinterval(settings.switch_interval_ms / 1000)
     # nn.TransformerEncoder's default fast path announces itself on every start:
     # noise for operators, not a problem of theirs.
     warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype")
+
+
+__all__ = ["StartupError", "run"]
+
+
+def run(
+    settings: Settings,
+    front_ends: Sequence[FrontEndFactory] = (),
+    *,
+    app: web.Application | None = None,
+    sock: socket.socket | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down in phases. Raises
+    ``StartupError`` (before anything started) when the server cannot start.
+    A front-end process (``--frontends N``) gives its ``app`` and its
+    ``sock``: the scheduler process has checked the repository and the ports."""
+    logs.configure(settings.log_level, settings.log_format)  # text or JSON lines, request ids
+    if sock is None:
+        check_repository(settings)
+        sock = bind(settings.host, settings.port)
+        # Only a server that can start logs its banner: one that cannot says why
+        # in one line (the CLI prints the StartupError), nothing else.
+        logs.log_startup(settings)
+    tune_process(settings)
     try:
-        app = create_app(settings)
+        app = app if app is not None else create_app(settings)
         app[PLANE].lifecycle = Lifecycle()
         app.on_response_prepare.append(_close_when_draining)
         # Everything imported so far (torch, grpcio's and protobuf's modules)

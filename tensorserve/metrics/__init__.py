@@ -34,6 +34,7 @@ from prometheus_client import (
 from tensorserve import __version__
 from tensorserve.metrics.collector import BatchingCollector
 from tensorserve.metrics.ensemble import EnsembleCollector
+from tensorserve.metrics.processes import ProcessMetrics
 from tensorserve.metrics.requests import RequestMetrics
 from tensorserve.metrics.triton import TritonCollector
 
@@ -63,6 +64,7 @@ class Metrics:
         loop_lag: Callable[[], float] | None = None,
     ) -> None:
         self.prometheus = CollectorRegistry()
+        self.processes = ProcessMetrics("server", loop_lag)
         batching = BatchingCollector(registry, liveness)
         self.prometheus.register(batching)
         self.prometheus.register(EnsembleCollector(registry))

@@ -134,3 +134,30 @@ class RequestMetrics:
         latency.observe(seconds)
         if rejections is not None:
             rejections.inc()
+
+    def observe_many(
+        self,
+        protocol: str,
+        model: str,
+        version: str,
+        code: str,
+        status: int,
+        count: int,
+        items: int,
+        seconds: list[float],
+    ) -> None:
+        """``count`` requests of one outcome, observed elsewhere (a front-end
+        process reports them: ``frontends/report.py``)."""
+        requests, counted_items, latency, rejections = self._labelled(
+            protocol, model, version, code, status
+        )
+        requests.inc(count)
+        if items:
+            counted_items.inc(items)
+        for value in seconds:
+            latency.observe(value)
+        if rejections is not None:
+            rejections.inc(count)
+
+    def observe_encode(self, model: str, seconds: float) -> None:
+        self.encode.labels(model).observe(seconds)

@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from tensorserve.errors import BatchOutOfMemory, ConfigError, ModelFailure, RowErrors
+from tensorserve.ipc import messages as ipc
 from tensorserve.repository.config import ModelConfig
 from tensorserve.repository.loader import ModelSource
 from tensorserve.repository.platforms import PLATFORMS
-from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed
 from tensorserve.runtime.ragged import join_rows

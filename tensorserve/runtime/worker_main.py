@@ -31,9 +31,9 @@ from tensorserve.errors import (
     RowErrors,
     as_model_failure,
 )
+from tensorserve.ipc import messages as ipc
 from tensorserve.repository.config import ModelConfig, parse_config
 from tensorserve.repository.loader import ModelSource, load_model
-from tensorserve.runtime import ipc
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import ThreadExecutor, on_device
 from tensorserve.runtime.ragged import flat_rows

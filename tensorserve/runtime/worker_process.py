@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from tensorserve.errors import ConfigError, WorkerCrashed
-from tensorserve.runtime import ipc
+from tensorserve.ipc import messages as ipc
 from tensorserve.runtime.template import ForkedProcess, Template
 from tensorserve.runtime.worker_channel import OnReply, WorkerChannel
 

@@ -18,10 +18,10 @@ import enum
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from tensorserve.batching.tracer import BatchTracer
 from tensorserve.ensemble import Candidate, Ensemble, plan_ensemble
@@ -62,6 +62,44 @@ class ModelEntry:
         return described
 
 
+class Entry(Protocol):
+    """What a lookup reads of a model's entry: the registry's ``ModelEntry``,
+    or a front end's copy of it (``frontends/remote.py``)."""
+
+    name: str
+    state: ModelState
+    reason: str
+    version: int | None
+
+    @property
+    def served(self) -> Any: ...
+
+
+E = TypeVar("E", bound=Entry)
+
+
+def lookup(entries: Mapping[str, E], name: str, version: str | None) -> E:
+    """The entry of ``name``, or ``ModelNotFound`` for an unknown model or
+    a version that is not the one served."""
+    entry = entries.get(name)
+    if entry is None:
+        raise ModelNotFound(f"unknown model {name!r}")
+    if version is not None and entry.version is not None and version != str(entry.version):
+        raise ModelNotFound(
+            f"model {name!r} version {version!r} is not served (serving version {entry.version})"
+        )
+    return entry
+
+
+def ready(entry: Entry) -> Any:
+    """What serves the entry's requests, or ``ModelNotReady`` with its state
+    and reason."""
+    if entry.state is not ModelState.READY or entry.served is None:
+        detail = f": {entry.reason}" if entry.reason else ""
+        raise ModelNotReady(f"model {entry.name!r} is not ready ({entry.state.value}){detail}")
+    return entry.served
+
+
 class ModelRegistry:
     def __init__(
         self,
@@ -85,25 +123,15 @@ class ModelRegistry:
 
     # ------------------------------------------------------------------ lookups
     def get(self, name: str, version: str | None = None) -> ModelEntry:
-        entry = self.entries.get(name)
-        if entry is None:
-            raise ModelNotFound(f"unknown model {name!r}")
-        if version is not None and entry.version is not None and version != str(entry.version):
-            raise ModelNotFound(
-                f"model {name!r} version {version!r} is not served (serving version {entry.version})"
-            )
-        return entry
+        return lookup(self.entries, name, version)
 
     def ready_model(self, name: str, version: str | None = None) -> ServedModel | Ensemble:
         """The model to send a request to: ``ModelNotFound`` if there is no
         such model (or version), ``ModelNotReady`` (with its state and reason)
         if it cannot take requests now. A lookup, not a yes/no question: for
         that, see ``not_ready`` and ``ServedModel.health``."""
-        entry = self.get(name, version)
-        if entry.state is not ModelState.READY or entry.served is None:
-            detail = f": {entry.reason}" if entry.reason else ""
-            raise ModelNotReady(f"model {name!r} is not ready ({entry.state.value}){detail}")
-        return entry.served
+        served: ServedModel | Ensemble = ready(lookup(self.entries, name, version))
+        return served
 
     def step_model(self, name: str, version: int | None) -> ServedModel:
         """An ensemble step's model (``ensemble.runner.StepLookup``): served

@@ -5,7 +5,7 @@ row-major order, as a 4-byte little-endian length and then its bytes.
     b"\\x02\\x00\\x00\\x00hi\\x00\\x00\\x00\\x00"   ->   [b"hi", b""]
 
 The KServe v2 binary extension, gRPC's ``raw_input_contents`` and the
-worker process's socket (runtime/ipc.py) carry this framing; JSON carries a
+worker process's socket (ipc/messages.py) carry this framing; JSON carries a
 list of strings, msgpack and gRPC's ``bytes_contents`` a list of bin. Never
 pickle. Pure functions, no torch.
 """

@@ -1,0 +1,327 @@
+"""The scheduler process's end of the front ends: ``FrontEndHub``.
+
+Each front end is one ``Connection`` (a ``Link`` on the scheduler process's
+loop, the loop every model's scheduler runs on). What a front end sends in
+one message is admitted in one pass: each request's items, already decoded
+and validated by the front end with the server's own codecs, go straight
+into their model's queue, and each model's scheduler is woken once for the
+whole message, so requests from every front end share batches. Each item
+is answered through a ``ReplySlot`` (what the scheduler resolves in place
+of a future); a request whose items are all answered joins its front end's
+outbox, which leaves once per loop iteration.
+
+A front end that dies (its socket closes) takes nothing with it: its
+requests' items still queued leave the queue, and what is running is
+answered into nothing. The scheduler never waits on a front end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tensorserve.batching.admission import NO_PARAMETERS, Pending
+from tensorserve.batching.batcher import Batcher
+from tensorserve.dataplane import models as answers
+from tensorserve.dataplane.plane import DataPlane
+from tensorserve.ensemble import Ensemble
+from tensorserve.errors import TensorServeError
+from tensorserve.frontends.protocol import Outbox, error_entry, split_items
+from tensorserve.frontends.table import LatePublisher, model_table, table_signature
+from tensorserve.ipc import messages
+from tensorserve.ipc.link import Link
+from tensorserve.tensors.results import row_parameters
+
+log = logging.getLogger(__name__)
+
+# How often the hub looks for a changed model table (poll mode reloads,
+# failures): a load or unload asked through a front end publishes at once.
+TABLE_CHECK_S = 0.25
+
+
+class ReplySlot:
+    """One item's answer, resolved by its model's scheduler on this loop in
+    place of an ``asyncio.Future`` (the same methods the scheduler calls):
+    no future, no callback, no extra loop round per item."""
+
+    __slots__ = ("_index", "_request", "_state")
+
+    def __init__(self, request: RemoteRequest, index: int) -> None:
+        self._request, self._index, self._state = (
+            request,
+            index,
+            0,
+        )  # 0 waiting, 1 done, 2 cancelled
+
+    def done(self) -> bool:
+        return self._state != 0
+
+    def cancelled(self) -> bool:
+        return self._state == 2
+
+    def cancel(self) -> bool:
+        if self._state:
+            return False
+        self._state = 2
+        return True
+
+    def set_result(self, value: Any) -> None:
+        self._state = 1
+        self._request.answered(self._index, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._state = 1
+        self._request.failed(exc)
+
+
+class RemoteRequest:
+    """One front end's request in this process: its items' results as they
+    come, answered once all are in (or at its first failure)."""
+
+    __slots__ = ("batcher", "connection", "entries", "finished", "left", "results", "rid")
+
+    def __init__(self, connection: Connection, rid: int, items: int) -> None:
+        self.connection, self.rid = connection, rid
+        self.results: list[Any] = [None] * items
+        self.left = items
+        self.entries: list[Pending] = []
+        self.batcher: Batcher | None = None
+        self.finished = False
+
+    def answered(self, index: int, value: Any) -> None:
+        self.results[index] = value
+        self.left -= 1
+        if self.left == 0 and not self.finished:
+            self.finished = True
+            self.connection.reply(self.rid, self.results)
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.finished:  # the first failure fails the request, as infer_many does
+            self.finished = True
+            self.connection.fail(self.rid, exc)
+            self.withdraw()
+
+    def withdraw(self) -> None:
+        """Whatever is still queued leaves the queue now."""
+        self.finished = True
+        if self.batcher is not None:
+            self.batcher.withdraw(self.entries)
+
+
+class Connection:
+    """One front end: its link, its outbox, its requests in flight."""
+
+    def __init__(self, hub: FrontEndHub, sock: socket.socket, pid: int) -> None:
+        self.hub, self.pid = hub, pid
+        self.link = Link(sock, hub.loop, self._message, self._lost)
+        self.outbox = Outbox(hub.loop, self.link.send)
+        self.requests: dict[int, RemoteRequest | asyncio.Task[Any]] = {}
+        self.in_flight = 0  # as it last reported
+
+    # -- in ---------------------------------------------------------------------
+    def _message(self, message: messages.Message) -> None:
+        header, tensors = message
+        if "report" in header:
+            self.hub.reported(self, header["report"])
+        for rid in header.get("cancel", ()):
+            self._cancel(rid)
+        if "infer" in header:
+            self.hub.admit(self, header["infer"], list(tensors.values()))
+        for aid, what, args in header.get("ask", ()):
+            self.hub.ask(self, aid, what, args)
+
+    def _cancel(self, rid: int) -> None:
+        request = self.requests.pop(rid, None)
+        if isinstance(request, RemoteRequest):
+            request.withdraw()
+        elif request is not None:
+            request.cancel()
+
+    def _lost(self) -> None:
+        """The front end died (or closed): its requests leave the queues."""
+        for rid in list(self.requests):
+            self._cancel(rid)
+        self.hub.detached(self)
+
+    # -- out --------------------------------------------------------------------
+    def reply(self, rid: int, results: Sequence[Any]) -> None:
+        if self.requests.pop(rid, None) is None:
+            return  # cancelled meanwhile: nobody waits for it
+        names = [list(result) for result in results]
+        parameters = [row_parameters(result) for result in results]
+        tensors: list[np.ndarray] = [array for result in results for array in result.values()]
+        self.outbox.add("replies", [rid, names, parameters if any(parameters) else None], tensors)
+
+    def fail(self, rid: int, exc: BaseException, *, admitted: bool = True) -> None:
+        """Answer ``exc``; an ``admitted`` request only if still waited for."""
+        if self.requests.pop(rid, None) is None and admitted:
+            return
+        if not isinstance(exc, TensorServeError):
+            log.error("front end %d request %d: the server failed", self.pid, rid, exc_info=exc)
+        self.outbox.add("replies", [rid, None, error_entry(exc)])
+
+    def close(self) -> None:
+        self.link.close()
+        self.link.sock.close()
+
+
+class FrontEndHub:
+    """Every front end of this scheduler process (``frontends/supervisor.py``
+    attaches and detaches them); runs on the process's one loop."""
+
+    def __init__(self, plane: DataPlane, loop: asyncio.AbstractEventLoop) -> None:
+        self.plane, self.loop = plane, loop
+        self.connections: dict[int, Connection] = {}
+        self._signature: Any = None
+        self._table: list[Any] = []
+        self._late = LatePublisher(plane, self._publish_late)
+        self._checking: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self._check_table()
+
+    def stop(self) -> None:
+        if self._checking is not None:
+            self._checking.cancel()
+        self._late.stop()
+        for connection in list(self.connections.values()):
+            connection.close()
+        self.connections.clear()
+
+    def attach(self, sock: socket.socket, pid: int) -> Connection:
+        connection = Connection(self, sock, pid)
+        self.connections[pid] = connection
+        connection.outbox.put("models", self._table)
+        self._late.send_to(connection.outbox)
+        return connection
+
+    def detached(self, connection: Connection) -> None:
+        if self.connections.get(connection.pid) is connection:
+            del self.connections[connection.pid]
+        self.plane.local_metrics.processes.forget(connection.pid)
+        self._count_in_flight()
+
+    # -- requests ----------------------------------------------------------------
+    def admit(self, connection: Connection, requests: list[Any], arrays: list[np.ndarray]) -> None:
+        registry, start = self.plane.registry, 0
+        woken: dict[int, Batcher] = {}
+        for rid, model, version, timeout, priority, parameters, names, count in requests:
+            items, start = split_items(arrays, start, names, count)
+            try:
+                served = registry.ready_model(model, version)
+                if isinstance(served, Ensemble):
+                    self._run_ensemble(
+                        connection, rid, served, items, timeout, priority, parameters
+                    )
+                    continue
+                request = RemoteRequest(connection, rid, count)
+                request.batcher = batcher = served.batcher
+                request.entries = batcher.submit_into(
+                    items,
+                    [ReplySlot(request, i) for i in range(count)],
+                    self.loop,
+                    timeout=timeout,
+                    priority=priority,
+                    parameters=parameters or NO_PARAMETERS,
+                    wake=False,
+                )
+            except TensorServeError as exc:  # unknown, not ready, queue full, too large
+                connection.fail(rid, exc, admitted=False)
+                continue
+            connection.requests[rid] = request
+            woken[id(batcher)] = batcher
+        for batcher in woken.values():  # one pass per model for the whole message
+            batcher.scheduler.wake()
+
+    def _run_ensemble(
+        self,
+        connection: Connection,
+        rid: int,
+        ensemble: Ensemble,
+        items: list[dict[str, np.ndarray]],
+        timeout: float | None,
+        priority: Any,
+        parameters: Any,
+    ) -> None:
+        """An ensemble's steps run here, each through its model's scheduler."""
+        task = self.loop.create_task(
+            ensemble.infer_many(
+                items,
+                timeout=timeout,
+                priority=priority,
+                parameters=parameters,
+                max_bytes_element_length=self.plane.settings.max_bytes_element_length,
+            )
+        )
+        connection.requests[rid] = task
+
+        def done(task: asyncio.Task[Any]) -> None:
+            if task.cancelled():
+                return
+            exc = task.exception()
+            if exc is None:
+                connection.reply(rid, task.result())
+            else:
+                connection.fail(rid, exc)
+
+        task.add_done_callback(done)
+
+    # -- answers about the server and its models ---------------------------------
+    def ask(self, connection: Connection, aid: int, what: str, args: list[Any]) -> None:
+        self.loop.create_task(self._answer(connection, aid, what, args))
+
+    async def _answer(self, connection: Connection, aid: int, what: str, args: list[Any]) -> None:
+        try:
+            value = await answers.answer(self.plane, what, *args)
+        except Exception as exc:
+            if not isinstance(exc, TensorServeError):
+                log.error(
+                    "front end %d asked %s: the server failed", connection.pid, what, exc_info=exc
+                )
+            self._check_table(reschedule=False)
+            connection.outbox.add("answers", [aid, False, error_entry(exc)])
+            return
+        self._check_table(reschedule=False)  # a load or unload: the table goes first
+        connection.outbox.add("answers", [aid, True, value])
+
+    # -- what every front end is told -------------------------------------------
+    def _check_table(self, reschedule: bool = True) -> None:
+        signature = table_signature(self.plane.registry)
+        if signature != self._signature:
+            self._signature, self._table = signature, model_table(self.plane.registry)
+            for connection in self.connections.values():
+                connection.outbox.put("models", self._table)
+            self._late.models_changed()
+        if reschedule:
+            self._checking = self.loop.call_later(TABLE_CHECK_S, self._check_table)
+
+    def _publish_late(self, late: dict[str, Any]) -> None:
+        for connection in self.connections.values():
+            connection.outbox.put("late", late)
+
+    # -- what the front ends report ----------------------------------------------
+    def reported(self, connection: Connection, report: dict[str, Any]) -> None:
+        metrics = self.plane.local_metrics
+        for protocol, model, version, code, status, count, items, seconds in report.get(
+            "requests", ()
+        ):
+            metrics.requests.observe_many(
+                protocol, model, version, code, status, count, items, seconds
+            )
+        for model, seconds in report.get("encode", ()):
+            for value in seconds:
+                metrics.requests.observe_encode(model, value)
+        if "cpu" in report:
+            metrics.processes.report("frontend", connection.pid, report["cpu"], report["lag"])
+        if "in_flight" in report:
+            connection.in_flight = report["in_flight"]
+            self._count_in_flight()
+
+    def _count_in_flight(self) -> None:
+        total = sum(c.in_flight for c in self.connections.values())
+        self.plane.local_metrics.requests.in_flight.set(total)

@@ -1,0 +1,77 @@
+"""One front-end process of ``tensorserve serve --frontends N``.
+
+    python -m tensorserve.frontends.process FD INDEX   (started by the supervisor)
+
+It serves HTTP and gRPC on the server's ports beside the other front ends
+(``SO_REUSEPORT``: the kernel spreads connections among them), with the
+same app, codecs, middlewares and shutdown phases as a one-process server
+(``http/server.py``), on a data plane whose models live in the scheduler
+process: FD is its end of a socket pair to it, the settings come in the
+``SETTINGS_ENV`` variable (never on the command line: a restricted API's
+header value is a secret). On SIGTERM it drains as a one-process server
+does; if the scheduler process dies it exits at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from tensorserve.dataplane.frontend import FrontEndFactory, StartupError
+from tensorserve.dataplane.plane import DataPlane
+from tensorserve.frontends.remote import Scheduler
+from tensorserve.grpc.server import GrpcFrontEnd
+from tensorserve.http.app import create_app
+from tensorserve.http.server import bind, run
+from tensorserve.settings import Settings
+from tensorserve.tracing import configure as configure_tracing
+
+SETTINGS_ENV = "TENSORSERVE_FRONTEND_SETTINGS_JSON"
+EXIT_CANNOT_START = 2
+
+
+def build_app(settings: Settings, scheduler: Scheduler) -> web.Application:
+    plane = DataPlane(
+        settings,
+        None,  # no registry here: the models are the scheduler process's
+        scheduler.metrics,
+        None,
+        configure_tracing(settings),
+        models=scheduler,
+        remote=scheduler.ask,
+    )
+    app = create_app(settings, plane=plane)
+
+    async def connected(app: web.Application) -> AsyncIterator[None]:
+        scheduler.connect()
+        yield
+        scheduler.close()  # after every request has been answered
+
+    app.cleanup_ctx.append(connected)
+    return app
+
+
+def main(argv: list[str]) -> int:
+    fd, index = int(argv[0]), int(argv[1])
+    settings = Settings(**json.loads(os.environ.pop(SETTINGS_ENV)))
+    scheduler = Scheduler(socket.socket(fileno=fd))
+    try:
+        sock = bind(settings.host, settings.port, reuse_port=True)
+    except StartupError as exc:
+        print(f"tensorserve front end {index}: error: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_START
+    front_ends: list[FrontEndFactory] = []
+    if settings.grpc_port >= 0:
+        front_ends.append(functools.partial(GrpcFrontEnd, reuse_port=True))
+    run(settings, front_ends, app=build_app(settings, scheduler), sock=sock)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

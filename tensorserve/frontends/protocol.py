@@ -1,0 +1,131 @@
+"""What the front ends and the scheduler process say to each other.
+
+Each message is one ``ipc`` message (a msgpack header, then raw tensor
+bytes: nothing is ever pickled) on a front end's socket to the scheduler
+process. Its header holds any of these sections, so what one loop iteration
+produced travels as one message, whatever the number of requests in it:
+
+    front end -> scheduler process
+    "infer"    [[rid, model, version, timeout, priority, parameters, names, items], ...]
+               the tensors: each request's items, each item's ``names`` in order
+    "cancel"   [rid, ...]: callers that left or timed out; their items leave the queue
+    "ask"      [[aid, what, args], ...]: the answers about the server and its models
+               (``dataplane/models.py ANSWERS``: health, metadata, statistics,
+               the repository extension, the metrics' text)
+    "report"   this process's request metrics, CPU seconds, loop lag and
+               requests in flight (``RequestReport``)
+
+    scheduler process -> front end
+    "models"   the model table (``model_table``), sent when it changes, and
+               always before the answer of a load or unload that changed it
+    "late"     {model: [message, retry_after]}: the models whose latency target
+               a request would miss now; a front end refuses those before it
+               reads a body (published on change, not asked per request)
+    "replies"  [[rid, [names per item], [parameters per item] | None], ...] or
+               [[rid, None, error], ...]; the tensors: each answered item's outputs
+    "answers"  [[aid, True, value] | [aid, False, error], ...]
+
+An error travels as [class name, message, retry_after | None] and is raised
+again as the same ``TensorServeError`` class on the other side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tensorserve import errors
+from tensorserve.errors import ServerBusy, TensorServeError
+from tensorserve.ipc import messages
+
+# Every error class a reply may name, by class name.
+ERROR_CLASSES: dict[str, type[TensorServeError]] = {
+    name: value
+    for name, value in vars(errors).items()
+    if isinstance(value, type) and issubclass(value, TensorServeError)
+}
+
+
+def error_entry(exc: BaseException) -> list[Any]:
+    """An exception as it travels: a tensorserve error keeps its class; any
+    other is the server's fault (``internal``), its text kept for the log."""
+    if isinstance(exc, TensorServeError):
+        return [type(exc).__name__, exc.message, getattr(exc, "retry_after", None)]
+    return ["TensorServeError", f"{type(exc).__name__}: {exc}", None]
+
+
+def error_from(entry: Sequence[Any]) -> TensorServeError:
+    name, message, retry_after = entry
+    cls = ERROR_CLASSES.get(name, TensorServeError)
+    if issubclass(cls, ServerBusy):
+        return cls(message, retry_after=retry_after if retry_after is not None else 1.0)
+    try:
+        return cls(message)
+    except TypeError:  # a class whose constructor wants more (WorkerCrashed): its code stays
+        error = TensorServeError(message)
+        error.code = cls.code
+        error.http_status, error.grpc_status = cls.http_status, cls.grpc_status
+        return error
+
+
+class Outbox:
+    """What one side sends, gathered over a loop iteration and sent as one
+    message: the first entry schedules the send (``call_soon``), so every
+    request a loop iteration answered or received rides in the same one.
+    Runs on the loop's thread only."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        send: Callable[[list[bytes | memoryview]], None],
+        before_send: Callable[[Outbox], None] | None = None,
+    ) -> None:
+        self.loop = loop
+        self._send = send
+        self._before_send = before_send  # adds what is due with any message (a report)
+        self.sections: dict[str, Any] = {}
+        self.tensors: list[np.ndarray] = []
+        self._scheduled = False
+
+    def add(self, section: str, entry: Any, tensors: Sequence[np.ndarray] = ()) -> None:
+        """Append ``entry`` to a list section (its tensors after those queued)."""
+        self.sections.setdefault(section, []).append(entry)
+        if tensors:
+            self.tensors.extend(tensors)
+        self.schedule()
+
+    def put(self, section: str, value: Any) -> None:
+        """Set a section that is a value, not a list (the latest wins)."""
+        self.sections[section] = value
+        self.schedule()
+
+    def schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        self._scheduled = False
+        if self._before_send is not None:
+            self._before_send(self)
+        if not self.sections:
+            return
+        sections, tensors = self.sections, self.tensors
+        self.sections, self.tensors = {}, []
+        self._send(messages.frames(sections, {str(i): t for i, t in enumerate(tensors)}))
+
+
+def split_items(
+    arrays: Sequence[np.ndarray], start: int, names: Sequence[str], items: int
+) -> tuple[list[dict[str, np.ndarray]], int]:
+    """``items`` dicts of ``names`` read from ``arrays`` at ``start``; and
+    where the next request's tensors begin."""
+    width = len(names)
+    out = []
+    for _ in range(items):
+        out.append(dict(zip(names, arrays[start : start + width])))
+        start += width
+    return out, start

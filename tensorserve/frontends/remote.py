@@ -1,0 +1,264 @@
+"""A front end's end of its socket to the scheduler process: ``Scheduler``,
+and ``RemoteModel``, what the data plane's infer path calls in place of a
+``ServedModel`` in a front-end process.
+
+A front end decodes and validates each request with the server's own codecs
+and validator, against the served config the scheduler process published
+(``frontends/table.py``), then sends only the items' arrays and what their
+model's scheduler needs (deadline, priority level, parameter values); the
+scheduler process trusts them. Its caller's deadline is kept here, as
+``Batcher.infer_many`` keeps it in one process: a caller that times out or
+leaves is answered here at once, and its items are withdrawn there.
+
+If the scheduler process dies the front end cannot serve: it exits at once
+(the supervisor is gone too; the platform restarts the pod).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensorserve.dataplane.lag import LoopLag
+from tensorserve.errors import DeadlineExceeded, ModelNotReady, WouldMissTarget
+from tensorserve.frontends.protocol import Outbox, error_from, split_items
+from tensorserve.frontends.report import REPORT_S, FrontEndMetrics
+from tensorserve.ipc import messages
+from tensorserve.ipc.link import Link
+from tensorserve.metrics.processes import cpu_seconds
+from tensorserve.repository.config import ModelConfig
+from tensorserve.serving.registry import ModelState, lookup, ready
+from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
+from tensorserve.tensors.results import RowResult
+from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
+
+log = logging.getLogger(__name__)
+
+# The exit status of a front end whose scheduler process has gone.
+EXIT_SCHEDULER_GONE = 3
+
+
+class RemoteModel:
+    """A model served by the scheduler process, as the infer path sees it."""
+
+    def __init__(
+        self, scheduler: Scheduler, name: str, version: int, config: ModelConfig, ensemble: bool
+    ) -> None:
+        self.scheduler = scheduler
+        self.name, self.version, self.config = name, version, config
+        self.ensemble = ensemble
+
+    def refuse_if_late(self) -> None:
+        """``WouldMissTarget`` when the scheduler process last said that one
+        more item would miss this model's latency target."""
+        late = self.scheduler.late.get(self.name)
+        if late is not None:
+            raise WouldMissTarget(late[0], retry_after=late[1])
+
+    async def infer_many(
+        self,
+        items: Sequence[Mapping[str, Any]],
+        *,
+        timeout: float | None = None,
+        priority: Any = None,
+        parameters: Mapping[str, Any] | None = None,
+        max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+    ) -> list[dict[str, np.ndarray]]:
+        """Validated here (the one validator), answered there."""
+        config = self.config
+        rows = [
+            validate_item(item, config.input, i, max_bytes_element_length)
+            for i, item in enumerate(items)
+        ]
+        if self.ensemble:  # its steps validate their own: it takes the request's own values
+            level, values = priority, dict(parameters or {})
+        else:
+            level = priority_level(priority, config.dynamic_batching, self.name)
+            specs = config.request_parameter
+            values = validate_parameters(parameters, specs, self.name) if specs else {}
+        return await self.scheduler.infer(self, rows, timeout, level, values)
+
+
+@dataclass
+class RemoteEntry:
+    """A front end's copy of one registry entry."""
+
+    name: str
+    version: int | None
+    state: ModelState
+    reason: str
+    served: RemoteModel | None
+
+
+class Scheduler:
+    """The scheduler process, as one front end reaches it: the model table
+    it published, and requests and questions sent to it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.entries: dict[str, RemoteEntry] = {}
+        self.late: dict[str, Any] = {}
+        self.metrics = FrontEndMetrics()
+        self.loop_lag = LoopLag()
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._asked: dict[int, asyncio.Future[Any]] = {}
+        self._link: Link | None = None
+        self._outbox: Outbox | None = None
+        self._reporting: asyncio.TimerHandle | None = None
+        self.table_received = asyncio.Event()
+
+    # -- life ------------------------------------------------------------------
+    def connect(self) -> None:
+        """Start talking, on the running loop: at the app's start-up, or at
+        the first call (gRPC starts serving before the app's start-up runs)."""
+        if self._link is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._link = Link(self.sock, loop, self._message, self._gone)
+        self._outbox = Outbox(loop, self._link.send, self._add_report)
+        self.loop_lag.start()
+        self._report()
+
+    def close(self) -> None:
+        if self._reporting is not None:
+            self._reporting.cancel()
+        self.loop_lag.stop()
+        if self._outbox is not None:
+            self._outbox.flush()  # the last metrics
+        if self._link is not None:
+            self._link.close()
+
+    def _gone(self) -> None:
+        log.critical("the scheduler process has gone: this front end cannot serve, exiting")
+        logging.shutdown()
+        os._exit(EXIT_SCHEDULER_GONE)
+
+    # -- lookups (the data plane's ModelLookup) ---------------------------------
+    def ready_model(self, name: str, version: str | None = None) -> RemoteModel:
+        if not self.table_received.is_set():
+            self.connect()
+            raise ModelNotReady(f"model {name!r} is not ready: the server is starting")
+        served: RemoteModel = ready(lookup(self.entries, name, version))
+        return served
+
+    # -- asking ------------------------------------------------------------------
+    async def ask(self, what: str, args: tuple[Any, ...]) -> Any:
+        """The scheduler process's ``dataplane/models.py`` answer."""
+        self.connect()
+        assert self._outbox is not None
+        aid = next(self._ids)
+        answer = self._outbox.loop.create_future()
+        self._asked[aid] = answer
+        self._outbox.add("ask", [aid, what, list(args)])
+        try:
+            return await answer
+        finally:
+            self._asked.pop(aid, None)
+
+    async def infer(
+        self,
+        model: RemoteModel,
+        rows: list[dict[str, np.ndarray]],
+        timeout: float | None,
+        level: Any,
+        values: dict[str, Any],
+    ) -> list[dict[str, np.ndarray]]:
+        outbox = self._outbox
+        assert outbox is not None
+        loop = outbox.loop
+        rid = next(self._ids)
+        names = list(rows[0]) if rows else []
+        tensors = [row[name] for row in rows for name in names]
+        outbox.add(
+            "infer",
+            [rid, model.name, str(model.version), timeout, level, values, names, len(rows)],
+            tensors,
+        )
+        answer = loop.create_future()
+        self._waiting[rid] = answer
+        timer = (
+            None
+            if timeout is None
+            else loop.call_later(timeout, _time_out, answer, model.name, timeout)
+        )
+        try:
+            results: list[dict[str, np.ndarray]] = await answer
+            return results
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if self._waiting.pop(rid, None) is not None:  # timed out, or the caller left
+                outbox.add("cancel", rid)
+
+    # -- in ----------------------------------------------------------------------
+    def _message(self, message: messages.Message) -> None:
+        header, tensors = message
+        if "models" in header:
+            self._models(header["models"])
+        if "late" in header:
+            self.late = header["late"]
+        if "replies" in header:
+            self._replies(header["replies"], list(tensors.values()))
+        for aid, ok, value in header.get("answers", ()):
+            answer = self._asked.get(aid)
+            if answer is not None and not answer.done():
+                if ok:
+                    answer.set_result(value)
+                else:
+                    answer.set_exception(error_from(value))
+
+    def _models(self, table: list[Any]) -> None:
+        entries = {}
+        for name, version, state, reason, config, ensemble in table:
+            kept = self.entries.get(name)
+            served = None
+            if state == ModelState.READY.value and config is not None:
+                if kept is not None and kept.served is not None and kept.version == version:
+                    served = kept.served  # the same model: no need to parse its config again
+                else:
+                    parsed = ModelConfig.model_validate(config)
+                    served = RemoteModel(self, name, version, parsed, ensemble)
+            entries[name] = RemoteEntry(name, version, ModelState(state), reason, served)
+        self.entries = entries
+        self.table_received.set()
+
+    def _replies(self, replies: list[Any], arrays: list[np.ndarray]) -> None:
+        start = 0
+        for rid, names, parameters in replies:
+            answer = self._waiting.pop(rid, None)
+            if names is None:  # [rid, None, error]
+                if answer is not None and not answer.done():
+                    answer.set_exception(error_from(parameters))
+                continue
+            results: list[dict[str, np.ndarray]] = []
+            for i, item_names in enumerate(names):
+                (result,), start = split_items(arrays, start, item_names, 1)
+                results.append(RowResult(result, parameters[i]) if parameters else result)
+            if answer is not None and not answer.done():
+                answer.set_result(results)
+
+    # -- reports -----------------------------------------------------------------
+    def _add_report(self, outbox: Outbox) -> None:
+        """Every message carries the calls observed since the last one."""
+        report = outbox.sections.get("report")
+        if report is not None or self.metrics.requests.pending:
+            outbox.sections["report"] = {**(report or {}), **self.metrics.requests.take()}
+
+    def _report(self) -> None:
+        assert self._outbox is not None
+        self._outbox.put("report", {"cpu": cpu_seconds(), "lag": self.loop_lag.seconds})
+        self._reporting = self._outbox.loop.call_later(REPORT_S, self._report)
+
+
+def _time_out(answer: asyncio.Future[Any], name: str, timeout: float) -> None:
+    if not answer.done():
+        answer.set_exception(DeadlineExceeded(f"model {name!r}: no result within {timeout} s"))

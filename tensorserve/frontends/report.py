@@ -1,0 +1,80 @@
+"""A front end's request metrics, on their way to the scheduler process.
+
+The scheduler process is the server's one Prometheus exporter: ``/metrics``
+on any front end shows the whole server. A front end therefore observes
+each call here (``DataPlane.observe_infer`` calls ``observe``, as it calls
+the Prometheus metrics in one process), grouped by outcome, and sends what
+it gathered with its next message to the scheduler process (and at least
+every ``REPORT_S``, with its CPU seconds, loop lag and calls in flight).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPORT_S = 0.5
+
+
+class Count:
+    """The calls in flight, as ``prometheus_client.Gauge`` counts them."""
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+
+class RequestReport:
+    def __init__(self) -> None:
+        self.in_flight = Count()
+        # (protocol, model, version, code, status) -> [calls, items, [seconds, ...]]
+        self._outcomes: dict[tuple[str, str, str, str, int], list[Any]] = {}
+        self._encode: dict[str, list[float]] = {}
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._outcomes or self._encode)
+
+    def observe(
+        self,
+        protocol: str,
+        model: str,
+        version: str,
+        code: str,
+        status: int,
+        items: int,
+        seconds: float,
+    ) -> None:
+        key = (protocol, model, version, code, status)
+        outcome = self._outcomes.get(key)
+        if outcome is None:
+            outcome = self._outcomes[key] = [0, 0, []]
+        outcome[0] += 1
+        outcome[1] += items
+        outcome[2].append(seconds)
+
+    def observe_encode(self, model: str, seconds: float) -> None:
+        self._encode.setdefault(model, []).append(seconds)
+
+    def take(self) -> dict[str, Any]:
+        """What was observed since the last ``take``, as the "report"
+        section (``frontends/protocol.py``), and the calls in flight now."""
+        report: dict[str, Any] = {"in_flight": self.in_flight.value}
+        if self._outcomes:
+            report["requests"] = [[*key, *outcome] for key, outcome in self._outcomes.items()]
+            self._outcomes = {}
+        if self._encode:
+            report["encode"] = list(self._encode.items())
+            self._encode = {}
+        return report
+
+
+class FrontEndMetrics:
+    """The data plane's ``metrics`` in a front-end process."""
+
+    def __init__(self) -> None:
+        self.requests = RequestReport()

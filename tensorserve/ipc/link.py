@@ -1,0 +1,99 @@
+"""``Link``: one end of a stream socket (a ``socketpair``), driven by an event
+loop: messages out and in, never blocking the loop.
+
+A message is written as far as the socket takes it now; the rest is written
+as the socket drains (``add_writer``), so the loop never waits on the other
+process, however small the host lets a socket buffer be (Linux clamps
+``SO_SNDBUF`` to ``net.core.wmem_max``, 208 KiB on most hosts). Each
+complete message read is handed to ``on_message``; if the connection breaks
+(the other process died, or was killed), ``on_lost`` is called once.
+Everything here runs on the loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from tensorserve.ipc import messages
+
+
+class Link:
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[messages.Message], None],
+        on_lost: Callable[[], None],
+    ) -> None:
+        self.sock = sock
+        self.loop = loop
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._unsent: deque[memoryview] = deque()
+        self._reader = messages.MessageReader()
+        self._writing = False
+        self.open = True
+        sock.setblocking(False)
+        loop.add_reader(sock, self._readable)
+
+    @property
+    def unsent_bytes(self) -> int:
+        return sum(len(b) for b in self._unsent)
+
+    def send(self, buffers: Sequence[bytes | memoryview]) -> None:
+        """Queue one message's buffers (``messages.frames``); what the socket
+        takes now is written now."""
+        if not self.open:
+            return
+        self._unsent.extend(memoryview(b).cast("B") for b in buffers)
+        self._flush()
+
+    def close(self) -> None:
+        """Stop watching the socket (the caller closes it); nothing is reported."""
+        if self.open:
+            self.open = False
+            self.loop.remove_reader(self.sock)
+            if self._writing:
+                self.loop.remove_writer(self.sock)
+                self._writing = False
+            self._unsent.clear()
+
+    def _flush(self) -> None:
+        while self._unsent:
+            try:
+                sent = self.sock.send(self._unsent[0])
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self._broken()
+                return
+            if sent < len(self._unsent[0]):
+                self._unsent[0] = self._unsent[0][sent:]
+            else:
+                self._unsent.popleft()
+        if self._unsent and not self._writing:
+            self.loop.add_writer(self.sock, self._flush)
+            self._writing = True
+        elif not self._unsent and self._writing:
+            self.loop.remove_writer(self.sock)
+            self._writing = False
+
+    def _readable(self) -> None:
+        while self.open:
+            try:
+                message = self._reader.feed(self.sock)
+            except (EOFError, OSError):
+                self._broken()
+                return
+            if message is None:
+                return
+            self._reader = messages.MessageReader()
+            self._on_message(message)
+
+    def _broken(self) -> None:
+        if self.open:
+            self.close()
+            self._on_lost()
