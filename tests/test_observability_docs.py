@@ -47,7 +47,8 @@ def test_the_dashboard_holds_exactly_the_documented_queries() -> None:
     # What the issue asks an operator to be able to see.
     for needed in ("rate(tensorserve_requests_total", "histogram_quantile(0.99",
                    "tensorserve_batch_size_sum", "tensorserve_real_elements_total",
-                   "tensorserve_rejections_total"):
+                   "tensorserve_rejections_total", "by (role) (rate(tensorserve_process_cpu_seconds_total",
+                   "by (role) (tensorserve_event_loop_lag_seconds"):
         assert needed in text, needed
 
 

@@ -123,7 +123,9 @@ def test_a_burst_past_the_target_is_refused_at_once_and_the_admitted_get_their_r
     rejected = re.search(r'tensorserve_rejections_total\{[^}]*model="targeted"[^}]*'
                          r'reason="would_miss_target"[^}]*\} (\d+)', metrics)
     assert rejected is not None and int(rejected.group(1)) == len(refused) + 2
-    assert re.search(r"^tensorserve_event_loop_lag_seconds \d", metrics, re.MULTILINE)
+    lag = re.search(r"^tensorserve_event_loop_lag_seconds\{(.*)\} \d", metrics, re.MULTILINE)
+    assert server.process is not None and lag is not None, metrics
+    assert sorted(lag.group(1).split(",")) == [f'pid="{server.process.pid}"', 'role="server"']
 
 
 def test_without_a_target_the_same_burst_is_all_queued_and_served(server: ServerProcess) -> None:

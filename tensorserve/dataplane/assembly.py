@@ -36,7 +36,7 @@ def build_plane(settings: Settings, role: str = "server") -> tuple[DataPlane, Lo
     )
     liveness = Liveness(registry, settings.liveness_stall_s)
     loop_lag = LoopLag()  # the loop's (gRPC's calls run on it too); exported, dataplane/lag.py
-    metrics = Metrics(registry, liveness, loop_lag=lambda: loop_lag.seconds)
+    metrics = Metrics(registry, liveness, loop_lag=lambda: loop_lag.seconds, role=role)
     return DataPlane(settings, registry, metrics, liveness, tracer), loop_lag
 
 

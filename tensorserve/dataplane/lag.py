@@ -11,8 +11,9 @@ that wait: a timer every ``INTERVAL_S`` notes how late it ran. A new lag is
 taken at once, a lag that ended fades over a few ticks (``DECAY``), so one
 late tick is still seen by a scrape soon after.
 
-Read by ``/metrics`` (``tensorserve_event_loop_lag_seconds``): the signal to
-add replicas on. Written only by its own timer, on the loop.
+Read by ``/metrics`` (``tensorserve_event_loop_lag_seconds``, labelled with
+the process's role and pid: metrics/processes.py): the signal to add
+replicas on. Written only by its own timer, on the loop.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ lists every one).
                    observed once per request by the HTTP layer
     ensemble.py    each ensemble step's calls, items, failures and seconds,
                    read from the ensembles' stats at scrape time
+    processes.py   each server process's CPU seconds and event-loop lag,
+                   labelled role and pid (own ones read, others reported)
     triton.py      Triton's names (nv_inference_*) for the same quantities,
                    read from the two above at scrape time
 
@@ -23,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
-    Gauge,
     GCCollector,
     Info,
     PlatformCollector,
@@ -62,9 +63,13 @@ class Metrics:
         registry: ModelRegistry,
         liveness: Liveness | None = None,
         loop_lag: Callable[[], float] | None = None,
+        *,
+        role: str = "server",
     ) -> None:
+        """``loop_lag``: this process's event-loop lag (s), read at each scrape;
+        ``role``: this process's (metrics/processes.py: ``server`` when the
+        server is one process, ``scheduler`` in the one of ``--frontends N``)."""
         self.prometheus = CollectorRegistry()
-        self.processes = ProcessMetrics("server", loop_lag)
         batching = BatchingCollector(registry, liveness)
         self.prometheus.register(batching)
         self.prometheus.register(EnsembleCollector(registry))
@@ -73,13 +78,9 @@ class Metrics:
         ProcessCollector(registry=self.prometheus)
         PlatformCollector(registry=self.prometheus)
         GCCollector(registry=self.prometheus)
-        if loop_lag is not None:
-            Gauge(
-                "tensorserve_event_loop_lag_seconds",
-                "How late the server's event loop runs a timer (a saturated front end: "
-                "requests wait this long before they are read, and again before answered).",
-                registry=self.prometheus,
-            ).set_function(loop_lag)
+        # Other processes (front ends) report their figures into it.
+        self.processes = ProcessMetrics(role, loop_lag)
+        self.prometheus.register(self.processes)
         Info(
             "tensorserve_build", "The running tensorserve's version.", registry=self.prometheus
         ).info(
