@@ -7,6 +7,7 @@ asking the server (no metric it may lack, no psutil).
     ...                                         # the measured window
     split = split_cpu(before, sample_tree(server_pid), server_pid)
     split.scheduler_s, split.frontend_s, split.workers_s, split.total_s
+    wait_for_frontends(server_pid, 2)           # until the server runs 2 front ends
 
 ``sample_tree`` finds the descendants by scanning ``/proc/*/stat`` for
 parent pids (``/proc/<pid>/task/*/children`` needs a kernel option that not
@@ -23,6 +24,7 @@ pid and its start time agree (a pid reused in between counts as new).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,3 +168,27 @@ def split_cpu(
     return CpuSplit(
         spent["scheduler"], spent["frontend"], spent["workers"], frontends, workers, exited
     )
+
+
+# ---------------------------------------------------------------------- waiting for them
+class FrontendsMissing(RuntimeError):
+    """The server did not run as many front-end processes as asked for."""
+
+
+def wait_for_frontends(
+    pid: int, count: int, *, timeout_s: float = 60.0, root: Path = PROC, poll_s: float = 0.1
+) -> None:
+    """Return once ``pid`` has ``count`` front-end processes among its
+    descendants (a server answers ready as soon as one listens); raise
+    ``FrontendsMissing`` after ``timeout_s`` seconds without."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = sum(p.is_frontend for p in sample_tree(pid, root=root).values())
+        if seen == count:
+            return
+        if time.monotonic() >= deadline:
+            raise FrontendsMissing(
+                f"{seen} front-end processes of {count} after {timeout_s:g} s (descendants "
+                f"of {pid} whose command line holds {FRONTEND_MARK})"
+            )
+        time.sleep(poll_s)  # nothing to wait on: the processes are the server's, not ours

@@ -11,6 +11,7 @@ prebuilt requests as fast as ``-c`` keep-alive connections allow.
     script = write_script(folder, "/v2/models/m/infer", "application/json", bodies)
     window = measure(server, server.url, script, connections=64, duration=5, warmup=2)
     window.result.requests_per_s, window.server_cpu_us_per_request
+    window.roles.scheduler_s, window.roles.frontend_s      # the server's CPU by role
 
 ``write_script`` writes each body to a file of its own and a Lua script that
 reads them back in binary (so msgpack bodies survive), formats one request per
@@ -18,7 +19,8 @@ body with ``wrk.format`` once, in ``init``, and cycles through them in
 ``request()``. ``run_wrk`` runs ``wrk -t1 -cC -dD --latency`` and
 ``parse_wrk_output`` reads its report. ``measure`` adds a warm-up run and
 the CPU seconds the server's process tree (``ChildServer.usage``) and wrk
-itself spent over the measured window.
+itself spent over the measured window, and the server's split by role
+(``proctree``: its own process, its front ends, its other children).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tensorserve_bench.proctree import CpuSplit, sample_tree, split_cpu
 from tensorserve_bench.server import ChildServer
 
 # wrk's time units (units.c: us, ms, s, then m and h for long times).
@@ -78,6 +81,8 @@ class WrkWindow:
     result: WrkResult
     server_cpu_s: float | None  # the server tree's CPU seconds over the run; None: no server
     wrk_cpu_s: float  # wrk's own user + system seconds
+    # The server's CPU seconds by role over the run, from /proc; None: no server.
+    roles: CpuSplit | None = None
 
     @property
     def server_cpu_us_per_request(self) -> float | None:
@@ -255,8 +260,11 @@ def measure(
     ``connections`` is small against the requests counted."""
     if warmup > 0:
         run_wrk(url, script, connections, warmup, timeout_s=timeout_s)
+    pid = server.process.pid if server is not None and server.process is not None else None
+    roles_before = sample_tree(pid) if pid is not None else {}
     before = server.usage().cpu_s if server is not None else None
     result, wrk_cpu = run_wrk(url, script, connections, duration, timeout_s=timeout_s)
     after = server.usage().cpu_s if server is not None else None
+    roles = split_cpu(roles_before, sample_tree(pid), pid) if pid is not None else None
     server_cpu = after - before if before is not None and after is not None else None
-    return WrkWindow(result, server_cpu, wrk_cpu)
+    return WrkWindow(result, server_cpu, wrk_cpu, roles)

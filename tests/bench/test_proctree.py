@@ -1,7 +1,8 @@
 """CPU by role from /proc: a fake /proc tree (a server, two front ends, a
 worker with a child of its own, strangers) read back by ``sample_tree``,
-and ``split_cpu`` over two samples: births, exits and reused pids. One test
-reads the real /proc for a child this test starts."""
+``split_cpu`` over two samples (births, exits and reused pids) and
+``wait_for_frontends`` counting. One test reads the real /proc for a child
+this test starts."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from pathlib import Path
 import pytest
 from tensorserve_bench.proctree import (
     FRONTEND_MARK,
+    FrontendsMissing,
     ProcessSample,
     parse_stat,
     sample_tree,
     split_cpu,
+    wait_for_frontends,
 )
 
 TICKS = 100.0
@@ -111,6 +114,15 @@ def test_as_row_divides_each_role_by_the_requests() -> None:
     assert row["total_cpu_us_per_request"] == pytest.approx(50.0)
     assert row["frontend_cpu_s"] == 0.0 and row["frontend_processes"] == 0
     assert split.as_row(requests=0)["total_cpu_us_per_request"] is None
+
+
+def test_wait_for_frontends_returns_at_the_count_and_says_what_it_saw_else(
+    tmp_path: Path,
+) -> None:
+    root = fake_proc(tmp_path)
+    wait_for_frontends(SERVER, 2, root=root, timeout_s=0)  # two are running: at once
+    with pytest.raises(FrontendsMissing, match=f"2 front-end processes of 4 .*{FRONTEND_MARK}"):
+        wait_for_frontends(SERVER, 4, root=root, timeout_s=0.2, poll_s=0.05)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
