@@ -13,6 +13,8 @@ prebuilt requests as fast as ``-c`` keep-alive connections allow.
     window.result.requests_per_s, window.server_cpu_us_per_request
     window.roles.scheduler_s, window.roles.frontend_s      # the server's CPU by role
 
+``write_model_scripts`` writes, per protocol, a script of one-item requests
+for a served model (its inputs as the server describes them);
 ``write_script`` writes each body to a file of its own and a Lua script that
 reads them back in binary (so msgpack bodies survive), formats one request per
 body with ``wrk.format`` once, in ``init``, and cycles through them in
@@ -25,6 +27,7 @@ itself spent over the measured window, and the server's split by role
 
 from __future__ import annotations
 
+import asyncio
 import re
 import resource
 import shutil
@@ -33,8 +36,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tensorserve_bench.items import ItemFactory, vocab_limit
+from tensorserve_bench.lengths import LengthDistribution
 from tensorserve_bench.proctree import CpuSplit, sample_tree, split_cpu
 from tensorserve_bench.server import ChildServer
+from tensorserve_bench.targets import HttpTarget
 
 # wrk's time units (units.c: us, ms, s, then m and h for long times).
 _SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -182,6 +188,43 @@ def write_script(folder: str | Path, path: str, content_type: str, bodies: Seque
         )
     )
     return script
+
+
+def write_model_scripts(
+    url: str,
+    model: str,
+    protocols: Sequence[str],
+    folder: Path,
+    *,
+    count: int,
+    lengths: LengthDistribution,
+    seed: int,
+) -> dict[str, Path]:
+    """Per protocol, a wrk script over ``count`` one-item requests for ``model``
+    at ``url``: the same items (from its inputs, as the server describes
+    them) on each, in ``folder/{model}-{protocol}``."""
+
+    async def bodies(protocol: str) -> tuple[str, str, list[bytes]]:
+        target = HttpTarget(url, model, protocol=protocol)
+        await target.open()  # discovers the inputs and parameters
+        try:
+            factory = ItemFactory(
+                target.specs, lengths, seed=seed,
+                id_range=(1, vocab_limit(target.parameters, 1000)),
+            )  # fmt: skip
+            items, _ = factory.make(count)
+            encoded = [target.encode_body([item])[0] for item in items]
+            return target.infer_path, target.content_type, encoded
+        finally:
+            await target.aclose()
+
+    scripts = {}
+    for protocol in protocols:
+        path, content_type, encoded = asyncio.run(bodies(protocol))
+        scripts[protocol] = write_script(
+            folder / f"{model}-{protocol}", path, content_type, encoded
+        )
+    return scripts
 
 
 # ---------------------------------------------------------------------- running and reading
