@@ -31,9 +31,10 @@ after it. The table shows medians over ``--repeats``; the JSON has every run.
 
 Front ends (issue 38, ``serve --frontends N``): ``--frontends 1 2`` serves each
 tree under each N in turn, as rows of their own (a "server" is a tree and an
-N). N = 1 passes the server nothing, so a tree without the flag serves as it
-always did; N >= 2 passes ``--frontends N``, and a tree whose ``serve`` has no
-such flag is refused before any server starts. CPU is read from /proc
+N). N = 1 passes no flag, so a tree without it serves as it always did (the
+environment pins TENSORSERVE_FRONTENDS=1, which such a tree ignores); N >= 2
+passes ``--frontends N``, and a tree whose ``serve`` has no such flag is
+refused before any server starts. CPU is read from /proc
 (tensorserve_bench.proctree) and split by role: the server's own process
 ("scheduler"; with N = 1 the whole one-process server), its front-end
 processes, its other children (model workers) and the total. "total vs N=1"
@@ -68,6 +69,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -134,8 +136,11 @@ def serve(
     flags = ["--isolation", args.isolation] if args.isolation else []
     flags += ["--frontends", str(frontends)] if frontends > 1 else []
     flags += [flag for value in args.server_arg for flag in shlex.split(value)]
+    # N = 1 is the one-process server even where this shell exports another
+    # count (an older tree ignores the variable).
+    env = {"PYTHONPATH": str(tree)} | ({"TENSORSERVE_FRONTENDS": "1"} if frontends == 1 else {})
     server = ServerProcess(
-        str(repository.resolve()), flags, env={"PYTHONPATH": str(tree)}, cwd=tree,
+        str(repository.resolve()), flags, env=env, cwd=tree,
         log=work / f"server-{case.name}-{frontends}.log",
     )  # fmt: skip
     server.start()
@@ -164,7 +169,7 @@ def require_frontends_flag(trees: list[Path], frontends: list[int]) -> None:
         )  # fmt: skip
         if done.returncode != 0 or "--frontends" not in done.stdout:
             raise SystemExit(
-                f"{tree_label(tree)}: its `tensorserve serve` has no --frontends (asked for "
+                f"tree {tree_label(tree)}: its `tensorserve serve` has no --frontends (asked for "
                 f"--frontends {' '.join(map(str, frontends))}): serve it with --frontends 1 only"
                 + (f"\n{done.stderr.strip()}" if done.returncode != 0 else "")
             )
@@ -307,12 +312,8 @@ def frontend_count(text: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--cases",
-        nargs="+",
-        choices=["zeros", "flat", "tagger"],
-        default=["zeros", "flat", "tagger"],
-    )
+    cases = ["zeros", "flat", "tagger"]
+    parser.add_argument("--cases", nargs="+", choices=cases, default=cases)
     parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=PROTOCOLS)
     parser.add_argument("--zeros-c", nargs="+", type=int, default=[64], help="zeros: connections")
     parser.add_argument(
@@ -327,32 +328,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=10, help="wrk's per-request timeout, s")
     parser.add_argument(
-        "--isolation",
-        choices=["auto", "thread", "process"],
-        default=None,
+        "--isolation", choices=["auto", "thread", "process"], default=None,
         help="the server's --isolation (default: pass nothing, the server's own)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--tree",
-        nargs="+",
-        type=Path,
-        default=[ROOT],
+        "--tree", nargs="+", type=Path, default=[ROOT],
         help="source trees to serve from, in turn (default: this one)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--frontends",
-        nargs="+",
-        type=frontend_count,
-        default=[1],
+        "--frontends", nargs="+", type=frontend_count, default=[1],
         help="serve each tree with each count of front-end processes in turn "
         "(1: the one-process server, no flag passed; N >= 2: --frontends N)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
+        "--server-arg", action="append", default=[],
         help="more serve flags, shell-split (repeatable): --server-arg='--max-queue-delay-ms 2'",
-    )
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the items' seed")
     parser.add_argument(
         "--output", type=Path, default=RESULTS, help="the JSON (smoke runs: somewhere in /tmp)"
@@ -369,15 +360,15 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="frontend-") as tmp:
         for repeat in range(args.repeats):
             for case in cases:
-                for index, tree in enumerate(args.tree):
-                    for frontends in args.frontends:
-                        work = Path(tmp, f"tree{index}")
-                        print(
-                            f"repeat {repeat + 1}/{args.repeats}: {case.name} on "
-                            f"{tree_label(tree)}, --frontends {frontends}",
-                            flush=True,
-                        )
-                        rows += run_case(case, tree.resolve(), frontends, args, work, repeat)
+                # Each server (a tree, a count of front ends) in turn.
+                for (index, tree), frontends in product(enumerate(args.tree), args.frontends):
+                    print(
+                        f"repeat {repeat + 1}/{args.repeats}: {case.name} on "
+                        f"{tree_label(tree)}, --frontends {frontends}",
+                        flush=True,
+                    )
+                    work = Path(tmp, f"tree{index}")
+                    rows += run_case(case, tree.resolve(), frontends, args, work, repeat)
     summary = summarise(rows)
     print("\n" + format_table(summary))
     save(args.output, {

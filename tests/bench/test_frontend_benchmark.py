@@ -146,7 +146,7 @@ def test_a_tree_without_the_flag_is_refused_before_any_server_starts(
     tmp_path: Path, frontend: Any
 ) -> None:
     tree, output = stub_tree(tmp_path / "old", has_flag=False), tmp_path / "out.json"
-    with pytest.raises(SystemExit, match="old: its `tensorserve serve` has no --frontends"):
+    with pytest.raises(SystemExit, match="^tree .*old: its `tensorserve serve` has no --frontends"):
         frontend.main([
             "--tree", str(tree), "--frontends", "1", "2", "--cases", "zeros",
             "--output", str(output),
