@@ -5,7 +5,8 @@ Python load generator, which on a small machine takes the cores it measures.
     python benchmarks/frontend.py                                   # ~5 minutes
     python benchmarks/frontend.py --duration 5 --warmup 2 --repeats 1
     python benchmarks/frontend.py --tree /tmp/before . --repeats 3 --cases flat
-    # -> benchmarks/results/frontend.json
+    python benchmarks/frontend.py --frontends 1 2 --cases flat --output /tmp/f.json
+    # -> benchmarks/results/frontend.json unless --output says otherwise
 
 Cases (one item per request, lengths uniform 8..128, the same 256 items on
 both protocols: KServe v2 JSON and native msgpack, POST /v2/models/{m}/infer):
@@ -27,12 +28,38 @@ it); the trees take turns within each repeat, so a busy moment of the machine
 costs them alike. Each (protocol, c) gets a ``--warmup`` wrk run, then a
 ``--duration`` one; the server tree's CPU seconds are read just before and
 after it. The table shows medians over ``--repeats``; the JSON has every run.
+
+Front ends (issue 38, ``serve --frontends N``): ``--frontends 1 2`` serves each
+tree under each N in turn, as rows of their own (a "server" is a tree and an
+N). N = 1 passes no flag, so a tree without it serves as it always did (the
+environment pins TENSORSERVE_FRONTENDS=1, which such a tree ignores); N >= 2
+passes ``--frontends N``, and a tree whose ``serve`` has no such flag is
+refused before any server starts. CPU is read from /proc
+(tensorserve_bench.proctree) and split by role: the server's own process
+("scheduler"; with N = 1 the whole one-process server), its front-end
+processes, its other children (model workers) and the total. "total vs N=1"
+is a row's total CPU per request over its tree's one-process server's.
+
+The issue's figures, one command each (on the 2-core machine):
+
+    # (a) scheduler CPU a request, flat at c=256 with 2 front ends, both
+    #     protocols (goal <= 30 us), and the total against one process (<= 1.2x)
+    python benchmarks/frontend.py --frontends 1 2 --cases flat --flat-c 256 \
+        --repeats 3 --duration 8 --warmup 2 --output benchmarks/results/frontends_cpu.json
+    # (b) --frontends 1 against the tree before the feature: items/s at the
+    #     usual points, a lone caller's p50 at zeros c=1 (the model costs
+    #     nothing there). The tree run second has lost c=1 in both orders
+    #     before: run it again with --tree . /tmp/base to see the order's share.
+    git worktree add --detach /tmp/base COMMIT_BEFORE_THE_FEATURE
+    python benchmarks/frontend.py --tree /tmp/base . --frontends 1 --cases zeros flat \
+        --zeros-c 1 64 --flat-c 256 --repeats 3 --duration 6 --warmup 2 \
+        --output benchmarks/results/frontends_one_vs_base.json
+    # (c) on a 16-core GPU machine: --frontends 1 2 4 8 --cases flat --flat-c 512
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shlex
@@ -42,17 +69,17 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 from typing import Any
 
-from tensorserve_bench.items import ItemFactory, vocab_limit
 from tensorserve_bench.lengths import uniform
+from tensorserve_bench.proctree import FrontendsMissing, wait_for_frontends
 from tensorserve_bench.repositories import write_flat_model, write_zeros_model
 from tensorserve_bench.results import save
 from tensorserve_bench.server import ServerProcess
 from tensorserve_bench.summaries import medians_by
-from tensorserve_bench.targets import HttpTarget
-from tensorserve_bench.wrk import find_wrk, measure, write_script, wrk_version
+from tensorserve_bench.wrk import find_wrk, measure, write_model_scripts, wrk_version
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "frontend.json"
@@ -93,8 +120,11 @@ def tree_label(tree: Path) -> str:
 
 # ---------------------------------------------------------------------- one server
 @contextmanager
-def serve(case: Case, tree: Path, work: Path, args: argparse.Namespace) -> Iterator[ServerProcess]:
-    """A server of ``tree`` for ``case``'s model, stopped on the way out."""
+def serve(
+    case: Case, tree: Path, frontends: int, work: Path, args: argparse.Namespace
+) -> Iterator[ServerProcess]:
+    """A server of ``tree`` for ``case``'s model with ``frontends`` front-end
+    processes (1: no flag, the one-process server), stopped on the way out."""
     if case.write is not None:
         repository = work / f"repo-{case.name}"
         if not repository.exists():
@@ -104,16 +134,45 @@ def serve(case: Case, tree: Path, work: Path, args: argparse.Namespace) -> Itera
         if not (repository / case.model / "config.toml").exists():
             raise SystemExit(f"{tree}: no {case.model} in {repository}")
     flags = ["--isolation", args.isolation] if args.isolation else []
+    flags += ["--frontends", str(frontends)] if frontends > 1 else []
     flags += [flag for value in args.server_arg for flag in shlex.split(value)]
+    # N = 1 is the one-process server even where this shell exports another
+    # count (an older tree ignores the variable).
+    env = {"PYTHONPATH": str(tree)} | ({"TENSORSERVE_FRONTENDS": "1"} if frontends == 1 else {})
     server = ServerProcess(
-        str(repository.resolve()), flags,
-        env={"PYTHONPATH": str(tree)}, cwd=tree, log=work / f"server-{case.name}.log",
+        str(repository.resolve()), flags, env=env, cwd=tree,
+        log=work / f"server-{case.name}-{frontends}.log",
     )  # fmt: skip
     server.start()
     try:
+        if frontends > 1:
+            assert server.process is not None
+            try:
+                wait_for_frontends(server.process.pid, frontends)
+            except FrontendsMissing as missing:
+                raise SystemExit(f"--frontends {frontends}: {missing}{server.log_tail()}") from None
         yield server
     finally:
         server.stop()
+
+
+def require_frontends_flag(trees: list[Path], frontends: list[int]) -> None:
+    """Refuse, before any server starts, a tree whose ``serve`` has no
+    ``--frontends`` when some N >= 2 is asked for."""
+    if max(frontends) < 2:
+        return
+    for tree in trees:
+        done = subprocess.run(
+            [sys.executable, "-m", "tensorserve", "serve", "--help"], cwd=tree,
+            env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+            check=False,
+        )  # fmt: skip
+        if done.returncode != 0 or "--frontends" not in done.stdout:
+            raise SystemExit(
+                f"tree {tree_label(tree)}: its `tensorserve serve` has no --frontends (asked for "
+                f"--frontends {' '.join(map(str, frontends))}): serve it with --frontends 1 only"
+                + (f"\n{done.stderr.strip()}" if done.returncode != 0 else "")
+            )
 
 
 def offline_ceiling(tree: Path, model: str, seconds: float) -> float:
@@ -131,45 +190,16 @@ def offline_ceiling(tree: Path, model: str, seconds: float) -> float:
     return ceiling
 
 
-def write_scripts(
-    url: str, model: str, protocols: list[str], folder: Path, seed: int
-) -> dict[str, Path]:
-    """Per protocol, a wrk script over ``BODIES`` one-item requests: the same
-    items (from the model's inputs, as the server describes them) on each."""
-
-    async def bodies(protocol: str) -> tuple[str, str, list[bytes]]:
-        target = HttpTarget(url, model, protocol=protocol)
-        await target.open()  # discovers the inputs and parameters
-        try:
-            factory = ItemFactory(
-                target.specs, uniform(*LENGTHS), seed=seed,
-                id_range=(1, vocab_limit(target.parameters, 1000)),
-            )  # fmt: skip
-            items, _ = factory.make(BODIES)
-            return (
-                target.infer_path,
-                target.content_type,
-                [target.encode_body([i])[0] for i in items],
-            )
-        finally:
-            await target.aclose()
-
-    scripts = {}
-    for protocol in protocols:
-        path, content_type, encoded = asyncio.run(bodies(protocol))
-        scripts[protocol] = write_script(
-            folder / f"{model}-{protocol}", path, content_type, encoded
-        )
-    return scripts
-
-
 def run_case(
-    case: Case, tree: Path, args: argparse.Namespace, work: Path, repeat: int
+    case: Case, tree: Path, frontends: int, args: argparse.Namespace, work: Path, repeat: int
 ) -> list[dict[str, Any]]:
     rows = []
     offline = offline_ceiling(tree, case.model, args.duration) if case.name == "tagger" else None
-    with serve(case, tree, work, args) as server:
-        scripts = write_scripts(server.url, case.model, args.protocols, work / "bodies", args.seed)
+    with serve(case, tree, frontends, work, args) as server:
+        scripts = write_model_scripts(
+            server.url, case.model, args.protocols, work / "bodies",
+            count=BODIES, lengths=uniform(*LENGTHS), seed=args.seed,
+        )  # fmt: skip
         for protocol in args.protocols:
             for connections in case.concurrency:
                 window = measure(
@@ -177,83 +207,113 @@ def run_case(
                     connections=connections, duration=args.duration, warmup=args.warmup,
                     timeout_s=args.timeout,
                 )  # fmt: skip
-                result = window.result
+                result, roles = window.result, window.roles
+                assert roles is not None  # measure was given the server
                 items_s = result.ok_per_s  # one item per request
                 row = {
                     "case": case.name, "model": case.model, "tree": tree_label(tree),
-                    "protocol": protocol, "c": connections, "repeat": repeat,
-                    "requests": result.requests, "duration_s": result.duration_s,
+                    "frontends": frontends, "protocol": protocol, "c": connections,
+                    "repeat": repeat, "requests": result.requests,
+                    "duration_s": result.duration_s,
                     "req_s": result.requests_per_s, "items_s": items_s,
                     "allows_items_s": case.allows_items_s,
                     "of_model": items_s / case.allows_items_s if case.allows_items_s else None,
                     "offline_items_s": offline,
                     "of_offline": items_s / offline if offline else None,
+                    # The tree by psutil, reaped children included (as in older results).
                     "server_cpu_s": window.server_cpu_s,
                     "server_cpu_us_per_request": window.server_cpu_us_per_request,
+                    **roles.as_row(result.requests),  # by role, from /proc
                     "wrk_cpu_us_per_request": window.wrk_cpu_us_per_request,
                     "non_2xx": result.non_2xx, "socket_errors": result.socket_errors,
                     **{f"{p}_ms": v for p, v in result.latency_ms.items()},
                 }  # fmt: skip
                 rows.append(row)
+                exited = f"  ({roles.exited} processes exited)" if roles.exited else ""
                 print(
-                    f"  {case.name:7} {tree_label(tree):12} {protocol:8} c={connections:<4} "
-                    f"{result.requests_per_s:8.0f} req/s  "
-                    f"cpu {row['server_cpu_us_per_request'] or 0:6.0f} us/req  "
+                    f"  {case.name:7} {tree_label(tree):12} N={frontends:<2} {protocol:8} "
+                    f"c={connections:<4} {result.requests_per_s:8.0f} req/s  cpu us/req: "
+                    f"scheduler {row['scheduler_cpu_us_per_request'] or 0:4.0f} "
+                    f"total {row['total_cpu_us_per_request'] or 0:4.0f}  "
                     f"p99 {row.get('p99_ms', float('nan')):7.2f} ms  "
-                    f"errors {result.errors}",
+                    f"errors {result.errors}{exited}",
                     flush=True,
                 )
     return rows
 
 
 # ---------------------------------------------------------------------- report
-KEY = ("case", "tree", "protocol", "c")
+KEY = ("case", "tree", "frontends", "protocol", "c")
 MEDIANS = ("req_s", "items_s", "of_model", "of_offline", "server_cpu_us_per_request",
+           "scheduler_cpu_us_per_request", "frontend_cpu_us_per_request",
+           "workers_cpu_us_per_request", "total_cpu_us_per_request",
            "wrk_cpu_us_per_request", "p50_ms", "p90_ms", "p99_ms")  # fmt: skip
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Medians over the repeats per (case, tree, protocol, c); errors summed."""
+    """Medians over the repeats per (case, tree, frontends, protocol, c);
+    errors summed; the total CPU a request over the same tree's N = 1 one's."""
     summary = medians_by(rows, KEY, MEDIANS)
     for entry in summary:
         group = [r for r in rows if all(r[k] == entry[k] for k in KEY)]
         entry["non_2xx"] = sum(r["non_2xx"] for r in group)
         entry["socket_errors"] = sum(sum(r["socket_errors"].values()) for r in group)
+    one_process = {
+        tuple(e[k] for k in KEY if k != "frontends"): e["total_cpu_us_per_request"]
+        for e in summary
+        if e["frontends"] == 1
+    }
+    for entry in summary:
+        base = one_process.get(tuple(entry[k] for k in KEY if k != "frontends"))
+        total = entry["total_cpu_us_per_request"]
+        entry["total_cpu_vs_one_process"] = total / base if total and base else None
     return summary
 
 
+COLUMNS = [  # header, right-aligned, the summary's field, digits
+    ("case", False, "case", None), ("tree", False, "tree", None), ("N", True, "frontends", None),
+    ("protocol", False, "protocol", None), ("c", True, "c", None), ("req/s", True, "req_s", 0),
+    ("items/s", True, "items_s", 0), ("of model", True, "of_model", None),
+    ("scheduler CPU us/req", True, "scheduler_cpu_us_per_request", 0),
+    ("total CPU us/req", True, "total_cpu_us_per_request", 0),
+    ("total vs N=1", True, "total_cpu_vs_one_process", 2),
+    ("wrk CPU us/req", True, "wrk_cpu_us_per_request", 1), ("p50 ms", True, "p50_ms", 2),
+    ("p99 ms", True, "p99_ms", 2), ("non-2xx", True, "non_2xx", None),
+    ("socket errors", True, "socket_errors", None),
+]  # fmt: skip
+
+
 def format_table(summary: list[dict[str, Any]]) -> str:
-    def num(value: float | None, digits: int = 0) -> str:
-        return "-" if value is None else f"{value:,.{digits}f}"
+    def cell(entry: dict[str, Any], field: str, digits: int | None) -> str:
+        value = entry[field]
+        if field == "of_model":  # a share of the model's ceiling, or of the offline one
+            if entry.get("of_offline") is not None:
+                return f"{entry['of_offline']:.2f}x offline"
+            return "-" if value is None else f"{100 * value:.0f}%"
+        if value is None:
+            return "-"
+        return str(value) if digits is None else f"{value:,.{digits}f}"
 
     lines = [
-        (
-            "| case | tree | protocol | c | req/s | items/s | of model | server CPU us/req "
-            "| wrk CPU us/req | p50 ms | p99 ms | non-2xx | socket errors |"
-        ),
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| " + " | ".join(header for header, *_ in COLUMNS) + " |",
+        "| " + " | ".join("---:" if right else "---" for _, right, *_ in COLUMNS) + " |",
     ]
-    for s in summary:
-        share = "-" if s["of_model"] is None else f"{100 * s['of_model']:.0f}%"
-        if s.get("of_offline") is not None:
-            share = f"{s['of_offline']:.2f}x offline"
-        lines.append(
-            f"| {s['case']} | {s['tree']} | {s['protocol']} | {s['c']} | {num(s['req_s'])} "
-            f"| {num(s['items_s'])} | {share} | {num(s['server_cpu_us_per_request'])} "
-            f"| {num(s['wrk_cpu_us_per_request'], 1)} | {num(s['p50_ms'], 2)} "
-            f"| {num(s['p99_ms'], 2)} | {s['non_2xx']} | {s['socket_errors']} |"
-        )
+    for entry in summary:
+        cells = [cell(entry, field, digits) for _, _, field, digits in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def frontend_count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"a count of front-end processes, 1 or more, not {text!r}")
+    return int(text)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--cases",
-        nargs="+",
-        choices=["zeros", "flat", "tagger"],
-        default=["zeros", "flat", "tagger"],
-    )
+    cases = ["zeros", "flat", "tagger"]
+    parser.add_argument("--cases", nargs="+", choices=cases, default=cases)
     parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=PROTOCOLS)
     parser.add_argument("--zeros-c", nargs="+", type=int, default=[64], help="zeros: connections")
     parser.add_argument(
@@ -268,44 +328,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--timeout", type=int, default=10, help="wrk's per-request timeout, s")
     parser.add_argument(
-        "--isolation",
-        choices=["auto", "thread", "process"],
-        default=None,
+        "--isolation", choices=["auto", "thread", "process"], default=None,
         help="the server's --isolation (default: pass nothing, the server's own)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--tree",
-        nargs="+",
-        type=Path,
-        default=[ROOT],
+        "--tree", nargs="+", type=Path, default=[ROOT],
         help="source trees to serve from, in turn (default: this one)",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
+        "--frontends", nargs="+", type=frontend_count, default=[1],
+        help="serve each tree with each count of front-end processes in turn "
+        "(1: the one-process server, no flag passed; N >= 2: --frontends N)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--server-arg", action="append", default=[],
         help="more serve flags, shell-split (repeatable): --server-arg='--max-queue-delay-ms 2'",
-    )
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the items' seed")
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--output", type=Path, default=RESULTS, help="the JSON (smoke runs: somewhere in /tmp)"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     find_wrk()  # fail before starting any server
+    require_frontends_flag([tree.resolve() for tree in args.tree], args.frontends)
     cases = build_cases(args)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="frontend-") as tmp:
         for repeat in range(args.repeats):
             for case in cases:
-                for index, tree in enumerate(args.tree):
-                    work = Path(tmp, f"tree{index}")
+                # Each server (a tree, a count of front ends) in turn.
+                for (index, tree), frontends in product(enumerate(args.tree), args.frontends):
                     print(
-                        f"repeat {repeat + 1}/{args.repeats}: {case.name} on {tree_label(tree)}",
+                        f"repeat {repeat + 1}/{args.repeats}: {case.name} on "
+                        f"{tree_label(tree)}, --frontends {frontends}",
                         flush=True,
                     )
-                    rows += run_case(case, tree.resolve(), args, work, repeat)
+                    work = Path(tmp, f"tree{index}")
+                    rows += run_case(case, tree.resolve(), frontends, args, work, repeat)
     summary = summarise(rows)
     print("\n" + format_table(summary))
     save(args.output, {
@@ -316,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
             "isolation": args.isolation or "server default", "server_args": args.server_arg,
             "bodies": BODIES, "lengths": f"uniform {LENGTHS[0]}..{LENGTHS[1]}", "seed": args.seed,
             "flat_ms": args.flat_ms, "trees": [tree_label(t) for t in args.tree],
+            "frontends": args.frontends,
         },
         "summary": summary,
         "rows": rows,

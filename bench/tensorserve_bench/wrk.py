@@ -11,18 +11,23 @@ prebuilt requests as fast as ``-c`` keep-alive connections allow.
     script = write_script(folder, "/v2/models/m/infer", "application/json", bodies)
     window = measure(server, server.url, script, connections=64, duration=5, warmup=2)
     window.result.requests_per_s, window.server_cpu_us_per_request
+    window.roles.scheduler_s, window.roles.frontend_s      # the server's CPU by role
 
+``write_model_scripts`` writes, per protocol, a script of one-item requests
+for a served model (its inputs as the server describes them);
 ``write_script`` writes each body to a file of its own and a Lua script that
 reads them back in binary (so msgpack bodies survive), formats one request per
 body with ``wrk.format`` once, in ``init``, and cycles through them in
 ``request()``. ``run_wrk`` runs ``wrk -t1 -cC -dD --latency`` and
 ``parse_wrk_output`` reads its report. ``measure`` adds a warm-up run and
 the CPU seconds the server's process tree (``ChildServer.usage``) and wrk
-itself spent over the measured window.
+itself spent over the measured window, and the server's split by role
+(``proctree``: its own process, its front ends, its other children).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import resource
 import shutil
@@ -31,7 +36,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tensorserve_bench.items import ItemFactory, vocab_limit
+from tensorserve_bench.lengths import LengthDistribution
+from tensorserve_bench.proctree import CpuSplit, sample_tree, split_cpu
 from tensorserve_bench.server import ChildServer
+from tensorserve_bench.targets import HttpTarget
 
 # wrk's time units (units.c: us, ms, s, then m and h for long times).
 _SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -78,6 +87,8 @@ class WrkWindow:
     result: WrkResult
     server_cpu_s: float | None  # the server tree's CPU seconds over the run; None: no server
     wrk_cpu_s: float  # wrk's own user + system seconds
+    # The server's CPU seconds by role over the run, from /proc; None: no server.
+    roles: CpuSplit | None = None
 
     @property
     def server_cpu_us_per_request(self) -> float | None:
@@ -179,6 +190,43 @@ def write_script(folder: str | Path, path: str, content_type: str, bodies: Seque
     return script
 
 
+def write_model_scripts(
+    url: str,
+    model: str,
+    protocols: Sequence[str],
+    folder: Path,
+    *,
+    count: int,
+    lengths: LengthDistribution,
+    seed: int,
+) -> dict[str, Path]:
+    """Per protocol, a wrk script over ``count`` one-item requests for ``model``
+    at ``url``: the same items (from its inputs, as the server describes
+    them) on each, in ``folder/{model}-{protocol}``."""
+
+    async def bodies(protocol: str) -> tuple[str, str, list[bytes]]:
+        target = HttpTarget(url, model, protocol=protocol)
+        await target.open()  # discovers the inputs and parameters
+        try:
+            factory = ItemFactory(
+                target.specs, lengths, seed=seed,
+                id_range=(1, vocab_limit(target.parameters, 1000)),
+            )  # fmt: skip
+            items, _ = factory.make(count)
+            encoded = [target.encode_body([item])[0] for item in items]
+            return target.infer_path, target.content_type, encoded
+        finally:
+            await target.aclose()
+
+    scripts = {}
+    for protocol in protocols:
+        path, content_type, encoded = asyncio.run(bodies(protocol))
+        scripts[protocol] = write_script(
+            folder / f"{model}-{protocol}", path, content_type, encoded
+        )
+    return scripts
+
+
 # ---------------------------------------------------------------------- running and reading
 def parse_wrk_output(text: str) -> WrkResult:
     """wrk's report (with ``--latency``) as numbers; latencies in ms."""
@@ -255,8 +303,11 @@ def measure(
     ``connections`` is small against the requests counted."""
     if warmup > 0:
         run_wrk(url, script, connections, warmup, timeout_s=timeout_s)
+    pid = server.process.pid if server is not None and server.process is not None else None
+    roles_before = sample_tree(pid) if pid is not None else {}
     before = server.usage().cpu_s if server is not None else None
     result, wrk_cpu = run_wrk(url, script, connections, duration, timeout_s=timeout_s)
     after = server.usage().cpu_s if server is not None else None
+    roles = split_cpu(roles_before, sample_tree(pid), pid) if pid is not None else None
     server_cpu = after - before if before is not None and after is not None else None
-    return WrkWindow(result, server_cpu, wrk_cpu)
+    return WrkWindow(result, server_cpu, wrk_cpu, roles)

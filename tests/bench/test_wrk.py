@@ -6,6 +6,7 @@ items they were made from, on both protocols. One test runs wrk itself
 from __future__ import annotations
 
 import http.server
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +15,12 @@ import numpy as np
 import pytest
 from tensorserve_bench.items import FeatureSpec, ItemFactory
 from tensorserve_bench.lengths import uniform
+from tensorserve_bench.server import ChildServer, free_port
 from tensorserve_bench.targets import HttpTarget
 from tensorserve_bench.wrk import (
     WrkFailed,
     lua_string,
+    measure,
     parse_wrk_output,
     run_wrk,
     write_script,
@@ -196,3 +199,36 @@ def test_wrk_sends_the_bodies_in_turn(
     for index, (path, content_type, body) in enumerate(seen):
         assert (path, content_type) == ("/v2/models/zeros/infer", "application/msgpack")
         assert body == encoded[(start + index) % len(encoded)]
+
+
+def test_measure_splits_the_servers_cpu_by_role(tmp_path: Path) -> None:
+    import shutil
+
+    if shutil.which("wrk") is None:
+        pytest.skip("wrk is not installed (apt-get install wrk)")
+    port = free_port()
+    # A server process with a child that only waits: the child is a worker and spends nothing.
+    code = (
+        "import subprocess, sys, http.server; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"http.server.ThreadingHTTPServer(('127.0.0.1', {port}), "
+        "http.server.SimpleHTTPRequestHandler).serve_forever()"
+    )
+    server = ChildServer(
+        [sys.executable, "-c", code], ready_url=f"http://127.0.0.1:{port}/", cwd=tmp_path,
+        log=tmp_path / "server.log",
+    )  # fmt: skip
+    script = write_script(tmp_path / "bodies", "/", "text/plain", [b"x"])
+    server.start()
+    try:
+        window = measure(server, f"http://127.0.0.1:{port}/", script, connections=2, duration=1,
+                         warmup=0)  # fmt: skip
+    finally:
+        server.stop()
+    assert window.roles is not None and window.result.requests > 0
+    roles = window.roles
+    assert roles.scheduler_s > 0 and (roles.frontends, roles.workers) == (0, 1)
+    assert roles.workers_s < roles.scheduler_s / 10
+    # The same tree, read two ways: /proc by role and psutil as a whole.
+    assert window.server_cpu_s is not None
+    assert roles.total_s == pytest.approx(window.server_cpu_s, rel=0.2, abs=0.05)
