@@ -81,7 +81,7 @@ def retry_after_s(seconds: float | None) -> float:
     return low if seconds is None else min(high, max(low, seconds))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Pending:
     """One queued item and the future its caller waits on."""
 
@@ -247,7 +247,11 @@ class AdmissionQueue:
             return []
         opts = self.options
         positions = self._window(now)  # indices into the queue, in the order to prefer
-        window = [self._waiting[i] for i in positions]
+        window = (
+            self._waiting[: len(positions)]
+            if isinstance(positions, range)
+            else [self._waiting[i] for i in positions]
+        )
         overdue_at = now - self._queue_delay_s()
         views = [Waiting(p.volume, p.enqueued <= overdue_at) for p in window]
         chosen = sorted(opts.policy.select(views, self.batch_cap()))
@@ -259,7 +263,7 @@ class AdmissionQueue:
         self.drain_rate.taken(len(chosen), now, len(self._waiting))
         return [window[i] for i in chosen]
 
-    def _window(self, now: float) -> list[int]:
+    def _window(self, now: float) -> Sequence[int]:
         """The queue positions the policy may choose from. Without priority
         levels: the oldest ``WINDOW_BATCHES`` batches' worth. With them: the
         highest levels first (oldest first within a level), cut at the level
@@ -272,7 +276,7 @@ class AdmissionQueue:
         else:
             size = TARGET_WINDOW_BATCHES * self.batch_cap()
         if not opts.priority_levels:
-            return list(range(min(size, len(self._waiting))))
+            return range(min(size, len(self._waiting)))
 
         def rank(i: int) -> tuple[int, int]:
             p = self._waiting[i]

@@ -125,8 +125,12 @@ def pad(
             np.stack(arrays, out=host)  # nothing to pad: one copy
         else:
             host.fill(b"" if spec.dt.is_bytes else _pad_bits(spec.pad_value, spec.dt))
-            for row, array in zip(host, arrays):
-                row[tuple(slice(0, n) for n in array.shape)] = array
+            if len(spec.shape) == 1:  # the common case, without a tuple of slices per row
+                for row, array in zip(host, arrays):
+                    row[: len(array)] = array
+            else:
+                for row, array in zip(host, arrays):
+                    row[tuple(slice(0, n) for n in array.shape)] = array
         features[spec.name] = buffer
         extents[spec.name] = shapes[:, list(spec.variable_axes)]
         real += int(shapes.prod(axis=1).sum())
@@ -223,6 +227,10 @@ def unpad(
                 f"output {spec.name!r} is shorter than input {source!r} on a variable axis: "
                 f"padded sizes {available.tolist()}, longest item needs {wanted.max(axis=0).tolist()}"
             )
+        if variable == (0,):  # the common case: one slice per row, lengths as ints at once
+            for result, row, length in zip(results, array, wanted[:, 0].tolist()):
+                result[spec.name] = row[:length]
+            continue
         for result, row, lengths in zip(results, array, wanted):
             index = [slice(None)] * len(spec.shape)
             for axis, length in zip(variable, lengths):
@@ -241,6 +249,7 @@ class Collator:
         self.sources = {out.name: config.unpad_source(out) for out in config.output}
         # The first input with variable axes stands for an item's size.
         self.primary = next((s for s in config.input if s.variable_axes), None)
+        self._primary_axes = self.primary.variable_axes if self.primary is not None else ()
         self.pad_to_multiple_of = config.dynamic_batching.pad_to_multiple_of
         self.pin_memory = pin_memory
         self.parameter_names = [spec.name for spec in config.request_parameter]
@@ -253,8 +262,14 @@ class Collator:
         rounding counts against ``max_batch_tokens`` as it costs the model."""
         if self.primary is None:
             return 1
-        shape = padded_shape(item[self.primary.name].shape, self.primary, self.pad_to_multiple_of)
-        return math.prod(shape[axis] for axis in self.primary.variable_axes)
+        shape = item[self.primary.name].shape
+        if not self.pad_to_multiple_of:  # padded_shape leaves the extents as they are
+            volume = 1
+            for axis in self._primary_axes:  # once per item: plain Python, no generator
+                volume *= shape[axis]
+            return volume
+        shape = padded_shape(shape, self.primary, self.pad_to_multiple_of)
+        return math.prod(shape[axis] for axis in self._primary_axes)
 
     def padded_elements(self, items: Sequence[Item]) -> int:
         """Elements ``pad(items)`` allocates, all features (``padded_shape``)."""

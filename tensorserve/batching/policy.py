@@ -14,16 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
 from tensorserve.batching.budget import LearntBudget
 
 
-@dataclass(frozen=True)
-class Waiting:
-    """What a policy may know of a queued item."""
+class Waiting(NamedTuple):
+    """What a policy may know of a queued item. (A tuple: one is made for
+    every waiting item at every batch; a frozen dataclass cost ~2 us each,
+    ~0.4 ms a batch with 190 waiting.)"""
 
     volume: int  # padded-size proxy: product of the item's variable extents
     overdue: bool

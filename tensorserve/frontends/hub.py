@@ -118,7 +118,7 @@ class Connection:
 
     def __init__(self, hub: FrontEndHub, sock: socket.socket, pid: int) -> None:
         self.hub, self.pid = hub, pid
-        self.link = Link(sock, hub.loop, self._message, self._lost)
+        self.link = Link(sock, hub.loop, self._message, self._lost, many=True)
         self.outbox = Outbox(hub.loop, self.link.send)
         self.requests: dict[int, RemoteRequest | asyncio.Task[Any]] = {}
         self.in_flight = 0  # as it last reported

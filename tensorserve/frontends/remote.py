@@ -123,7 +123,7 @@ class Scheduler:
         if self._link is not None:
             return
         loop = asyncio.get_running_loop()
-        self._link = Link(self.sock, loop, self._message, self._gone)
+        self._link = Link(self.sock, loop, self._message, self._gone, many=True)
         self._outbox = Outbox(loop, self._link.send, self._add_report)
         self.loop_lag.start()
         self._report()
@@ -248,9 +248,10 @@ class Scheduler:
 
     # -- reports -----------------------------------------------------------------
     def _add_report(self, outbox: Outbox) -> None:
-        """Every message carries the calls observed since the last one."""
+        """The calls observed since the last report ride with the periodic
+        report, and with any question (the metrics' text then counts them)."""
         report = outbox.sections.get("report")
-        if report is not None or self.metrics.requests.pending:
+        if report is not None or "ask" in outbox.sections:
             outbox.sections["report"] = {**(report or {}), **self.metrics.requests.take()}
 
     def _report(self) -> None:

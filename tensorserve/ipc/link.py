@@ -13,11 +13,15 @@ Everything here runs on the loop's thread.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from tensorserve.ipc import messages
+
+# Buffers per sendmsg call (Linux's IOV_MAX is 1024).
+MAX_BUFFERS = 512
 
 
 class Link:
@@ -27,13 +31,20 @@ class Link:
         loop: asyncio.AbstractEventLoop,
         on_message: Callable[[messages.Message], None],
         on_lost: Callable[[], None],
+        *,
+        many: bool = False,
     ) -> None:
+        """``many``: the socket carries many small messages (a front end's),
+        read as many per ``recv`` as it brings (``messages.StreamReader``);
+        else one large message at a time, each read straight into its own
+        buffer (a worker's batches)."""
         self.sock = sock
         self.loop = loop
         self._on_message = on_message
         self._on_lost = on_lost
         self._unsent: deque[memoryview] = deque()
-        self._reader = messages.MessageReader()
+        self._reader = messages.StreamReader() if many else None
+        self._message_reader = messages.MessageReader()
         self._writing = False
         self.open = True
         sock.setblocking(False)
@@ -62,18 +73,22 @@ class Link:
             self._unsent.clear()
 
     def _flush(self) -> None:
-        while self._unsent:
-            try:
-                sent = self.sock.send(self._unsent[0])
+        unsent = self._unsent
+        while unsent:
+            try:  # every buffer in one system call, as far as the socket takes them
+                sent = self.sock.sendmsg(list(itertools.islice(unsent, MAX_BUFFERS)))
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
                 self._broken()
                 return
-            if sent < len(self._unsent[0]):
-                self._unsent[0] = self._unsent[0][sent:]
-            else:
-                self._unsent.popleft()
+            while sent:
+                first = unsent[0]
+                if len(first) > sent:
+                    unsent[0] = first[sent:]
+                    break
+                sent -= len(first)
+                unsent.popleft()
         if self._unsent and not self._writing:
             self.loop.add_writer(self.sock, self._flush)
             self._writing = True
@@ -84,14 +99,22 @@ class Link:
     def _readable(self) -> None:
         while self.open:
             try:
-                message = self._reader.feed(self.sock)
+                if self._reader is not None:
+                    read = self._reader.feed(self.sock)
+                else:
+                    one = self._message_reader.feed(self.sock)
+                    read = None if one is None else [one]
             except (EOFError, OSError):
                 self._broken()
                 return
-            if message is None:
+            if read is None:
                 return
-            self._reader = messages.MessageReader()
-            self._on_message(message)
+            if self._reader is None:
+                self._message_reader = messages.MessageReader()
+            for message in read:
+                if not self.open:
+                    return
+                self._on_message(message)
 
     def _broken(self) -> None:
         if self.open:

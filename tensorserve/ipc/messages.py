@@ -18,6 +18,7 @@ in the header, and is rebuilt as an object array of ``bytes``.
 
 from __future__ import annotations
 
+import functools
 import math
 import socket
 import struct
@@ -55,15 +56,17 @@ def frames(
     specs: list[list[Any]] = []
     payloads: list[bytes | memoryview] = []
     for name, array in zip(names, arrays):
-        if array.dtype == object:  # bytes: never pickled, framed
+        if array.dtype.kind == "O":  # bytes: never pickled, framed
             framed = frame(array)
             specs.append([name, "bytes", list(array.shape), len(framed)])
             payloads.append(framed)
         else:
             # bfloat16 arrays are uint16 here; the receiver's config says
             # which features are bfloat16, exactly as on the wire.
-            specs.append([name, array.dtype.name, list(array.shape)])
-            payloads.append(array.reshape(-1).view(np.uint8).data)
+            specs.append([name, _name(array.dtype), array.shape])
+            payloads.append(
+                memoryview(array).cast("B") if array.ndim else array.reshape(-1).view(np.uint8).data
+            )
     head = msgpack.packb({**header, "tensors": specs})
     return [_LENGTH.pack(len(head)) + head, *(p for p in payloads if len(p))]
 
@@ -119,17 +122,77 @@ class MessageReader:
                 return self._header, _arrays(self._header.pop("tensors"), self._sizes, payload)
 
 
+class StreamReader:
+    """Every complete message one read brings: for a socket that carries
+    many small messages (a front end's), one ``recv`` for all of them
+    instead of three per message. A message's tensors are copied out of the
+    read buffer once (``MessageReader``, which reads a message straight into
+    its own buffer, suits a worker's large batches better)."""
+
+    CHUNK = 1 << 18
+
+    def __init__(self) -> None:
+        self._scratch = bytearray(self.CHUNK)
+        self._pending = bytearray()
+        self._head: tuple[dict[str, Any], list[int], int, int] | None = None
+
+    def feed(self, sock: socket.socket) -> list[Message] | None:
+        """The messages completed by what the socket has now (None: nothing
+        to read); ``EOFError`` if the other end has gone."""
+        try:
+            received = sock.recv_into(self._scratch, self.CHUNK, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+        if received == 0:
+            raise EOFError("the other end closed the connection")
+        pending = self._pending
+        pending += memoryview(self._scratch)[:received]
+        done: list[Message] = []
+        while True:
+            if self._head is None:
+                if len(pending) < _LENGTH.size:
+                    break
+                (length,) = _LENGTH.unpack_from(pending)
+                start = _LENGTH.size + _checked(length)
+                if len(pending) < start:
+                    break
+                header, sizes = _header(memoryview(pending)[_LENGTH.size : start])
+                self._head = (header, sizes, start, start + sum(sizes))
+            header, sizes, start, end = self._head
+            if len(pending) < end:
+                break
+            payload = bytes(memoryview(pending)[start:end])
+            done.append((header, _arrays(header.pop("tensors"), sizes, payload)))
+            del pending[:end]
+            self._head = None
+        return done
+
+
 def _checked(length: int) -> int:
     if length > MAX_HEADER_BYTES:
         raise ConnectionError(f"message header of {length} bytes: the stream is corrupt")
     return length
 
 
-def _header(raw: bytearray) -> tuple[dict[str, Any], list[int]]:
+@functools.cache
+def _name(dt: np.dtype[Any]) -> str:
+    """A numpy dtype's name (numpy computes ``dtype.name`` in Python, each time)."""
+    return dt.name
+
+
+@functools.cache
+def _numpy(name: str) -> tuple[np.dtype[Any], int]:
+    """A wire dtype's numpy dtype and item size (looked up once per name:
+    a message may announce hundreds of tensors)."""
+    dt = dtype(name)
+    return dt.numpy, dt.itemsize
+
+
+def _header(raw: bytearray | memoryview) -> tuple[dict[str, Any], list[int]]:
     """The decoded header and the byte size of each tensor it announces."""
     header = msgpack.unpackb(raw)
     sizes = [
-        spec[3] if spec[1] == "bytes" else math.prod(spec[2]) * dtype(spec[1]).itemsize
+        spec[3] if spec[1] == "bytes" else math.prod(spec[2]) * _numpy(spec[1])[1]
         for spec in header["tensors"]
     ]
     return header, sizes
@@ -146,7 +209,7 @@ def _arrays(specs: list[Any], sizes: list[int], payload: Any) -> dict[str, np.nd
             tensors[key] = unframe(view[offset : offset + size], shape, f"tensor {key!r}")
         else:
             tensors[key] = np.frombuffer(
-                payload, dtype=dtype(name).numpy, count=math.prod(shape), offset=offset
+                payload, dtype=_numpy(name)[0], count=math.prod(shape), offset=offset
             ).reshape(shape)
         offset += size
     return tensors

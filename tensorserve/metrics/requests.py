@@ -99,6 +99,7 @@ class RequestMetrics:
         # (protocol, model, version, code, status) -> the labelled children: one dict
         # look-up per request instead of three or four ``labels()`` calls (~5 us each).
         self._children: dict[tuple[str, str, str, str, int], tuple[Any, Any, Any, Any]] = {}
+        self._encode_children: dict[str, Any] = {}
 
     def _labelled(
         self, protocol: str, model: str, version: str, code: str, status: int
@@ -160,4 +161,7 @@ class RequestMetrics:
             rejections.inc(count)
 
     def observe_encode(self, model: str, seconds: float) -> None:
-        self.encode.labels(model).observe(seconds)
+        child = self._encode_children.get(model)
+        if child is None:
+            child = self._encode_children[model] = self.encode.labels(model)
+        child.observe(seconds)
