@@ -268,8 +268,8 @@ class Collator:
             for axis in self._primary_axes:  # once per item: plain Python, no generator
                 volume *= shape[axis]
             return volume
-        shape = padded_shape(shape, self.primary, self.pad_to_multiple_of)
-        return math.prod(shape[axis] for axis in self._primary_axes)
+        padded = padded_shape(shape, self.primary, self.pad_to_multiple_of)
+        return math.prod(padded[axis] for axis in self._primary_axes)
 
     def padded_elements(self, items: Sequence[Item]) -> int:
         """Elements ``pad(items)`` allocates, all features (``padded_shape``)."""
