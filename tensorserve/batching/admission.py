@@ -168,7 +168,7 @@ class AdmissionQueue:
             self.refuse_if_late(entries[0].priority, len(entries))
         self._waiting.extend(entries)
 
-    def refuse_if_late(self, level: int | None, items: int) -> None:
+    def refuse_if_late(self, level: int | None, items: int, count: bool = True) -> None:
         """``WouldMissTarget`` if ``items`` at priority ``level`` would miss the
         latency target. ``level`` None: the highest there is, which has the
         fewest ahead: a front end asks so before it reads a request, when
@@ -180,7 +180,7 @@ class AdmissionQueue:
             ahead = sum(1 for p in self._waiting if p.priority <= level)
         else:
             ahead = len(self._waiting)
-        predicted = self.target.would_miss(ahead, items)
+        predicted = self.target.would_miss(ahead, items, count)
         if predicted is None:
             return
         target_s = self.target.target_s

@@ -166,7 +166,7 @@ class LatencyTarget:
         served, seconds = self._every
         return self.instances * served / seconds
 
-    def would_miss(self, ahead: int, items: int) -> float | None:
+    def would_miss(self, ahead: int, items: int, count: bool = True) -> float | None:
         """The predicted seconds if they exceed the target (refuse), else None.
         Nothing ahead: never refused. The model alone is then slower than
         the target, and refusing would only turn a slow answer into none.
@@ -177,15 +177,22 @@ class LatencyTarget:
         VM (the embedder at 1.5x its capacity: p99 260-370 ms against
         410-440 ms, for 40-65% of the items/s served), because a refusal
         costs the loop ~100 us against ~250 us for an answer. The lag is
-        exported instead, the signal to add replicas on."""
+        exported instead, the signal to add replicas on. ``count``: a refusal
+        (False: only a question, as the front ends' publisher asks it)."""
         if ahead == 0:
             return None
         predicted = self.predicted_s(ahead, items)
         if predicted is None or predicted <= self.target_s:
             return None
-        with self._lock:  # asked from the loop (before a body is read) and from submitters
-            self.refused += 1
+        if count:
+            self.count_refused(1)
         return predicted
+
+    def count_refused(self, refusals: int) -> None:
+        """Refusals made elsewhere on this target's word (a front-end process
+        refuses on what the scheduler process last published)."""
+        with self._lock:  # asked from the loop (before a body is read) and from submitters
+            self.refused += refusals
 
     # ------------------------------------------------------------------ reporting
     def report(self) -> dict[str, Any]:

@@ -70,7 +70,12 @@ def install_request_ids() -> None:
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, request id, message,
-    the ``extra`` fields given to the call, and the traceback if any."""
+    the ``extra`` fields given to the call, and the traceback if any; and
+    which of the server's processes wrote it, when it has several."""
+
+    def __init__(self, process: str | None = None) -> None:
+        super().__init__()
+        self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
@@ -80,6 +85,8 @@ class JsonFormatter(logging.Formatter):
             "request_id": getattr(record, "request_id", "-"),
             "message": record.getMessage(),
         }
+        if self.process is not None:
+            line["process"] = self.process
         for key, value in record.__dict__.items():
             if key not in _STANDARD and not key.startswith("_"):
                 line[key] = value
@@ -88,11 +95,18 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
-def configure(level: str, fmt: str) -> None:
-    """The server's logging: one stderr handler, text or JSON lines."""
+def configure(level: str, fmt: str, process: str | None = None) -> None:
+    """The server's logging: one stderr handler, text or JSON lines.
+    ``process``: which of the server's processes this is ("scheduler",
+    "frontend 2"), on every line, when it has several (``--frontends N``)."""
     install_request_ids()
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    text = (
+        TEXT_FORMAT
+        if process is None
+        else TEXT_FORMAT.replace("%(name)s", f"%(name)s {{{process}}}")
+    )
+    handler.setFormatter(JsonFormatter(process) if fmt == "json" else logging.Formatter(text))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

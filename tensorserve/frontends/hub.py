@@ -35,6 +35,7 @@ from tensorserve.frontends.protocol import Outbox, error_entry, split_items
 from tensorserve.frontends.table import LatePublisher, model_table, table_signature
 from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
+from tensorserve.serving.model import ServedModel
 from tensorserve.tensors.results import row_parameters
 
 log = logging.getLogger(__name__)
@@ -316,6 +317,11 @@ class FrontEndHub:
         for model, seconds in report.get("encode", ()):
             for value in seconds:
                 metrics.requests.observe_encode(model, value)
+        for model, refusals in report.get("refused", ()):
+            entry = self.plane.registry.entries.get(model)
+            served = entry.served if entry is not None else None
+            if isinstance(served, ServedModel) and served.batcher.latency_target is not None:
+                served.batcher.latency_target.count_refused(refusals)
         if "cpu" in report:
             metrics.processes.report("frontend", connection.pid, report["cpu"], report["lag"])
         if "in_flight" in report:

@@ -69,7 +69,8 @@ def main(argv: list[str]) -> int:
     front_ends: list[FrontEndFactory] = []
     if settings.grpc_port >= 0:
         front_ends.append(functools.partial(GrpcFrontEnd, reuse_port=True))
-    run(settings, front_ends, app=build_app(settings, scheduler), sock=sock)
+    app = build_app(settings, scheduler)
+    run(settings, front_ends, app=app, sock=sock, process=f"frontend {index}")
     return 0
 
 

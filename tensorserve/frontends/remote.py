@@ -61,6 +61,7 @@ class RemoteModel:
         more item would miss this model's latency target."""
         late = self.scheduler.late.get(self.name)
         if late is not None:
+            self.scheduler.metrics.requests.refused(self.name)
             raise WouldMissTarget(late[0], retry_after=late[1])
 
     async def infer_many(

@@ -34,10 +34,16 @@ class RequestReport:
         # (protocol, model, version, code, status) -> [calls, items, [seconds, ...]]
         self._outcomes: dict[tuple[str, str, str, str, int], list[Any]] = {}
         self._encode: dict[str, list[float]] = {}
+        self._refused: dict[str, int] = {}  # model -> refusals on its latency target
 
     @property
     def pending(self) -> bool:
-        return bool(self._outcomes or self._encode)
+        return bool(self._outcomes or self._encode or self._refused)
+
+    def refused(self, model: str) -> None:
+        """A request refused here on the model's latency target: its
+        statistics count it, as they count the scheduler process's own."""
+        self._refused[model] = self._refused.get(model, 0) + 1
 
     def observe(
         self,
@@ -70,6 +76,9 @@ class RequestReport:
         if self._encode:
             report["encode"] = list(self._encode.items())
             self._encode = {}
+        if self._refused:
+            report["refused"] = list(self._refused.items())
+            self._refused = {}
         return report
 
 

@@ -76,7 +76,7 @@ def reserve(host: str, port: int, what: str) -> socket.socket:
 def run(settings: Settings) -> None:
     """Serve with front-end processes until SIGTERM or SIGINT; ``StartupError``
     (before anything started) when the server cannot start."""
-    logs.configure(settings.log_level, settings.log_format)
+    logs.configure(settings.log_level, settings.log_format, "scheduler")
     check_repository(settings)
     count = frontend_count(settings)
     http = reserve(settings.host, settings.port, "HTTP")

@@ -90,7 +90,7 @@ class LatePublisher:
         late: dict[str, Any] = {}
         for served in self._targeted():
             try:
-                served.refuse_if_late()
+                served.refuse_if_late(count=False)
             except WouldMissTarget as exc:
                 late[served.name] = [exc.message, exc.retry_after]
         if late != self.late:

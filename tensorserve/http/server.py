@@ -128,12 +128,16 @@ def run(
     *,
     app: web.Application | None = None,
     sock: socket.socket | None = None,
+    process: str | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then shut down in phases. Raises
     ``StartupError`` (before anything started) when the server cannot start.
     A front-end process (``--frontends N``) gives its ``app`` and its
-    ``sock``: the scheduler process has checked the repository and the ports."""
-    logs.configure(settings.log_level, settings.log_format)  # text or JSON lines, request ids
+    ``sock``: the scheduler process has checked the repository and the ports;
+    ``process`` names it on every log line ("frontend 2")."""
+    logs.configure(
+        settings.log_level, settings.log_format, process
+    )  # text or JSON lines, request ids
     if sock is None:
         check_repository(settings)
         sock = bind(settings.host, settings.port)

@@ -65,7 +65,9 @@ def frames(
             # which features are bfloat16, exactly as on the wire.
             specs.append([name, _name(array.dtype), array.shape])
             payloads.append(
-                memoryview(array.data).cast("B") if array.ndim else array.reshape(-1).view(np.uint8).data
+                memoryview(array.data).cast("B")
+                if array.ndim
+                else array.reshape(-1).view(np.uint8).data
             )
     head = msgpack.packb({**header, "tensors": specs})
     return [_LENGTH.pack(len(head)) + head, *(p for p in payloads if len(p))]

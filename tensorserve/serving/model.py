@@ -292,16 +292,17 @@ class ServedModel:
         specs = self.config.request_parameter
         return validate_parameters(parameters, specs, self.name) if specs else {}
 
-    def refuse_if_late(self) -> None:
+    def refuse_if_late(self, count: bool = True) -> None:
         """Before a request is read: ``WouldMissTarget`` (503) if the model's
         latency target would be missed even by one item at the highest
         priority. Nothing without a target. Refused before its body is read
         and decoded, a request costs the front end least. Not while the
         model stops or cannot run a batch: its admission answers those
-        (model_not_ready), and being late is not their reason."""
+        (model_not_ready), and being late is not their reason. ``count``:
+        False for a question that refuses nobody (``frontends/table.py``)."""
         scheduler = self.batcher.scheduler
         if scheduler.target is not None and scheduler.watchdog.can_admit:
-            scheduler.queue.refuse_if_late(None, 1)
+            scheduler.queue.refuse_if_late(None, 1, count)
 
     def submit_many(
         self,

@@ -1,0 +1,180 @@
+"""The pieces between a front end and the scheduler process, without
+processes: errors keep their class across, one loop iteration's traffic is
+one message, a stream of messages is read whole however the reads cut it,
+a front end's copy of the model table answers lookups as the registry
+does, and its metrics report groups what it observed."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+
+import msgpack
+import numpy as np
+import pytest
+
+from tensorserve import errors
+from tensorserve.frontends.protocol import Outbox, error_entry, error_from
+from tensorserve.frontends.remote import Scheduler
+from tensorserve.frontends.report import RequestReport
+from tensorserve.ipc import messages
+from tensorserve.ipc.link import Link
+from tensorserve.repository.config import parse_config
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        errors.InvalidInput("item 0: bad"),
+        errors.ModelNotFound("unknown model 'x'"),
+        errors.ModelNotReady("model 'x' is not ready (LOADING)"),
+        errors.ServerBusy("queue full", retry_after=7.0),
+        errors.WouldMissTarget("late", retry_after=3.0),
+        errors.DeadlineExceeded("no result within 1 s"),
+        errors.ModelFailure("it raised"),
+        errors.WorkerCrashed("worker died", ran=True),
+        errors.OutOfMemory("too big"),
+        errors.ModelControlDisabled("cannot load"),
+    ],
+)
+def test_an_error_keeps_its_class_code_and_retry_after_across(error: errors.TensorServeError) -> None:
+    again = error_from(msgpack.unpackb(msgpack.packb(error_entry(error))))
+    assert (again.code, again.message, again.http_status, again.grpc_status) == (
+        error.code, error.message, error.http_status, error.grpc_status,
+    )  # fmt: skip
+    assert getattr(again, "retry_after", None) == getattr(error, "retry_after", None)
+
+
+def test_any_other_exception_is_the_servers_fault_with_its_text() -> None:
+    again = error_from(error_entry(KeyError("weights")))
+    assert (type(again), again.code, again.message) == (
+        errors.TensorServeError, "internal", "KeyError: 'weights'",
+    )  # fmt: skip
+
+
+@pytest.fixture
+def sockets() -> Iterator[tuple[socket.socket, socket.socket]]:
+    left, right = socket.socketpair()
+    yield left, right
+    left.close()
+    right.close()
+
+
+async def test_one_loop_iterations_entries_travel_as_one_message_in_order(
+    sockets: tuple[socket.socket, socket.socket],
+) -> None:
+    loop = asyncio.get_running_loop()
+    received: list[messages.Message] = []
+    sender = Link(sockets[0], loop, lambda m: None, lambda: None, many=True)
+    receiver = Link(sockets[1], loop, received.append, lambda: None, many=True)
+    outbox = Outbox(asyncio.get_running_loop(), sender.send)
+    a, b = np.arange(3, dtype=np.int64), np.ones((2, 2), np.float32)
+    outbox.add("infer", [1, "m"], [a])
+    outbox.add("infer", [2, "m"], [b])
+    outbox.put("late", {"m": ["slow", 2.0]})
+    while not received:
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)
+    assert len(received) == 1
+    header, tensors = received[0]
+    assert header["infer"] == [[1, "m"], [2, "m"]] and header["late"] == {"m": ["slow", 2.0]}
+    got = list(tensors.values())
+    assert got[0].tolist() == a.tolist() and got[1].tolist() == b.tolist()
+    sender.close()
+    receiver.close()
+
+
+def test_a_stream_is_read_whole_however_the_reads_cut_it(
+    sockets: tuple[socket.socket, socket.socket],
+) -> None:
+    left, right = sockets
+    big = np.arange(300_000, dtype=np.float32)  # larger than a read
+    sent = [({"n": i}, {"t": np.full(i + 1, i, np.int16)}) for i in range(5)] + [({"n": 5}, {"t": big})]
+    stream = b"".join(bytes(b) for h, t in sent for b in messages.frames(h, t))
+    reader = messages.StreamReader()
+    got: list[messages.Message] = []
+    right.setblocking(False)
+    for start in range(0, len(stream), 7919):  # cut anywhere, a message split or many in one
+        left.sendall(stream[start : start + 7919])
+        while (read := reader.feed(right)) is not None:
+            got.extend(read)
+    assert [h["n"] for h, _ in got] == [0, 1, 2, 3, 4, 5]
+    assert got[2][1]["t"].tolist() == [2, 2, 2]
+    assert np.array_equal(got[5][1]["t"], big)
+    left.close()
+    with pytest.raises(EOFError):
+        reader.feed(right)
+
+
+async def test_a_large_message_never_blocks_the_loop_whatever_the_socket_buffer(
+    sockets: tuple[socket.socket, socket.socket],
+) -> None:
+    left, right = sockets
+    left.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    loop = asyncio.get_running_loop()
+    sender = Link(left, loop, lambda m: None, lambda: None, many=True)
+    big = np.arange(2_000_000, dtype=np.int32)
+    sender.send(messages.frames({"n": 1}, {"t": big}))  # returns at once, far from all sent
+    assert sender.unsent_bytes > 0
+    ticks = 0
+    received: list[messages.Message] = []
+    right.setblocking(False)
+    reader = messages.StreamReader()
+    while not received:
+        ticks += 1  # the loop runs on while the rest goes out as the socket drains
+        await asyncio.sleep(0)
+        try:
+            read = reader.feed(right)
+        except BlockingIOError:
+            read = None
+        received.extend(read or [])
+    assert ticks > 1 and np.array_equal(received[0][1]["t"], big)
+    sender.close()
+
+
+def test_requests_are_reported_grouped_by_outcome() -> None:
+    report = RequestReport()
+    report.observe("http", "m", "1", "ok", 200, 1, 0.01)
+    report.observe("http", "m", "1", "ok", 200, 2, 0.02)
+    report.observe("grpc", "m", "1", "invalid_input", 400, 0, 0.001)
+    report.observe_encode("m", 0.0001)
+    report.refused("m")
+    report.in_flight.inc()
+    taken = report.take()
+    assert sorted(map(tuple, taken["requests"])) == [
+        ("grpc", "m", "1", "invalid_input", 400, 1, 0, [0.001]),
+        ("http", "m", "1", "ok", 200, 2, 3, [0.01, 0.02]),
+    ]
+    assert taken["encode"] == [("m", [0.0001])] and taken["refused"] == [("m", 1)]
+    assert taken["in_flight"] == 1 and not report.pending
+    assert report.take() == {"in_flight": 1}
+
+
+CONFIG = parse_config(
+    {"input": [{"name": "x", "dtype": "float32", "shape": [-1]}],
+     "output": [{"name": "y", "dtype": "float32", "shape": [-1]}]},
+    "m/config.toml",
+).model_dump(mode="json")  # fmt: skip
+
+
+def test_a_front_ends_table_answers_lookups_as_the_registry_does(
+    sockets: tuple[socket.socket, socket.socket],
+) -> None:
+    scheduler = Scheduler(sockets[0])
+    scheduler._models(
+        [["m", 1, "READY", "", CONFIG, False], ["f", None, "FAILED", "bad weights", None, False]]
+    )
+    model = scheduler.ready_model("m")
+    assert (model.name, model.version, model.config.input[0].name) == ("m", 1, "x")
+    with pytest.raises(errors.ModelNotFound, match=r"^unknown model 'nope'$"):
+        scheduler.ready_model("nope")
+    with pytest.raises(errors.ModelNotFound, match=r"version '2' is not served"):
+        scheduler.ready_model("m", "2")
+    with pytest.raises(errors.ModelNotReady, match=r"^model 'f' is not ready \(FAILED\): bad weights$"):
+        scheduler.ready_model("f")
+    scheduler.late = {"m": ["model 'm' would answer in ~900 ms", 4.0]}
+    with pytest.raises(errors.WouldMissTarget) as refused:
+        model.refuse_if_late()
+    assert refused.value.retry_after == 4.0
+    assert scheduler.metrics.requests.take()["refused"] == [("m", 1)]
