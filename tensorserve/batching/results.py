@@ -38,7 +38,6 @@ class Batch:
     started: float = 0.0  # perf_counter() at launch
     seconds: float = 0.0
     instance: int = 0  # the instance it runs on
-    ran: bool = False  # collected (or its launch failed): nothing left on the device
     overdue: bool = False  # the watchdog already acted on it
     pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
     unpad_started: float = 0.0  # perf_counter() when un-padding began (for its span)
@@ -100,8 +99,9 @@ class BatchResults:
         try:
             plan = recovery.plan(batch)
             if plan is not None:
+                # It ran, so it counts, with the items that failed for good.
                 outcomes, retries = plan.outcomes, plan.retries
-                self.record_recovered(batch, outcomes)
+                self._record(batch, outcomes)
             else:
                 outcomes = self.outcomes(batch)
                 if batch.error is None and recovery.ceiling.fitted():
@@ -123,11 +123,6 @@ class BatchResults:
                 " + ".join(str(len(part)) for part in retries),
             )
         return outcomes, retries
-
-    def record_recovered(self, batch: Batch, outcomes: list[Outcome]) -> None:
-        """A failed batch that batching.recovery answers (and may run again in
-        parts): it ran, so it counts, with the items that failed for good."""
-        self._record(batch, outcomes)
 
     def _rows(self, batch: Batch) -> Sequence[Any]:
         """One result (or Exception) per entry."""

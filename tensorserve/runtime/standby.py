@@ -58,7 +58,7 @@ class Standby:
             if worker is not None and not self._closed:
                 self._ready, worker = worker, None
         if worker is not None:
-            worker.close()  # closed while it loaded
+            worker.stop()  # closed while it loaded
 
     def take(self) -> WorkerProcess | None:
         """The loaded spare (waiting for one that is loading: it is further
@@ -70,7 +70,7 @@ class Standby:
         with self._lock:
             spare, self._ready = self._ready, None
         if spare is not None and not spare.alive:
-            spare.close()
+            spare.stop()
             spare = None
         self.refill()
         return spare
@@ -85,4 +85,4 @@ class Standby:
         if thread is not None:
             thread.join()
         if spare is not None:
-            spare.close()
+            spare.stop()

@@ -8,7 +8,7 @@ Who may touch what (docs/architecture.md, "Who owns what"): the scheduler
 owns the instance. Its loop sends and reads (``dispatch``); restoring a dead
 worker (``start`` again) runs on another thread while the scheduler sends
 the instance nothing. Any thread may ``kill`` it (the watchdog), ask whether
-it is ``alive`` and its ``pid`` (readiness), or ``close`` it; they take
+it is ``alive`` and its ``pid`` (readiness), or ``stop`` it; they take
 ``_guard``, which every swap of the process takes too.
 """
 
@@ -66,7 +66,7 @@ class WorkerProcess:
         self.hello = hello
         self.label = label
         self.template = template  # fork from it (milliseconds) instead of spawning
-        self._guard = threading.Lock()  # swaps of the process vs. kill / alive / close
+        self._guard = threading.Lock()  # swaps of the process vs. kill / alive / stop
         self.process: Process | None = None
         self.sock: socket.socket | None = None
         self.generation = 0  # counts starts: a batch sent to a dead worker is lost
@@ -100,16 +100,7 @@ class WorkerProcess:
                 except ProcessLookupError:  # pragma: no cover - it just exited
                     pass
 
-    def close(self) -> None:
-        """Stop it for good (the executor closing, after the scheduler has
-        stopped watching it: ``detach``)."""
-        self.stop()
-
     # ------------------------------------------------------------------ the owner
-    def relabel(self, label: str) -> None:
-        """A spare taking over an instance takes its name."""
-        self.label = label
-
     def start(self) -> None:
         """Spawn and wait until the model is loaded; ``ConfigError`` with the
         worker's own reason if it cannot load."""
