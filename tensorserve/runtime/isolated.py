@@ -143,8 +143,6 @@ class ProcessExecutor:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        for worker in self.workers:
-            worker.attach(loop)
 
     def dispatch(
         self,
@@ -158,8 +156,6 @@ class ProcessExecutor:
         unrun (``WorkerCrashed(ran=False)``): the scheduler runs it again once
         ``repair`` has replaced the worker."""
         worker = self.workers[instance]
-        if worker.loop is None and self.loop is not None:
-            worker.attach(self.loop)  # a standby that took over
 
         def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
             if message is None:
@@ -173,7 +169,7 @@ class ProcessExecutor:
                 done(executed, None)
 
         host = {name: host_array(t) for name, t in features.items()}
-        return Sent(worker, worker.dispatch(host, parameters, on_reply))
+        return Sent(worker, worker.dispatch(host, parameters, on_reply, self.loop))
 
     def detach(self) -> None:
         for worker in self.workers:

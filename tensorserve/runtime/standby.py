@@ -21,8 +21,7 @@ log = logging.getLogger("tensorserve.runtime.isolated")
 
 
 class Standby:
-    """One spare worker, loaded in the background, for whichever instance's
-    worker dies next: a crash then costs a swap, not a model load."""
+    """One model's spare worker (see the module docstring)."""
 
     def __init__(self, hello: dict[str, Any], label: str, template: Template | None = None) -> None:
         self.hello = hello

@@ -40,6 +40,7 @@ from tensorserve.errors import ConfigError
 log = logging.getLogger("tensorserve.runtime.isolated")
 
 START_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 10.0
 
 
 class Template:
@@ -116,11 +117,17 @@ class Template:
             control.close()
         process, self.process = self.process, None
         if process is not None:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            reap(self.label, process)
+
+
+def reap(label: str, process: subprocess.Popen[bytes] | ForkedProcess) -> int:
+    """Wait for a process that was asked to exit; kill it if it does not."""
+    try:
+        return process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log.warning("%s: process %d did not stop; killing it", label, process.pid)
+        process.kill()
+        return process.wait()
 
 
 class ForkedProcess:
