@@ -54,13 +54,12 @@ class BatchResults:
         policy: BatchPolicy,
         stats: BatchStats,
         name: str,
-        cost: BatchCostModel | None = None,
+        cost: BatchCostModel,
         target: LatencyTarget | None = None,
     ) -> None:
         self.collator = collator
         self.policy = policy
-        # The policy's cost model, or recovery's when the policy has none.
-        self.cost = cost if cost is not None else policy.cost
+        self.cost = cost  # the policy's, or recovery's when the policy has none
         self.stats = stats
         self.name = name
         self.target = target  # told what each batch cost and what its callers waited
@@ -144,8 +143,7 @@ class BatchResults:
     def _teach(self, entries: Sequence[Pending], seconds: float) -> None:
         """Tell the policy what a batch of this padded volume cost."""
         longest = max(e.volume for e in entries)
-        if (cost := self.cost) is not None:
-            cost.observe(len(entries), longest, seconds)
+        self.cost.observe(len(entries), longest, seconds)
         if (budget := self.policy.budget) is not None:
             budget.observe(len(entries) * longest, sum(e.volume for e in entries), seconds)
 

@@ -42,12 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorserve.errors import BatchOutOfMemory, DeviceLost, InvalidInput, ModelFailure
+from tensorserve.errors import BatchOutOfMemory, DeviceLost, ModelFailure
 from tensorserve.repository.config import ModelConfig, OutputSpec
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
 from tensorserve.runtime.ragged import join_rows, rows_in, split_rows
-from tensorserve.tensors.bytes_tensor import bytes_array
+from tensorserve.tensors.bytes_tensor import bytes_output
 from tensorserve.tensors.dtypes import Feature, host_array
 from tensorserve.tensors.results import WithParameters
 
@@ -342,16 +342,6 @@ def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def bytes_output(value: Any, name: str) -> np.ndarray:
-    """A bytes output as the model returned it (an object array, or nested
-    lists, of ``bytes`` / ``str``) as an object array of ``bytes``, or a
-    sentence saying why not (the model's fault: ``ModelFailure``)."""
-    try:
-        return bytes_array(value, f"output {name!r}", what="the model's output")
-    except InvalidInput as exc:
-        raise ModelFailure(exc.message) from None
 
 
 def named_outputs(result: Any, outputs: list[OutputSpec]) -> Mapping[str, Any]:
