@@ -20,7 +20,6 @@ from tensorserve.runtime.placement import (
     PlacedExecutor,
     Placement,
     place,
-    placed_thread_executor,
     resolve_placement,
 )
 from tests.helpers import toy_config, write_model
@@ -167,9 +166,9 @@ def test_placed_executor_runs_one_model_copy_per_device() -> None:
     SEEN.clear()
     module = Meet()
     cfg = config(max_batch_size=1, warmup={"enabled": False})
-    executor = placed_thread_executor(module, cfg, [Placement("cpu", 1), Placement("cpu", 1)], 1)
+    executor = PlacedExecutor(module, cfg, [Placement("cpu", 1), Placement("cpu", 1)], 1)
     assert isinstance(executor, PlacedExecutor) and executor.instance_count == 2
-    first, second = (part.fn for part in executor.parts)
+    first, second = executor.models
     assert first is module and second is not module  # a deep copy, weights included
     second.copy_id = "copy"
     assert torch.equal(second.scale, module.scale)

@@ -11,7 +11,6 @@ import pytest
 from tensorserve.batching.executor import Executor, LoopExecutor, ThreadedExecutor
 from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.isolated import ProcessExecutor
-from tensorserve.runtime.placement import PlacedExecutor
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tensorserve"
 
@@ -34,8 +33,7 @@ def test_the_contract_names_what_the_scheduler_and_the_server_call() -> None:
 
 @pytest.mark.parametrize(
     ("executor", "protocol"),
-    [(ThreadExecutor, ThreadedExecutor), (ProcessExecutor, LoopExecutor),
-     (PlacedExecutor, ThreadedExecutor)],
+    [(ThreadExecutor, ThreadedExecutor), (ProcessExecutor, LoopExecutor)],
 )
 def test_every_executor_implements_every_member(executor: type, protocol: type) -> None:
     source = ast.parse(Path(__import__(executor.__module__, fromlist=["_"]).__file__).read_text())

@@ -22,8 +22,6 @@ MAX_LINES = 400
 LONG_MODULES: dict[str, str] = {
     "tensorserve/grpc/generated/grpc_service_pb2_grpc.py":
         "generated from Triton's grpc_service.proto by scripts/regenerate_grpc_stubs.py",
-    "tensorserve/batching/stats.py": "Triton's per-request statistics beside the batch stats, "
-    "under the one lock that keeps each snapshot consistent",
 }
 
 

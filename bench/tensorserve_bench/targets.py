@@ -352,21 +352,7 @@ class InProcessTarget:
 
     async def counters(self) -> Counters:
         assert self.served is not None, "open() first"
-        stats = self.served.stats
-        snapshot = stats.snapshot(0)
-        if "real_elements" in snapshot:
-            return counters_from_snapshot(snapshot)
-        # The snapshot has only the cumulative ratio; the counters themselves
-        # are plain numbers, read between measured windows (nothing in flight).
-        return Counters(
-            batches=stats.total_batches,
-            batch_items=stats.batch_items,
-            failed_items=stats.failed_items,
-            real_elements=stats.real_elements,
-            padded_elements=stats.padded_elements,
-            padding_efficiency=snapshot["padding_efficiency"],
-            histogram=_histogram(stats.batch_size_counts),
-        )
+        return counters_from_snapshot(self.served.stats.snapshot(0))
 
     def describe(self) -> dict[str, Any]:
         described: dict[str, Any] = {"kind": self.kind, "model": self.model}
@@ -395,9 +381,3 @@ def _config_summary(config: Mapping[str, Any]) -> dict[str, Any]:
         key: config[key] for key in ("max_batch_size", "instance_count", "device") if key in config
     }
     return {**summary, **dict(config.get("dynamic_batching") or {})}
-
-
-def _histogram(counts: Sequence[int]) -> dict[str, int]:
-    from tensorserve.batching.stats import BATCH_SIZE_BUCKETS
-
-    return {str(bound): count for bound, count in zip(BATCH_SIZE_BUCKETS, counts) if count}

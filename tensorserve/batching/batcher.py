@@ -3,18 +3,9 @@
 Items go in with ``submit_many`` (thread-safe, from any thread) or
 ``infer_many`` (a coroutine); each gets a future that the model's scheduler
 owns until it resolves it with the item's result or a ``TensorServeError``.
-The pieces:
-
-    admission.py   the queue: admit, when is a batch due, which items form it
-                   (pure; the scheduler holds its lock around every call)
-    collate.py     pad a batch, un-pad its outputs (pure)
-    executor.py    the runtime's contract: run a padded batch, report back
-    instances.py   one thread per instance, for executors of this process
-    results.py     a batch's outcome per caller, recorded in stats (no threads)
-    delivery.py    settle futures on their callers' loops
-    scheduler.py   the one owner of every batch: forms, pads, dispatches,
-                   receives, un-pads and answers (docs/architecture.md)
-    batcher.py     this file: futures, deadlines and withdrawals for callers
+This file keeps the callers' side: futures, deadlines and withdrawals. The
+other pieces, and the thread each runs on: docs/architecture.md, "The
+batcher in pieces".
 """
 
 from __future__ import annotations

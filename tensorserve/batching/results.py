@@ -38,7 +38,6 @@ class Batch:
     started: float = 0.0  # perf_counter() at launch
     seconds: float = 0.0
     instance: int = 0  # the instance it runs on
-    ran: bool = False  # collected (or its launch failed): nothing left on the device
     overdue: bool = False  # the watchdog already acted on it
     pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
     unpad_started: float = 0.0  # perf_counter() when un-padding began (for its span)
@@ -55,13 +54,12 @@ class BatchResults:
         policy: BatchPolicy,
         stats: BatchStats,
         name: str,
-        cost: BatchCostModel | None = None,
+        cost: BatchCostModel,
         target: LatencyTarget | None = None,
     ) -> None:
         self.collator = collator
         self.policy = policy
-        # The policy's cost model, or recovery's when the policy has none.
-        self.cost = cost if cost is not None else policy.cost
+        self.cost = cost  # the policy's, or recovery's when the policy has none
         self.stats = stats
         self.name = name
         self.target = target  # told what each batch cost and what its callers waited
@@ -100,8 +98,9 @@ class BatchResults:
         try:
             plan = recovery.plan(batch)
             if plan is not None:
+                # It ran, so it counts, with the items that failed for good.
                 outcomes, retries = plan.outcomes, plan.retries
-                self.record_recovered(batch, outcomes)
+                self._record(batch, outcomes)
             else:
                 outcomes = self.outcomes(batch)
                 if batch.error is None and recovery.ceiling.fitted():
@@ -124,11 +123,6 @@ class BatchResults:
             )
         return outcomes, retries
 
-    def record_recovered(self, batch: Batch, outcomes: list[Outcome]) -> None:
-        """A failed batch that batching.recovery answers (and may run again in
-        parts): it ran, so it counts, with the items that failed for good."""
-        self._record(batch, outcomes)
-
     def _rows(self, batch: Batch) -> Sequence[Any]:
         """One result (or Exception) per entry."""
         outputs, size = batch.outputs, len(batch.entries)
@@ -149,8 +143,7 @@ class BatchResults:
     def _teach(self, entries: Sequence[Pending], seconds: float) -> None:
         """Tell the policy what a batch of this padded volume cost."""
         longest = max(e.volume for e in entries)
-        if (cost := self.cost) is not None:
-            cost.observe(len(entries), longest, seconds)
+        self.cost.observe(len(entries), longest, seconds)
         if (budget := self.policy.budget) is not None:
             budget.observe(len(entries) * longest, sum(e.volume for e in entries), seconds)
 

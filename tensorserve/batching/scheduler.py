@@ -310,7 +310,6 @@ class Scheduler:
             # figure (CUDA events, the worker's clock) is the model's time.
             if outputs is not None and outputs.seconds is not None:
                 batch.seconds = outputs.seconds
-            batch.ran = True
             self.free_at[instance] = now
             if error is None:
                 self.slowest_s = max(self.slowest_s, batch.seconds)
@@ -344,15 +343,11 @@ class Scheduler:
         with self.lock:
             self.queue.memory_limit = self.recovery.ceiling.limit
         if self.tracer is not None:
-            self._trace(batch)
+            try:
+                self.tracer.batch_finished(batch)
+            except Exception:  # a span is never worth a caller's answer
+                log.exception("model %s: recording a batch's spans failed", self.name)
         settle(outcomes)
-
-    def _trace(self, batch: Batch) -> None:
-        assert self.tracer is not None
-        try:
-            self.tracer.batch_finished(batch)
-        except Exception:  # a span is never worth a caller's answer
-            log.exception("model %s: recording a batch's spans failed", self.name)
 
     def _note_idle(self) -> None:
         busy = any(self.running) or bool(self.retries) or bool(self.repairing)

@@ -2,8 +2,7 @@
 endpoint and by the Prometheus collector at scrape time (so the hot path
 never touches a metrics library).
 
-Histograms are kept here as bucket counts (``Buckets``), the way Prometheus
-keeps them: one ``bisect`` and two additions per observation. A short
+Histograms are kept as bucket counts (``tensorserve/histograms.py``). A short
 window of recent items and batches (``WINDOW_S``) gives the stats endpoint
 p50/p99 and padding efficiency over the last minute; Prometheus computes its
 own windows from the cumulative counters.
@@ -18,7 +17,6 @@ case, needs no bookkeeping of its own; a request of several items shares a
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from collections import deque
@@ -26,31 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tensorserve.histograms import SECONDS_BUCKETS, Buckets
 from tensorserve.percentiles import percentile
 from tensorserve.wire.triton import TritonCounts
 
-# Upper bounds of the executed-batch-size histogram buckets.
+# Upper bounds of the executed-batch-size histogram buckets (65536: the
+# largest max_batch_size allowed, so the +Inf bucket stays empty).
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 65536)
-# Upper bounds (seconds) of the queue-wait, pad, compute and un-pad histograms.
-SECONDS_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
 # Upper bounds of the padded-length histogram (the longest item's variable
 # extent in a batch: the length every item of it is padded to).
 LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536, 1 << 20)
@@ -59,40 +39,9 @@ WINDOW_S = 60.0
 WINDOW_ITEMS = 20_000
 
 
-class Buckets:
-    """A histogram as Prometheus keeps it: counts per upper bound (the last,
-    unbounded bucket is ``+Inf``), a sum and a count. Not thread-safe on its
-    own: ``BatchStats`` holds its lock around ``observe``."""
-
-    __slots__ = ("bounds", "count", "counts", "total")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # + the +Inf bucket
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        """``[(upper bound, cumulative count), ..., ("+Inf", count)]``."""
-        out, running = [], 0
-        for bound, count in zip((*map(str, map(float, self.bounds)), "+Inf"), self.counts):
-            running += count
-            out.append((bound, running))
-        return out
-
-    def copy(self) -> Buckets:
-        other = Buckets(self.bounds)
-        other.counts, other.total, other.count = list(self.counts), self.total, self.count
-        return other
-
-
 def _histograms() -> dict[str, Buckets]:
     return {
+        "batch_size": Buckets(BATCH_SIZE_BUCKETS),  # per batch: its items
         "queue_wait_seconds": Buckets(SECONDS_BUCKETS),  # per item: submit -> taken
         "pad_seconds": Buckets(SECONDS_BUCKETS),  # per batch: collate.pad
         "compute_seconds": Buckets(SECONDS_BUCKETS),  # per batch: the model's run
@@ -148,7 +97,6 @@ class BatchStats:
     item_unpad_seconds: float = 0.0
     real_elements: int = 0
     padded_elements: int = 0
-    batch_size_counts: list[int] = field(default_factory=lambda: [0] * len(BATCH_SIZE_BUCKETS))
     histograms: dict[str, Buckets] = field(default_factory=_histograms)
     # Failed batches answered by batching.recovery, by what was done: split
     # (a poison, a crash, the watchdog), rows (RowErrors), rerun (a batch its
@@ -218,17 +166,20 @@ class BatchStats:
         finished_ms = time.time_ns() // 1_000_000
         with self._lock:
             self.total_batches += 1
-            self._record_execution(size, durations_ns, finished_ms)
+            # Triton's batch_stats (per batch size) and last_inference.
+            row = self.batch_sizes.setdefault(size, [0, 0, 0, 0])
+            row[0] += 1
+            for column, ns in enumerate(durations_ns, 1):
+                row[column] += ns
+            self.last_inference_ms = max(self.last_inference_ms, finished_ms)
             if answered:
                 self._record_requests(answered, now, dispatched, durations_ns)
             self.batch_items += size
             self.batch_seconds += seconds
             self.real_elements += real
             self.padded_elements += padded
-            index = bisect.bisect_left(BATCH_SIZE_BUCKETS, size)
-            if index < len(BATCH_SIZE_BUCKETS):
-                self.batch_size_counts[index] += 1
             h = self.histograms
+            h["batch_size"].observe(size)
             h["compute_seconds"].observe(seconds)
             self.item_compute_seconds += size * seconds
             if pad_seconds is not None:
@@ -246,19 +197,6 @@ class BatchStats:
                 wait_histogram.observe(wait)
                 recent.append((now, now - submitted))
             self.recent_batches.append((now, real, padded))
-
-    def _record_execution(
-        self, size: int, durations_ns: tuple[int, int, int], finished_ms: int
-    ) -> None:
-        """Triton's ``batch_stats`` and ``last_inference`` (the lock held)."""
-        row = self.batch_sizes.get(size)
-        if row is None:
-            row = self.batch_sizes[size] = [0, 0, 0, 0]
-        row[0] += 1
-        row[1] += durations_ns[0]
-        row[2] += durations_ns[1]
-        row[3] += durations_ns[2]
-        self.last_inference_ms = max(self.last_inference_ms, finished_ms)
 
     def _record_requests(
         self,
@@ -348,11 +286,7 @@ class BatchStats:
     def histogram_snapshot(self) -> dict[str, Buckets]:
         """Copies of the histograms (for the Prometheus collector)."""
         with self._lock:
-            sizes = Buckets(BATCH_SIZE_BUCKETS)
-            sizes.counts = [*self.batch_size_counts, 0]
-            sizes.count = self.total_batches
-            sizes.total = float(self.batch_items)
-            return {"batch_size": sizes, **{k: v.copy() for k, v in self.histograms.items()}}
+            return {name: buckets.copy() for name, buckets in self.histograms.items()}
 
     def _window(self, now: float, window: float) -> dict[str, Any]:
         """p50/p99 latency and padding efficiency over the last ``window`` s
@@ -399,7 +333,9 @@ class BatchStats:
                 "recoveries": dict(self.recoveries),
                 "batch_size_histogram": {
                     str(bound): count
-                    for bound, count in zip(BATCH_SIZE_BUCKETS, self.batch_size_counts)
+                    for bound, count in zip(
+                        BATCH_SIZE_BUCKETS, self.histograms["batch_size"].counts
+                    )
                     if count
                 },
                 # The last minute: what `tensorserve top` shows.

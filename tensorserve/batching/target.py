@@ -116,18 +116,14 @@ class LatencyTarget:
             self._batch_s = (
                 seconds if first else self._batch_s + self.ALPHA * (seconds - self._batch_s)
             )
-            self._every = self._decayed(self._every, items, seconds)
+            served, served_s = self._every
+            self._every = (self.RATE_DECAY * served + items, self.RATE_DECAY * served_s + seconds)
             self._latencies.extend(latencies)
             self._since_adjust += len(latencies)
             self._resize_batches()
             if self._since_adjust >= self.ADJUST_EVERY:
                 self._since_adjust = 0
                 self._correct(self._p99())
-
-    def _decayed(
-        self, sums: tuple[float, float], items: int, seconds: float
-    ) -> tuple[float, float]:
-        return (self.RATE_DECAY * sums[0] + items, self.RATE_DECAY * sums[1] + seconds)
 
     def _resize_batches(self) -> None:
         if self._batch_s > self.target_s / 4 and self.batch_cap > 1:

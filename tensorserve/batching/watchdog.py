@@ -94,7 +94,7 @@ class Watchdog:
         s = self.scheduler
         found = []
         for instance, batches in enumerate(s.running):
-            oldest = next((b for b in list(batches) if b.started and not b.ran), None)
+            oldest = next((b for b in list(batches) if b.started), None)
             if oldest is not None:
                 found.append((oldest, now - max(oldest.started, s.free_at[instance])))
         return found

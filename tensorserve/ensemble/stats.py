@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tensorserve.batching.stats import SECONDS_BUCKETS, Buckets
+from tensorserve.histograms import SECONDS_BUCKETS, Buckets
 from tensorserve.wire.triton import TritonCounts
 
 

@@ -25,8 +25,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from tensorserve.batching.stats import BatchStats, Buckets
+from tensorserve.batching.stats import BatchStats
 from tensorserve.ensemble import Ensemble
+from tensorserve.histograms import Buckets
 
 if TYPE_CHECKING:
     from tensorserve.serving.liveness import Liveness

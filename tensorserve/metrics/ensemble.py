@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tensorserve.batching.stats import Buckets
 from tensorserve.ensemble import Ensemble
 from tensorserve.ensemble.stats import EnsembleStats
+from tensorserve.histograms import Buckets
 
 if TYPE_CHECKING:
     from tensorserve.serving.registry import ModelRegistry

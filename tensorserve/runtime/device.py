@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -101,13 +100,12 @@ class ContextLoss:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.reason: str | None = None
-        self.since: float | None = None  # time.monotonic() of the loss
 
     def lose(self, reason: str, model: str) -> None:
         with self._lock:
             if self.reason is not None:
                 return
-            self.reason, self.since = f"model {model!r} met {reason}", time.monotonic()
+            self.reason = f"model {model!r} met {reason}"
         log.error(
             "the CUDA context of this process is lost: %s; every model on CUDA in this process "
             "now fails, and readiness and liveness fail so that the platform restarts it "
@@ -127,7 +125,7 @@ class ContextLoss:
     def clear(self) -> None:
         """For tests: a new process would start with a working context."""
         with self._lock:
-            self.reason = self.since = None
+            self.reason = None
 
 
 CONTEXT_LOSS = ContextLoss()

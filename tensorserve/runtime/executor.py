@@ -42,12 +42,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorserve.errors import BatchOutOfMemory, DeviceLost, InvalidInput, ModelFailure
+from tensorserve.errors import BatchOutOfMemory, DeviceLost, ModelFailure
 from tensorserve.repository.config import ModelConfig, OutputSpec
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
 from tensorserve.runtime.ragged import join_rows, rows_in, split_rows
-from tensorserve.tensors.bytes_tensor import bytes_array
+from tensorserve.tensors.bytes_tensor import bytes_output
 from tensorserve.tensors.dtypes import Feature, host_array
 from tensorserve.tensors.results import WithParameters
 
@@ -103,7 +103,7 @@ class ThreadExecutor:
         name: str = "model",
     ) -> None:
         self.fn = fn
-        self.device = device
+        self.models = [fn] * instance_count  # each instance's (PlacedExecutor: its device's copy)
         self.instance_count = instance_count
         self.outputs = config.output
         # Numeric outputs go through torch to the host; bytes outputs never do.
@@ -132,12 +132,15 @@ class ThreadExecutor:
         stops a thread executor for good."""
         return CONTEXT_LOSS.describe()
 
+    def devices(self) -> list[torch.device]:
+        """Each instance's device, in the batcher's instance order."""
+        return [context.device for context in self._contexts]
+
     def free_memory_bytes(self) -> int | None:
-        if self.device.type != "cuda":
-            return None
-        free, _ = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return int(free + cached)
+        """The least any instance's device has (None: a CPU among them):
+        batches form under one ceiling."""
+        known = [free_device_bytes(device) for device in dict.fromkeys(self.devices())]
+        return None if None in known else min(b for b in known if b is not None)
 
     def start_instance(self, instance: int) -> None:
         self._contexts[instance].enter_thread()
@@ -163,7 +166,7 @@ class ThreadExecutor:
             reason = f"{type(exc).__name__}: {exc}"
         # Outside the handler: the exception's frames (and the tensors they
         # hold) are gone before the caches are emptied.
-        free_memory(self.device)
+        free_memory(self._contexts[instance].device)
         raise BatchOutOfMemory(reason)
 
     def _launch(
@@ -183,7 +186,7 @@ class ThreadExecutor:
             arguments = context.to_device(features)
             if parameters:  # a model that declares none gets exactly its features
                 arguments.update(self._parameter_arguments(parameters, context))
-            result = self.fn(**arguments)
+            result = self.models[instance](**arguments)
             returned = None
             if isinstance(result, WithParameters):
                 result, returned = result.outputs, context.columns_to_host(result.parameters)
@@ -324,21 +327,21 @@ def is_out_of_memory(exc: BaseException) -> bool:
     )
 
 
+def free_device_bytes(device: torch.device) -> int | None:
+    """Memory a batch could still use on ``device``: free, plus what torch's
+    caching allocator holds unused (None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return int(free + cached)
+
+
 def free_memory(device: torch.device) -> None:
     """Give back what a failed batch left: garbage, then the CUDA cache."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def bytes_output(value: Any, name: str) -> np.ndarray:
-    """A bytes output as the model returned it (an object array, or nested
-    lists, of ``bytes`` / ``str``) as an object array of ``bytes``, or a
-    sentence saying why not (the model's fault: ``ModelFailure``)."""
-    try:
-        return bytes_array(value, f"output {name!r}", what="the model's output")
-    except InvalidInput as exc:
-        raise ModelFailure(exc.message) from None
 
 
 def named_outputs(result: Any, outputs: list[OutputSpec]) -> Mapping[str, Any]:

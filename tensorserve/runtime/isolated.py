@@ -33,8 +33,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from tensorserve.errors import BatchOutOfMemory, ConfigError, ModelFailure, RowErrors
 from tensorserve.ipc import messages as ipc
 from tensorserve.repository.config import ModelConfig
@@ -61,7 +59,6 @@ class Sent:
     """A batch handed to one worker: ``ticket`` is its generation, so a reply
     is never awaited from a worker that was replaced or restarted."""
 
-    instance: int
     worker: WorkerProcess
     ticket: int
 
@@ -131,7 +128,7 @@ class ProcessExecutor:
         if self.standby is not None:
             self.standby.close()
         for worker in self.workers:
-            worker.close()
+            worker.stop()
         if self.template is not None:
             self.template.stop()
 
@@ -146,8 +143,6 @@ class ProcessExecutor:
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        for worker in self.workers:
-            worker.attach(loop)
 
     def dispatch(
         self,
@@ -161,8 +156,6 @@ class ProcessExecutor:
         unrun (``WorkerCrashed(ran=False)``): the scheduler runs it again once
         ``repair`` has replaced the worker."""
         worker = self.workers[instance]
-        if worker.loop is None and self.loop is not None:
-            worker.attach(self.loop)  # a standby that took over
 
         def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
             if message is None:
@@ -175,7 +168,8 @@ class ProcessExecutor:
             else:
                 done(executed, None)
 
-        return Sent(instance, worker, worker.dispatch(_host(features), parameters, on_reply))
+        host = {name: host_array(t) for name, t in features.items()}
+        return Sent(worker, worker.dispatch(host, parameters, on_reply, self.loop))
 
     def detach(self) -> None:
         for worker in self.workers:
@@ -199,39 +193,30 @@ class ProcessExecutor:
 
     def _replace(self, instance: int) -> WorkerProcess:
         """An up worker for the instance: the standby if one is loaded (a
-        swap), else a new one (a full model load)."""
-        started = time.perf_counter()
-        restarts = self.restarts
-        worker = self._replace_held(instance)
-        if self.restarts != restarts:
-            self._restarted_in(time.perf_counter() - started)
-        return worker
-
-    def _restarted_in(self, seconds: float) -> None:
-        last = self.restart_seconds
-        self.restart_seconds = seconds if last is None else last + RESTART_ALPHA * (seconds - last)
-
-    def _replace_held(self, instance: int) -> WorkerProcess:
+        swap), else a new one (a full model load); what it cost goes into
+        ``restart_seconds``."""
         old = self.workers[instance]
         if old.alive:
             return old  # replaced already (a batch behind the dead one)
+        started = time.perf_counter()
         old.stop()
         spare = self.standby.take() if self.standby is not None else None
         if spare is not None:
-            spare.relabel(old.label)
+            spare.label = old.label
             self.workers[instance] = spare
-            self.restarts += 1
             log.warning("%s: the standby worker %d took over", old.label, spare.pid)
-            return spare
-        log.warning("%s: starting a new worker process", old.label)
-        try:
-            old.start()
-        except ConfigError as exc:
-            raise ModelFailure(
-                f"{old.label}: the worker process could not restart: {exc}"
-            ) from None
+        else:
+            log.warning("%s: starting a new worker process", old.label)
+            try:
+                old.start()
+            except ConfigError as exc:
+                raise ModelFailure(
+                    f"{old.label}: the worker process could not restart: {exc}"
+                ) from None
         self.restarts += 1
-        return old
+        seconds, last = time.perf_counter() - started, self.restart_seconds
+        self.restart_seconds = seconds if last is None else last + RESTART_ALPHA * (seconds - last)
+        return self.workers[instance]
 
     def _executed(self, message: ipc.Message) -> Executed:
         header, tensors = message
@@ -254,7 +239,3 @@ class ProcessExecutor:
             for i in range(header["items"])
         ]
         return Executed(None, per_item, header["seconds"], parameters)
-
-
-def _host(features: dict[str, Feature]) -> dict[str, np.ndarray]:
-    return {name: host_array(t) for name, t in features.items()}

@@ -24,7 +24,7 @@ from tensorserve.repository.loader import ModelSource, load_model, resolve_versi
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import ThreadExecutor, on_device
 from tensorserve.runtime.isolated import ProcessExecutor
-from tensorserve.runtime.placement import PlacedExecutor, Placement, placed_thread_executor
+from tensorserve.runtime.placement import PlacedExecutor, Placement
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class ExecutorRequest:
 
 @dataclass(frozen=True)
 class BuiltExecutor:
-    executor: ThreadExecutor | ProcessExecutor | PlacedExecutor
+    executor: ThreadExecutor | ProcessExecutor  # PlacedExecutor: a ThreadExecutor
     version: int
     fn: Callable[..., Any] | None  # the model as it runs here (None: in its workers)
 
@@ -58,7 +58,7 @@ def _thread(request: ExecutorRequest) -> BuiltExecutor:
         fn, version = loaded.module, loaded.version
     config = request.config
     if len(request.placements) > 1:
-        placed = placed_thread_executor(fn, config, request.placements, request.intra_op_threads)
+        placed = PlacedExecutor(fn, config, request.placements, request.intra_op_threads)
         return BuiltExecutor(placed, version, placed.fn)
     device = resolve_device(request.placements[0].device)
     fn = on_device(fn, config, device)

@@ -9,14 +9,14 @@
 groups that name the same device add up). A model on one device runs as
 before: ``resolve_placement`` hands back the config with that ``device`` and
 ``instance_count``. A model on several devices gets a ``PlacedExecutor``:
-one ``ThreadExecutor`` (one copy of the model) per device, whose instances
-the batcher sees as one flat list, so one server keeps every GPU busy.
+a ``ThreadExecutor`` whose instances run on each device with that device's
+own copy of the model, as one flat list, so one server keeps every GPU busy.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +26,8 @@ from tensorserve.errors import ConfigError
 from tensorserve.repository.config import ModelConfig
 from tensorserve.runtime.cpus import available_cpus
 from tensorserve.runtime.cuda_diagnosis import cuda_missing
-from tensorserve.runtime.device import resolve_device
-from tensorserve.runtime.executor import Executed, Launched, ThreadExecutor, on_device
-from tensorserve.tensors.dtypes import Feature
+from tensorserve.runtime.device import DeviceContext, resolve_device
+from tensorserve.runtime.executor import ThreadExecutor, on_device
 
 
 @dataclass(frozen=True)
@@ -88,98 +87,39 @@ def resolve_placement(
     return config, placements
 
 
-@dataclass
-class Routed:
-    """A batch launched on one part of a ``PlacedExecutor``."""
+class PlacedExecutor(ThreadExecutor):
+    """Instances over several devices: a ``ThreadExecutor`` whose instances
+    run, placement by placement, on that placement's device with its own copy
+    of the model (an ``nn.Module`` is deep-copied while still where it was
+    loaded, before any copy moves to its device). Instance ``i`` of the
+    batcher is the ``i``-th of that flat list."""
 
-    part: ThreadExecutor
-    launched: Launched
-
-
-class PlacedExecutor:
-    """Instances over several devices: one ``ThreadExecutor`` per device,
-    each with its own copy of the model. Instance ``i`` of the batcher is
-    the ``i``-th instance of the flat list, part by part. It implements the
-    batcher's ``Executor`` contract by routing each call to its part."""
-
-    def __init__(self, parts: Sequence[ThreadExecutor]) -> None:
-        if not parts:
-            raise ValueError("PlacedExecutor needs at least one part")
-        self.parts = list(parts)
-        self._route = [(part, local) for part in self.parts for local in range(part.instance_count)]
-        self.instance_count = len(self._route)
-        self.device = self.parts[0].device
-        self.fn = self.parts[0].fn
-        # Any part that queues work on a device makes launching ahead worth it;
-        # on a CPU part launch simply runs the batch to the end.
-        self.overlaps = any(part.overlaps for part in self.parts)
-        self.pin_memory = any(part.pin_memory for part in self.parts)
-        self.restarts = 0  # threads are never replaced
-        self.restart_seconds: float | None = None
-
-    def abort(self, routed: Routed, because: str) -> bool:
-        return routed.part.abort(routed.launched, because)
-
-    def repair(self, instance: int) -> None:
-        part, local = self._route[instance]
-        part.repair(local)
-
-    def free_memory_bytes(self) -> int | None:
-        """The least any part's device has: batches form under one ceiling."""
-        known = [part.free_memory_bytes() for part in self.parts]
-        return None if None in known else min(b for b in known if b is not None)
-
-    def health(self) -> str | None:
-        return next((why for part in self.parts if (why := part.health())), None)
-
-    def devices(self) -> list[torch.device]:
-        """Each instance's device, in the batcher's instance order."""
-        return [part.device for part, _ in self._route]
-
-    def start_instance(self, instance: int) -> None:
-        part, local = self._route[instance]
-        part.start_instance(local)
-
-    def launch(
+    def __init__(
         self,
-        features: dict[str, Feature],
-        instance: int,
-        parameters: Mapping[str, list[Any]] | None = None,
-    ) -> Routed:
-        part, local = self._route[instance]
-        return Routed(part, part.launch(features, local, parameters))
-
-    def collect(self, routed: Routed) -> Executed:
-        return routed.part.collect(routed.launched)
-
-    def close(self) -> None:
-        for part in self.parts:
-            part.close()
-
-
-def placed_thread_executor(
-    fn: Callable[..., Any],
-    config: ModelConfig,
-    placements: Sequence[Placement],
-    intra_op_threads: int | None = None,
-) -> PlacedExecutor:
-    """One model copy per placement (an ``nn.Module`` is deep-copied while
-    still where it was loaded, before any copy moves to its device)."""
-    is_module = isinstance(fn, torch.nn.Module)
-    copies = [fn] + [copy.deepcopy(fn) if is_module else fn for _ in placements[1:]]
-    parts = []
-    for model, placement in zip(copies, placements):
-        device = resolve_device(placement.device)
-        parts.append(
-            ThreadExecutor(
-                on_device(model, config, device),
-                config,
-                device,
-                instance_count=placement.count,
-                intra_op_threads=intra_op_threads,
-            )
+        fn: Callable[..., Any],
+        config: ModelConfig,
+        placements: Sequence[Placement],
+        intra_op_threads: int | None = None,
+    ) -> None:
+        if not placements:
+            raise ValueError("PlacedExecutor needs at least one placement")
+        is_module = isinstance(fn, torch.nn.Module)
+        copies = [fn] + [copy.deepcopy(fn) if is_module else fn for _ in placements[1:]]
+        devices = [resolve_device(placement.device) for placement in placements]
+        models = [on_device(model, config, device) for model, device in zip(copies, devices)]
+        count = sum(placement.count for placement in placements)
+        super().__init__(
+            models[0], config, devices[0], instance_count=count, intra_op_threads=intra_op_threads
         )
-    return PlacedExecutor(parts)
+        self.models = [m for m, p in zip(models, placements) for _ in range(p.count)]
+        self._contexts = [
+            DeviceContext(d, intra_op_threads)
+            for d, p in zip(devices, placements)
+            for _ in range(p.count)
+        ]
+        # Any device that queues work makes launching ahead worth it; on a
+        # CPU, launch simply runs the batch to the end.
+        self.overlaps = self.pin_memory = any(device.type == "cuda" for device in devices)
 
 
 def resolve_isolation(

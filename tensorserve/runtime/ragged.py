@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorserve.errors import InvalidInput, ModelFailure
+from tensorserve.errors import ModelFailure
 from tensorserve.repository.config import OutputSpec
-from tensorserve.tensors.bytes_tensor import bytes_array
+from tensorserve.tensors.bytes_tensor import bytes_output
 
 
 def split_rows(
@@ -41,12 +41,7 @@ def split_rows(
         for i, row in enumerate(rows):
             key = f"{i}/{spec.name}"
             if spec.dt.is_bytes:
-                try:
-                    strings[key] = bytes_array(
-                        row, f"output {spec.name!r}", what="the model's output"
-                    )
-                except InvalidInput as exc:
-                    raise ModelFailure(exc.message) from None
+                strings[key] = bytes_output(row, spec.name)
             else:
                 tensors[key] = torch.as_tensor(row).to(spec.dt.torch_dtype)
     return tensors, strings

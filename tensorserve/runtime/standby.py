@@ -21,8 +21,7 @@ log = logging.getLogger("tensorserve.runtime.isolated")
 
 
 class Standby:
-    """One spare worker, loaded in the background, for whichever instance's
-    worker dies next: a crash then costs a swap, not a model load."""
+    """One model's spare worker (see the module docstring)."""
 
     def __init__(self, hello: dict[str, Any], label: str, template: Template | None = None) -> None:
         self.hello = hello
@@ -58,7 +57,7 @@ class Standby:
             if worker is not None and not self._closed:
                 self._ready, worker = worker, None
         if worker is not None:
-            worker.close()  # closed while it loaded
+            worker.stop()  # closed while it loaded
 
     def take(self) -> WorkerProcess | None:
         """The loaded spare (waiting for one that is loading: it is further
@@ -70,7 +69,7 @@ class Standby:
         with self._lock:
             spare, self._ready = self._ready, None
         if spare is not None and not spare.alive:
-            spare.close()
+            spare.stop()
             spare = None
         self.refill()
         return spare
@@ -85,4 +84,4 @@ class Standby:
         if thread is not None:
             thread.join()
         if spare is not None:
-            spare.close()
+            spare.stop()

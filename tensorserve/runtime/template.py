@@ -40,6 +40,7 @@ from tensorserve.errors import ConfigError
 log = logging.getLogger("tensorserve.runtime.isolated")
 
 START_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 10.0
 
 
 class Template:
@@ -116,11 +117,17 @@ class Template:
             control.close()
         process, self.process = self.process, None
         if process is not None:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            reap(self.label, process)
+
+
+def reap(label: str, process: subprocess.Popen[bytes] | ForkedProcess) -> int:
+    """Wait for a process that was asked to exit; kill it if it does not."""
+    try:
+        return process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log.warning("%s: process %d did not stop; killing it", label, process.pid)
+        process.kill()
+        return process.wait()
 
 
 class ForkedProcess:
@@ -140,24 +147,15 @@ class ForkedProcess:
         self._collecting = threading.Lock()
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                exited = self._exited(0)
-            except (OSError, ValueError):  # another thread collected it and closed the pidfd
-                exited = True
-            if exited:
-                with self._collecting:
-                    if self.returncode is None:
-                        self._collect()
+        if self.returncode is None and self._exited(0):
+            with self._collecting:
+                if self.returncode is None:
+                    self._collect()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         if self.poll() is None:
-            try:
-                exited = self._exited(timeout)
-            except (OSError, ValueError):  # collected meanwhile (see poll)
-                exited = True
-            if not exited:
+            if not self._exited(timeout):
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
             self.poll()
         assert self.returncode is not None
@@ -172,7 +170,10 @@ class ForkedProcess:
             pass
 
     def _exited(self, timeout: float | None) -> bool:
-        readable, _, _ = select.select([self._pidfd], [], [], timeout)
+        try:
+            readable, _, _ = select.select([self._pidfd], [], [], timeout)
+        except (OSError, ValueError):  # another thread collected it and closed the pidfd
+            return True
         return bool(readable)
 
     def _collect(self) -> None:

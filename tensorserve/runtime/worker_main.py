@@ -42,7 +42,7 @@ from tensorserve.tensors.dtypes import as_feature
 log = logging.getLogger("tensorserve.worker")
 
 
-def _load(hello: dict[str, Any], *, enter: bool = True) -> tuple[ModelConfig, ThreadExecutor]:
+def _load(hello: dict[str, Any]) -> tuple[ModelConfig, ThreadExecutor]:
     name, version = hello["name"], hello["version"]
     config = parse_config(hello["config"], f"{name} (worker)")
     source = ModelSource(name, Path(hello["path"]), (version,))
@@ -55,8 +55,6 @@ def _load(hello: dict[str, Any], *, enter: bool = True) -> tuple[ModelConfig, Th
         intra_op_threads=hello["intra_op_threads"],
         name=name,
     )
-    if enter:  # threads, inference mode, CUDA stream: on this thread
-        executor.start_instance(0)
     return config, executor
 
 
@@ -102,8 +100,17 @@ def _run_batch(
 def serve(sock: socket.socket) -> int:
     hello, _ = ipc.recv(sock)
     _log_as(hello)
+    return _load_and_run(sock, hello, None)
+
+
+def _load_and_run(
+    sock: socket.socket, hello: dict[str, Any], loaded: tuple[ModelConfig, ThreadExecutor] | None
+) -> int:
+    """Load the model (unless the template had), answer ready or why not,
+    then run batches until the server closes the socket."""
     try:
-        config, executor = _load(hello)
+        config, executor = loaded if loaded is not None else _load(hello)
+        executor.start_instance(0)  # threads, inference mode, CUDA stream: on this thread
     except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
         ipc.send(sock, {"error": _reason(exc)})
         return 1
@@ -154,7 +161,7 @@ def template(control: socket.socket) -> int:
         # On a GPU (or "auto") each worker loads the model after the fork:
         # the template never touches CUDA. torch is imported either way.
         if hello.get("template_loads"):
-            loaded = _load(hello, enter=False)
+            loaded = _load(hello)
     except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
         socket.send_fds(control, [msgpack.packb({"error": _reason(exc)})], [])
         return 1
@@ -200,14 +207,7 @@ def _fork_worker(
         control.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         ipc.recv(sock)  # the server's hello: the template had it already
-        try:
-            config, executor = loaded if loaded is not None else _load(hello, enter=False)
-            executor.start_instance(0)
-        except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
-            ipc.send(sock, {"error": _reason(exc)})
-        else:
-            ipc.send(sock, {"ready": True, "pid": os.getpid()})
-            code = _run(sock, hello, config, executor)
+        code = _load_and_run(sock, hello, loaded)
     finally:
         os._exit(code)
 

@@ -8,13 +8,14 @@ Who may touch what (docs/architecture.md, "Who owns what"): the scheduler
 owns the instance. Its loop sends and reads (``dispatch``); restoring a dead
 worker (``start`` again) runs on another thread while the scheduler sends
 the instance nothing. Any thread may ``kill`` it (the watchdog), ask whether
-it is ``alive`` and its ``pid`` (readiness), or ``close`` it; they take
+it is ``alive`` and its ``pid`` (readiness), or ``stop`` it; they take
 ``_guard``, which every swap of the process takes too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -30,22 +31,16 @@ import numpy as np
 
 from tensorserve.errors import ConfigError, WorkerCrashed
 from tensorserve.ipc import messages as ipc
-from tensorserve.runtime.template import ForkedProcess, Template
+from tensorserve.runtime.template import STOP_TIMEOUT_S, ForkedProcess, Template, reap
 from tensorserve.runtime.worker_channel import OnReply, WorkerChannel
 
 log = logging.getLogger("tensorserve.runtime.isolated")
 
 LOAD_TIMEOUT_S = 600.0  # import torch, load weights, maybe compile
-STOP_TIMEOUT_S = 10.0
 # Fewer, larger socket reads and writes for batches of a few MB.
 SOCKET_BUFFER_BYTES = 4 << 20
 
 Process = subprocess.Popen[bytes] | ForkedProcess
-
-
-def _batch_header(parameters: Mapping[str, list[Any]] | None) -> dict[str, Any]:
-    """A batch message's header: empty, or the request parameters' columns."""
-    return {"parameters": dict(parameters)} if parameters else {}
 
 
 def _died(returncode: int | None) -> str:
@@ -66,12 +61,11 @@ class WorkerProcess:
         self.hello = hello
         self.label = label
         self.template = template  # fork from it (milliseconds) instead of spawning
-        self._guard = threading.Lock()  # swaps of the process vs. kill / alive / close
+        self._guard = threading.Lock()  # swaps of the process vs. kill / alive / stop
         self.process: Process | None = None
         self.sock: socket.socket | None = None
         self.generation = 0  # counts starts: a batch sent to a dead worker is lost
         self.killed_because: str | None = None  # the watchdog killed it, and why
-        self.loop: asyncio.AbstractEventLoop | None = None  # the scheduler's
         self._channel: WorkerChannel | None = None  # the socket as the loop drives it
 
     # ------------------------------------------------------------------ any thread
@@ -100,16 +94,7 @@ class WorkerProcess:
                 except ProcessLookupError:  # pragma: no cover - it just exited
                     pass
 
-    def close(self) -> None:
-        """Stop it for good (the executor closing, after the scheduler has
-        stopped watching it: ``detach``)."""
-        self.stop()
-
     # ------------------------------------------------------------------ the owner
-    def relabel(self, label: str) -> None:
-        """A spare taking over an instance takes its name."""
-        self.label = label
-
     def start(self) -> None:
         """Spawn and wait until the model is loaded; ``ConfigError`` with the
         worker's own reason if it cannot load."""
@@ -152,28 +137,27 @@ class WorkerProcess:
             )
             return None
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The scheduler's loop, which sends and reads from now on."""
-        self.loop = loop
-
     def dispatch(
         self,
         features: dict[str, np.ndarray],
         parameters: Mapping[str, list[Any]] | None,
         on_reply: OnReply,
+        loop: asyncio.AbstractEventLoop | None,
     ) -> int:
-        """On the scheduler's loop: send one padded batch without blocking;
+        """On the scheduler's ``loop``: send one padded batch without blocking;
         ``on_reply(message, None)`` once its reply is in, or ``(None,
         WorkerCrashed)`` if the worker dies first (``ran`` for the batch it was
         running, not for those sent behind it). ``parameters`` (the model's
         declared request parameters, one value per row: plain scalars) travel
         in the message's msgpack header. Returns the ticket ``kill`` takes."""
-        if not self.alive or self.loop is None:
+        if not self.alive or loop is None:
             raise self._never_ran()
         assert self.sock is not None
         if self._channel is None or self._channel.sock is not self.sock:
-            self._channel = WorkerChannel(self.sock, self.loop, self._lost_on_loop)
-        self._channel.send(ipc.frames(_batch_header(parameters), features), on_reply)
+            lost = functools.partial(self._lost_on_loop, loop)
+            self._channel = WorkerChannel(self.sock, loop, lost)
+        header = {"parameters": dict(parameters)} if parameters else {}
+        self._channel.send(ipc.frames(header, features), on_reply)
         return self.generation
 
     def detach(self) -> None:
@@ -182,13 +166,11 @@ class WorkerProcess:
             self._channel.close()
             self._channel = None
 
-    def _lost_on_loop(self, waiting: list[OnReply]) -> None:
+    def _lost_on_loop(self, loop: asyncio.AbstractEventLoop, waiting: list[OnReply]) -> None:
         """The connection broke: take the process off this handle, learn how
         it died off the loop, then fail what was sent to it."""
         self._channel = None
         lost = self._detach()
-        assert self.loop is not None
-        loop = self.loop
 
         def report() -> WorkerCrashed:
             return lost.report("while running this batch", True)
@@ -228,16 +210,7 @@ class WorkerProcess:
                 pass
             sock.close()
         if process is not None:
-            _reap(self.label, process)
-
-
-def _reap(label: str, process: Process) -> int:
-    try:
-        return process.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        log.warning("%s: worker process %d did not stop; killing it", label, process.pid)
-        process.kill()
-        return process.wait()
+            reap(self.label, process)
 
 
 @dataclass(frozen=True)
@@ -262,7 +235,7 @@ class Lost:
         if self.sock is not None:
             self.sock.close()
         if returncode is None and self.process is not None:
-            _reap(self.label, self.process)  # alive with a broken socket: it goes now
+            reap(self.label, self.process)  # alive with a broken socket: it goes now
         if self.because is not None:
             message = f"{self.label}: the watchdog killed the worker process: {self.because}"
         else:

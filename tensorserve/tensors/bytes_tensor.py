@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorserve.errors import InvalidInput
+from tensorserve.errors import InvalidInput, ModelFailure
 
 _LENGTH = struct.Struct("<I")
 
@@ -55,6 +55,16 @@ def bytes_array(values: Any, where: str, *, what: str = "the list") -> np.ndarra
                 f"datatype BYTES needs strings or bytes"
             )
     return out.reshape(raw.shape)
+
+
+def bytes_output(value: Any, name: str) -> np.ndarray:
+    """A model's bytes output (an object array, or nested lists, of
+    ``bytes`` / ``str``) as ``bytes_array`` makes it; anything else is the
+    model's fault (``ModelFailure``), not the caller's."""
+    try:
+        return bytes_array(value, f"output {name!r}", what="the model's output")
+    except InvalidInput as exc:
+        raise ModelFailure(exc.message) from None
 
 
 def _object_array(values: Any) -> np.ndarray:
