@@ -1,6 +1,6 @@
 """The default thread count respects a container's CPU limit: cgroup v2
 ``cpu.max`` and v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``, read from fake
-cgroup trees (``runtime.cpus`` takes its paths as parameters)."""
+cgroup trees (``tensorserve.host`` takes its paths as parameters)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorserve.runtime.cpus import available_cpus, cpu_quota
+from tensorserve.host import available_cpus, cpu_quota
 
 
 def tree(tmp_path: Path, files: dict[str, str], proc: str = "0::/\n") -> tuple[Path, Path]:
@@ -106,7 +106,7 @@ def test_importing_reads_no_cgroup_file() -> None:
         "opened = []\n"
         "real = pathlib.Path.read_text\n"
         "pathlib.Path.read_text = lambda self, *a, **k: opened.append(str(self)) or real(self, *a, **k)\n"
-        "import tensorserve.runtime.cpus\n"
+        "import tensorserve.host\n"
         "assert not opened, opened\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from tensorserve.repository.loader import discover
-from tensorserve.runtime.cpus import available_cpus
+from tensorserve.host import available_cpus
 from tensorserve.settings import Settings
 from tests.conftest import ROOT
 from tests.test_observability_docs import checker

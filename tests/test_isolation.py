@@ -548,7 +548,7 @@ def test_auto_isolation_is_a_thread_where_the_model_is_on_a_gpu_or_on_several_de
 def test_a_repository_model_at_defaults_runs_in_a_worker_process_here() -> None:
     """This machine has 2 CPUs or more: the bundled embedder, which sets no
     isolation, gets a worker process, and a function a thread."""
-    from tensorserve.runtime.cpus import available_cpus
+    from tensorserve.host import available_cpus
 
     if available_cpus() < 2:
         pytest.skip("auto picks a thread on one CPU (checked above)")

@@ -33,7 +33,7 @@ from tensorserve.dataplane.frontend import StartupError
 from tensorserve.frontends.hub import FrontEndHub
 from tensorserve.frontends.process import SETTINGS_ENV
 from tensorserve.http.server import CLOSE_TIMEOUT_S, check_repository, tune_process
-from tensorserve.runtime.cpus import available_cpus
+from tensorserve.host import available_cpus
 from tensorserve.settings import Settings
 
 log = logging.getLogger(__name__)

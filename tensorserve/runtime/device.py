@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from tensorserve.errors import ConfigError
-from tensorserve.runtime.cpus import available_cpus
+from tensorserve.host import available_cpus
 from tensorserve.runtime.cuda_diagnosis import cuda_missing
 from tensorserve.tensors.dtypes import Feature
 

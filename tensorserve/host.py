@@ -1,6 +1,8 @@
-"""How many CPUs this process may really use: the cores it may run on, and a
-container's CPU quota (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` over
-``cpu.cfs_period_us``).
+"""The host: how many CPUs this process may really use: the cores it may
+run on, and a container's CPU quota (cgroup v2 ``cpu.max``, v1
+``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``). The runtime sizes its
+threads and picks process isolation by it, the front-end supervisor its
+``--frontends auto``: a fact of the machine, below both.
 
 ``os.cpu_count()`` counts the node's cores: a pod limited to 2 CPUs on a
 64-core node would otherwise start 63 intra-op threads, which the kernel then
