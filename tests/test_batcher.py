@@ -375,7 +375,7 @@ class SecondSelectionFails:
     def __init__(self) -> None:
         self.fifo, self.calls = make_policy("fifo", None), 0
 
-    def select(self, waiting: list, max_batch_size: int) -> list[int]:
+    def select(self, waiting: object, max_batch_size: int) -> list[int]:
         self.calls += 1
         if self.calls == 2:  # batch 1 is on the device: forming batch 2 fails
             raise RuntimeError("selection bug")

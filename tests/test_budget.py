@@ -94,7 +94,7 @@ def serve(
     formed = []
     for _ in range(batches):
         limit = policy.budget.limit()
-        chosen = policy.select([Waiting(v, False) for v in waiting], 32)
+        chosen = policy.select(Waiting(waiting), 32)
         size, longest = len(chosen), max(waiting[i] for i in chosen)
         formed.append((limit, size, size * longest))
         policy.budget.observe(size * longest, sum(waiting[i] for i in chosen), cost(size, longest))

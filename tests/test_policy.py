@@ -12,8 +12,8 @@ from tensorserve.batching.policy import BatchCostModel, FifoPolicy, LengthAwareP
 POLICIES = [FifoPolicy, LengthAwarePolicy]
 
 
-def queue(volumes: list[int], overdue_first: bool = False) -> list[Waiting]:
-    return [Waiting(v, overdue_first and i == 0) for i, v in enumerate(volumes)]
+def queue(volumes: list[int], overdue_first: bool = False) -> Waiting:
+    return Waiting(volumes, overdue_first)
 
 
 @pytest.mark.parametrize("policy_cls", POLICIES)
@@ -103,17 +103,17 @@ def test_when_batches_cost_per_launch_or_per_step_length_aware_fills_the_batch(c
     assert len(LengthAwarePolicy(cost=cost).select(queue(volumes), 32)) == 16
 
 
-def _select_run_by_run(policy: LengthAwarePolicy, waiting: list[Waiting], max_batch_size: int) -> list[int]:
+def _select_run_by_run(policy: LengthAwarePolicy, waiting: Waiting, max_batch_size: int) -> list[int]:
     """The length-aware choice as it was first written: one size at a time,
     the best run of each, the best of those. The grid version must agree."""
     n = len(waiting)
     if n <= 1:
         return list(range(n))
-    volumes = np.array([w.volume for w in waiting], dtype=np.int64)
+    volumes = np.array(waiting.volumes, dtype=np.int64)
     order = np.argsort(volumes, kind="stable")
     ranked = volumes[order].astype(np.float64)
     prefix = np.concatenate(([0.0], np.cumsum(ranked)))
-    forced = int(np.flatnonzero(order == 0)[0]) if waiting[0].overdue else None
+    forced = int(np.flatnonzero(order == 0)[0]) if waiting.oldest_overdue else None
     limit = policy.max_batch_tokens
     best: tuple[float, float, int, int] | None = None
     for size in range(1, min(max_batch_size, n) + 1):

@@ -252,9 +252,10 @@ class AdmissionQueue:
             if isinstance(positions, range)
             else [self._waiting[i] for i in positions]
         )
-        overdue_at = now - self._queue_delay_s()
-        views = [Waiting(p.volume, p.enqueued <= overdue_at) for p in window]
-        chosen = sorted(opts.policy.select(views, self.batch_cap()))
+        waiting = Waiting(
+            [p.volume for p in window], window[0].enqueued <= now - self._queue_delay_s()
+        )
+        chosen = sorted(opts.policy.select(waiting, self.batch_cap()))
         chosen = self._within_element_cap(window, chosen)
         if leave_growing and len(chosen) == len(self._waiting):
             return []

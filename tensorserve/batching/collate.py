@@ -125,9 +125,8 @@ def pad(
             np.stack(arrays, out=host)  # nothing to pad: one copy
         else:
             host.fill(b"" if spec.dt.is_bytes else _pad_bits(spec.pad_value, spec.dt))
-            if len(spec.shape) == 1:  # the common case, without a tuple of slices per row
-                for row, array in zip(host, arrays):
-                    row[: len(array)] = array
+            if len(spec.shape) == 1:  # the common case: every row's prefix in one assignment
+                host[np.arange(row_shape[0]) < shapes[:, :1]] = np.concatenate(arrays)
             else:
                 for row, array in zip(host, arrays):
                     row[tuple(slice(0, n) for n in array.shape)] = array
