@@ -32,8 +32,8 @@ from tensorserve.dataplane.assembly import build_plane, models_served
 from tensorserve.dataplane.frontend import StartupError
 from tensorserve.frontends.hub import FrontEndHub
 from tensorserve.frontends.process import SETTINGS_ENV
-from tensorserve.http.server import CLOSE_TIMEOUT_S, check_repository, tune_process
 from tensorserve.host import available_cpus
+from tensorserve.http.server import CLOSE_TIMEOUT_S, check_repository, tune_process
 from tensorserve.settings import Settings
 
 log = logging.getLogger(__name__)

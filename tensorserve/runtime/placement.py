@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from tensorserve.errors import ConfigError
-from tensorserve.repository.config import ModelConfig
 from tensorserve.host import available_cpus
+from tensorserve.repository.config import ModelConfig
 from tensorserve.runtime.cuda_diagnosis import cuda_missing
 from tensorserve.runtime.device import DeviceContext, resolve_device
 from tensorserve.runtime.executor import ThreadExecutor, on_device
