@@ -115,14 +115,19 @@ def receiver() -> Iterator[Receiver]:
     receiver.close()
 
 
-@pytest.fixture(scope="module")
-def traced(receiver: Receiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "two-front-ends"])
+def traced(
+    receiver: Receiver, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[ServerProcess]:
     """A server tracing to the receiver; new traces sampled at ratio 0, so
-    only callers that send a sampled traceparent are traced."""
+    only callers that send a sampled traceparent are traced. With two front
+    ends, the request's spans come from a front end and its batch's from
+    the scheduler process: one trace all the same."""
     repo = tmp_path_factory.mktemp("repo")
     write_toy_model(repo, "sleepy", SLEEPY_MODEL, max_batch_size=8, **SLEEPY_IO)
     server = ServerProcess(
         repo, "--otlp-endpoint", receiver.url, "--trace-sample-ratio", "0",
+        "--frontends", request.param,
         env={"OTEL_BSP_SCHEDULE_DELAY": "50"},  # export within 50 ms, not the SDK's 5 s
     )
     yield server

@@ -211,7 +211,7 @@ class FrontEndHub:
     def admit(self, connection: Connection, requests: list[Any], arrays: list[np.ndarray]) -> None:
         registry, start = self.plane.registry, 0
         woken: dict[int, Batcher] = {}
-        for rid, model, version, timeout, priority, parameters, names, count in requests:
+        for rid, model, version, timeout, priority, parameters, names, count, traced in requests:
             items, start = split_items(arrays, start, names, count)
             try:
                 served = registry.ready_model(model, version)
@@ -234,6 +234,12 @@ class FrontEndHub:
             except TensorServeError as exc:  # unknown, not ready, queue full, too large
                 connection.fail(rid, exc, admitted=False)
                 continue
+            if (
+                traced is not None and self.plane.tracer is not None
+            ):  # its batch spans join its trace
+                trace = self.plane.tracer.request_context(traced)
+                for entry in request.entries:
+                    entry.trace = trace
             connection.requests[rid] = request
             woken[id(batcher)] = batcher
         for batcher in woken.values():  # one pass per model for the whole message

@@ -37,12 +37,15 @@ EXIT_CANNOT_START = 2
 
 
 def build_app(settings: Settings, scheduler: Scheduler) -> web.Application:
+    tracer = configure_tracing(settings)
+    if tracer is not None:
+        scheduler.traceparent = tracer.current_traceparent
     plane = DataPlane(
         settings,
         None,  # no registry here: the models are the scheduler process's
         scheduler.metrics,
         None,
-        configure_tracing(settings),
+        tracer,
         models=scheduler,
         remote=scheduler.ask,
     )

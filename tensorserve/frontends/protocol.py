@@ -6,7 +6,7 @@ process. Its header holds any of these sections, so what one loop iteration
 produced travels as one message, whatever the number of requests in it:
 
     front end -> scheduler process
-    "infer"    [[rid, model, version, timeout, priority, parameters, names, items], ...]
+    "infer"    [[rid, model, version, timeout, priority, parameters, names, items, traceparent], ...]
                the tensors: each request's items, each item's ``names`` in order
     "cancel"   [rid, ...]: callers that left or timed out; their items leave the queue
     "ask"      [[aid, what, args], ...]: the answers about the server and its models

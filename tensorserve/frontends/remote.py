@@ -21,7 +21,7 @@ import itertools
 import logging
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +116,9 @@ class Scheduler:
         self._outbox: Outbox | None = None
         self._reporting: asyncio.TimerHandle | None = None
         self.table_received = asyncio.Event()
+        # The current request span's traceparent, when tracing is on: the
+        # scheduler process's batch spans join the request's trace.
+        self.traceparent: Callable[[], str | None] | None = None
 
     # -- life ------------------------------------------------------------------
     def connect(self) -> None:
@@ -179,9 +182,10 @@ class Scheduler:
         rid = next(self._ids)
         names = list(rows[0]) if rows else []
         tensors = [row[name] for row in rows for name in names]
+        traced = self.traceparent() if self.traceparent is not None else None
         outbox.add(
             "infer",
-            [rid, model.name, str(model.version), timeout, level, values, names, len(rows)],
+            [rid, model.name, str(model.version), timeout, level, values, names, len(rows), traced],
             tensors,
         )
         answer = loop.create_future()

@@ -108,6 +108,16 @@ class RequestTracer(Protocol):
         """The tracer of one model's batches (the registry installs it)."""
         ...
 
+    def current_traceparent(self) -> str | None:
+        """The current request span's ``traceparent`` when it is sampled: what
+        a front-end process sends with the request's items (``--frontends N``)."""
+        ...
+
+    def request_context(self, traceparent: str) -> Any:
+        """What a batch tracer's items carry (``BatchTracer.current_request``)
+        for a request whose span lives in a front-end process."""
+        ...
+
     def ensemble_tracer(self, ensemble: str, version: int) -> StepTracer:
         """The tracer of one ensemble's steps (the registry installs it)."""
         ...

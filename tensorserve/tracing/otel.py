@@ -96,6 +96,17 @@ class OtelTracer:
         finally:
             context.detach(span.token)  # type: ignore[arg-type]
 
+    def current_traceparent(self) -> str | None:
+        if not trace.get_current_span().get_span_context().trace_flags.sampled:
+            return None
+        carrier: dict[str, str] = {}
+        RESPONSE_PROPAGATOR.inject(carrier)
+        return carrier.get("traceparent")
+
+    def request_context(self, traceparent: str) -> trace.SpanContext:
+        remote = RESPONSE_PROPAGATOR.extract({"traceparent": traceparent})
+        return trace.get_current_span(remote).get_span_context()
+
     def batch_tracer(self, model: str, version: int) -> ModelBatchTracer:
         return ModelBatchTracer(self.tracer, model, version)
 
