@@ -64,6 +64,8 @@ def frames(
             # bfloat16 arrays are uint16 here; the receiver's config says
             # which features are bfloat16, exactly as on the wire.
             specs.append([name, _name(array.dtype), array.shape])
+            if array.size == 0:
+                continue  # nothing to send: the shape says it all
             payloads.append(
                 memoryview(array.data).cast("B")
                 if array.ndim
