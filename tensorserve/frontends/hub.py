@@ -18,10 +18,11 @@ answered into nothing. The scheduler never waits on a front end.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import socket
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from tensorserve.serving.model import ServedModel
 from tensorserve.tensors.results import row_parameters
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How often the hub looks for a changed model table (poll mode reloads,
 # failures): a load or unload asked through a front end publishes at once.
@@ -171,6 +173,12 @@ class Connection:
         self.link.sock.close()
 
 
+def _within(
+    context: contextvars.Context | None, fn: Callable[..., T], *args: Any, **kwargs: Any
+) -> T:
+    return fn(*args, **kwargs) if context is None else context.run(fn, *args, **kwargs)
+
+
 class FrontEndHub:
     """Every front end of this scheduler process (``frontends/supervisor.py``
     attaches and detaches them); runs on the process's one loop."""
@@ -211,18 +219,30 @@ class FrontEndHub:
     def admit(self, connection: Connection, requests: list[Any], arrays: list[np.ndarray]) -> None:
         registry, start = self.plane.registry, 0
         woken: dict[int, Batcher] = {}
+        tracer = self.plane.tracer
         for rid, model, version, timeout, priority, parameters, names, count, traced in requests:
             items, start = split_items(arrays, start, names, count)
+            # A traced request's span (in its front end) is current while its
+            # items are queued: its batch's and steps' spans join its trace.
+            context = tracer.request_context(traced) if traced and tracer is not None else None
             try:
                 served = registry.ready_model(model, version)
                 if isinstance(served, Ensemble):
-                    self._run_ensemble(
-                        connection, rid, served, items, timeout, priority, parameters
+                    coroutine = served.infer_many(
+                        items,
+                        timeout=timeout,
+                        priority=priority,
+                        parameters=parameters,
+                        max_bytes_element_length=self.plane.settings.max_bytes_element_length,
                     )
+                    task = _within(context, self.loop.create_task, coroutine)
+                    self._answer_when_done(connection, rid, task)
                     continue
                 request = RemoteRequest(connection, rid, count)
                 request.batcher = batcher = served.batcher
-                request.entries = batcher.submit_into(
+                request.entries = _within(
+                    context,
+                    batcher.submit_into,
                     items,
                     [ReplySlot(request, i) for i in range(count)],
                     self.loop,
@@ -234,37 +254,15 @@ class FrontEndHub:
             except TensorServeError as exc:  # unknown, not ready, queue full, too large
                 connection.fail(rid, exc, admitted=False)
                 continue
-            if (
-                traced is not None and self.plane.tracer is not None
-            ):  # its batch spans join its trace
-                trace = self.plane.tracer.request_context(traced)
-                for entry in request.entries:
-                    entry.trace = trace
             connection.requests[rid] = request
             woken[id(batcher)] = batcher
         for batcher in woken.values():  # one pass per model for the whole message
             batcher.scheduler.wake()
 
-    def _run_ensemble(
-        self,
-        connection: Connection,
-        rid: int,
-        ensemble: Ensemble,
-        items: list[dict[str, np.ndarray]],
-        timeout: float | None,
-        priority: Any,
-        parameters: Any,
-    ) -> None:
-        """An ensemble's steps run here, each through its model's scheduler."""
-        task = self.loop.create_task(
-            ensemble.infer_many(
-                items,
-                timeout=timeout,
-                priority=priority,
-                parameters=parameters,
-                max_bytes_element_length=self.plane.settings.max_bytes_element_length,
-            )
-        )
+    @staticmethod
+    def _answer_when_done(connection: Connection, rid: int, task: asyncio.Task[Any]) -> None:
+        """An ensemble's steps run here, each through its model's scheduler:
+        its request is answered when its task is done."""
         connection.requests[rid] = task
 
         def done(task: asyncio.Task[Any]) -> None:

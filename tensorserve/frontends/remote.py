@@ -178,9 +178,11 @@ class Scheduler:
     ) -> list[dict[str, np.ndarray]]:
         outbox = self._outbox
         assert outbox is not None
+        if not rows:  # nothing to ask for (the codecs refuse an empty request first)
+            return []
         loop = outbox.loop
         rid = next(self._ids)
-        names = list(rows[0]) if rows else []
+        names = list(rows[0])
         tensors = [row[name] for row in rows for name in names]
         traced = self.traceparent() if self.traceparent is not None else None
         outbox.add(

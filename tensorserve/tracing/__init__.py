@@ -28,6 +28,7 @@ the ``CallOrigin`` its front end describes it with:
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -113,9 +114,10 @@ class RequestTracer(Protocol):
         a front-end process sends with the request's items (``--frontends N``)."""
         ...
 
-    def request_context(self, traceparent: str) -> Any:
-        """What a batch tracer's items carry (``BatchTracer.current_request``)
-        for a request whose span lives in a front-end process."""
+    def request_context(self, traceparent: str) -> contextvars.Context:
+        """A context in which a request whose span lives in a front-end
+        process is the current span: its items queued, or its ensemble run,
+        in this context carry it, as in the process that started it."""
         ...
 
     def ensemble_tracer(self, ensemble: str, version: int) -> StepTracer:

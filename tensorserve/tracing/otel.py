@@ -13,6 +13,7 @@ headers are read as), ``OTEL_BSP_*`` (the processor's queue and delay) and
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
@@ -103,9 +104,11 @@ class OtelTracer:
         RESPONSE_PROPAGATOR.inject(carrier)
         return carrier.get("traceparent")
 
-    def request_context(self, traceparent: str) -> trace.SpanContext:
+    def request_context(self, traceparent: str) -> contextvars.Context:
         remote = RESPONSE_PROPAGATOR.extract({"traceparent": traceparent})
-        return trace.get_current_span(remote).get_span_context()
+        copied = contextvars.copy_context()
+        copied.run(context.attach, remote)
+        return copied
 
     def batch_tracer(self, model: str, version: int) -> ModelBatchTracer:
         return ModelBatchTracer(self.tracer, model, version)
