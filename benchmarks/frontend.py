@@ -29,7 +29,7 @@ costs them alike. Each (protocol, c) gets a ``--warmup`` wrk run, then a
 ``--duration`` one; the server tree's CPU seconds are read just before and
 after it. The table shows medians over ``--repeats``; the JSON has every run.
 
-Front ends (issue 38, ``serve --frontends N``): ``--frontends 1 2`` serves each
+Front ends (``serve --frontends N``): ``--frontends 1 2`` serves each
 tree under each N in turn, as rows of their own (a "server" is a tree and an
 N). N = 1 passes no flag, so a tree without it serves as it always did (the
 environment pins TENSORSERVE_FRONTENDS=1, which such a tree ignores); N >= 2
@@ -40,7 +40,7 @@ refused before any server starts. CPU is read from /proc
 processes, its other children (model workers) and the total. "total vs N=1"
 is a row's total CPU per request over its tree's one-process server's.
 
-The issue's figures, one command each (on the 2-core machine):
+The front ends' figures, one command each (on the 2-core machine):
 
     # (a) scheduler CPU a request, flat at c=256 with 2 front ends, both
     #     protocols (goal <= 30 us), and the total against one process (<= 1.2x)

@@ -120,7 +120,7 @@ def test_a_port_in_use_is_one_line_and_nothing_starts(gated: tuple[Path, FileGat
         taken.close()
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        f"tensorserve serve: error: cannot listen for HTTP on 127.0.0.1:{port}: "
+        f"tensorserve serve: error: cannot listen on 127.0.0.1:{port} for HTTP: "
         f"the port is already in use"
     )
 

@@ -18,7 +18,6 @@ until the last has exited, then close. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
-import errno
 import gc
 import logging
 import os
@@ -29,11 +28,10 @@ import time
 
 from tensorserve.dataplane import logs
 from tensorserve.dataplane.assembly import build_plane, models_served
-from tensorserve.dataplane.frontend import StartupError
 from tensorserve.frontends.hub import FrontEndHub
 from tensorserve.frontends.process import SETTINGS_ENV
 from tensorserve.host import available_cpus
-from tensorserve.http.server import CLOSE_TIMEOUT_S, check_repository, tune_process
+from tensorserve.http.server import CLOSE_TIMEOUT_S, cannot_listen, check_repository, tune_process
 from tensorserve.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -64,13 +62,8 @@ def reserve(host: str, port: int, what: str) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
         return sock
-    except socket.gaierror as exc:
-        raise StartupError(
-            f"cannot listen for {what} on {host}:{port}: unknown host ({exc.strerror})"
-        ) from None
     except OSError as exc:
-        reason = "the port is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-        raise StartupError(f"cannot listen for {what} on {host}:{port}: {reason or exc}") from None
+        raise cannot_listen(f"{host}:{port} for {what}", exc) from None
 
 
 def run(settings: Settings) -> None:

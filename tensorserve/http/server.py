@@ -93,13 +93,17 @@ def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     (``SO_REUSEPORT``: the kernel spreads connections among them)."""
     try:
         return socket.create_server((host, port), backlog=BACKLOG, reuse_port=reuse_port)
-    except socket.gaierror as exc:
-        raise StartupError(
-            f"cannot listen on {host}:{port}: unknown host ({exc.strerror})"
-        ) from None
     except OSError as exc:
-        reason = "the port is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-        raise StartupError(f"cannot listen on {host}:{port}: {reason or exc}") from None
+        raise cannot_listen(f"{host}:{port}", exc) from None
+
+
+def cannot_listen(where: str, exc: OSError) -> StartupError:
+    """The one sentence of a socket that cannot be bound (``where``: "host:port",
+    or "for gRPC on host:port")."""
+    if isinstance(exc, socket.gaierror):
+        return StartupError(f"cannot listen on {where}: unknown host ({exc.strerror})")
+    reason = "the port is already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+    return StartupError(f"cannot listen on {where}: {reason or exc}")
 
 
 def _install_uvloop() -> None:

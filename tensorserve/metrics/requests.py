@@ -17,6 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tensorserve import errors
+from tensorserve.histograms import SECONDS_BUCKETS
 
 OK = "ok"
 DISCONNECT = "disconnect"  # the caller closed the connection before the answer
@@ -29,23 +30,8 @@ REJECTION_REASONS = {
     code: cls.rejection for code, cls in errors.CODES.items() if cls.rejection is not None
 } | {DISCONNECT: "disconnect"}
 
-LATENCY_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-)
+# A request's end-to-end seconds: the stages' buckets from 0.5 ms up.
+LATENCY_BUCKETS = SECONDS_BUCKETS[SECONDS_BUCKETS.index(0.0005) :]
 
 
 def rejection_reason(code: str, status: int) -> str | None:
