@@ -46,6 +46,9 @@ PARAMS = {
     "max_batch_size": 8,
     "request_parameter": DECLARED,
 }
+# One row a batch: a bounded queue (2 behind the running one), and priority levels.
+SMALL = {**ECHO, "max_batch_size": 1, "dynamic_batching": {"max_queue_delay_ms": 1.0, "max_queue_size": 2}}
+RANKED = {**ECHO, "max_batch_size": 1, "dynamic_batching": {"priority_levels": 2, "policy": "fifo"}}
 CALLERS = 16  # on 16 connections, all on one front end once in 2**15 runs
 
 
@@ -74,6 +77,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     gate = FileGate(repo)
     write_toy_model(repo, "gated", gate.model(), **GATED)
     write_toy_model(repo, "params", PARAMS_MODEL, **PARAMS)
+    write_toy_model(repo, "small", gate.model(), **SMALL)
+    write_toy_model(repo, "ranked", gate.model(), **RANKED)
     _write(repo, "double", _toy_toml({"x": FLOATS}, {"y": FLOATS}), DOUBLE_PY)
     _write(repo, "shift", _toy_toml({"a": FLOATS, "b": FLOATS}, {"s": FLOATS}), SHIFT_PY)
     steps = [_step("double", {"x": "X"}, {"y": "D"}), _step("shift", {"a": "D", "b": "X"}, {"s": "OUT"})]
@@ -97,17 +102,25 @@ def x_of(value: float) -> np.ndarray:
     return np.full((2, 4), value, np.float32)
 
 
-def infer(url: str, value: float, request_id: str = "", **parameters: Any) -> tuple[int, Any]:
+def infer(
+    url: str, value: float, request_id: str = "", model: str = "gated", **parameters: Any
+) -> tuple[int, Any]:
     """One request on a connection of its own (the kernel picks its front end)."""
+    return send(url, value, request_id, model, **parameters)[:2]
+
+
+def send(
+    url: str, value: float, request_id: str = "", model: str = "gated", **parameters: Any
+) -> tuple[int, Any, httpx.Headers]:
     headers = {**MSGPACK, "X-Request-ID": request_id} if request_id else MSGPACK
     extra = {"parameters": parameters} if parameters else {}
     reply = httpx.post(
-        f"{url}/v2/models/gated/infer",
+        f"{url}/v2/models/{model}/infer",
         content=body([{"x": x_of(value)}], **extra),
         headers=headers,
         timeout=60,
     )
-    return reply.status_code, msgpack.unpackb(reply.content)
+    return reply.status_code, msgpack.unpackb(reply.content), reply.headers
 
 
 def stats(url: str, model: str = "gated") -> dict[str, Any]:
@@ -131,9 +144,11 @@ def served_by(log: Path, request_ids: set[str]) -> dict[str, str]:
     return seen
 
 
-def hold(pool: ThreadPoolExecutor, url: str, gate: FileGate) -> Future[tuple[int, Any]]:
+def hold(
+    pool: ThreadPoolExecutor, url: str, gate: FileGate, model: str = "gated"
+) -> Future[tuple[int, Any]]:
     gate.close()
-    held = pool.submit(infer, url, 7.0)
+    held = pool.submit(infer, url, 7.0, "", model)
     gate.wait_entered()
     return held
 
@@ -263,6 +278,31 @@ def test_a_deadline_and_a_caller_that_leaves_withdraw_their_items(
     assert held.result(30)[0] == 200
     assert infer(server.url, 43.0)[0] == 200
     assert {41.0, 42.0}.isdisjoint(gate.seen_values()[ran_before:])
+
+
+def test_a_full_queue_is_503_with_retry_after_and_priority_orders_the_queue(
+    served: tuple[ServerProcess, FileGate], pool: ThreadPoolExecutor
+) -> None:
+    server, gate = served
+    held = hold(pool, server.url, gate, "small")
+    queued_calls = [pool.submit(infer, server.url, 21.0 + i, "", "small") for i in range(2)]
+    wait_until(lambda: stats(server.url, "small")["queue_depth"] == 2, "the queue full")
+    status, reply, headers = send(server.url, 30.0, "", "small")
+    assert (status, reply["code"]) == (503, "server_busy")
+    assert 1 <= int(headers["Retry-After"]) <= 60
+    gate.open()
+    assert [c.result(30)[0] for c in (held, *queued_calls)] == [200] * 3
+    # Priority: behind a held batch, a later level-1 item runs before earlier level-2 ones.
+    held = hold(pool, server.url, gate, "ranked")
+    ran_before = len(gate.seen_values())
+    low = [pool.submit(infer, server.url, 51.0 + i, "", "ranked", priority=2) for i in range(2)]
+    wait_until(lambda: stats(server.url, "ranked")["queue_depth"] == 2, "the low items queued")
+    high = pool.submit(infer, server.url, 59.0, "", "ranked", priority=1)
+    wait_until(lambda: stats(server.url, "ranked")["queue_depth"] == 3, "the high item queued")
+    gate.open()
+    assert [c.result(30)[0] for c in (held, *low, high)] == [200] * 4
+    ran = gate.seen_values()[ran_before:]  # the held one wrote on entry, before
+    assert ran[0] == 59.0 and sorted(ran[1:]) == [51.0, 52.0]
 
 
 def test_request_and_output_parameters_travel_through_a_front_end(
