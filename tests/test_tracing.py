@@ -31,7 +31,16 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from tests.conftest import ROOT, ServerProcess
-from tests.helpers import MSGPACK, SLEEPY_IO, SLEEPY_MODEL, body, wait_until, write_toy_model
+from tests.helpers import (
+    MSGPACK,
+    SLEEPY_IO,
+    SLEEPY_MODEL,
+    body,
+    toy_config,
+    wait_until,
+    write_toy_model,
+)
+from tests.test_ensemble import DOUBLE_PY, FLOATS, TOY, _ensemble_toml, _step, _write
 
 TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 
@@ -125,6 +134,8 @@ def traced(
     the scheduler process: one trace all the same."""
     repo = tmp_path_factory.mktemp("repo")
     write_toy_model(repo, "sleepy", SLEEPY_MODEL, max_batch_size=8, **SLEEPY_IO)
+    _write(repo, "double", toy_config({"x": FLOATS}, {"y": FLOATS}, **TOY), DOUBLE_PY)
+    _write(repo, "twice", _ensemble_toml([_step("double", {"x": "X"}, {"y": "OUT"})]), None)
     server = ServerProcess(
         repo, "--otlp-endpoint", receiver.url, "--trace-sample-ratio", "0",
         "--frontends", request.param,
@@ -348,3 +359,17 @@ def test_a_server_without_tracing_never_imports_opentelemetry() -> None:
                             text=True, timeout=60, env=os.environ)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_an_ensembles_steps_and_their_batches_join_the_requests_trace(
+    traced: ServerProcess, receiver: Receiver
+) -> None:
+    traceparent, trace_id, _ = new_traceparent()
+    request = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 3], "data": [1, 2, 3]}]}
+    response = httpx.post(f"{traced.url}/v2/models/twice/infer", json=request,
+                          headers={"traceparent": traceparent}, timeout=30)
+    assert response.status_code == 200, response.text
+    spans = wait_for_stages(receiver, trace_id, {INFER, "step double", "compute"})
+    by_name = {s["name"]: s for s in spans}
+    assert by_name["step double"]["parent"] == by_name[INFER]["span_id"]
+    assert by_name["compute"]["attributes"]["tensorserve.model"] == "double"

@@ -1,6 +1,6 @@
 """The spans of an ensemble's steps (``ensemble/tracer.py StepTracer``).
 
-Each step of a traced request is a span under the request's, current while
+Each step of a sampled request is a span under the request's, current while
 the step runs: the step model's items carry it, so that model's batch
 spans (``batches.py``) hang under the step that queued them. An unsampled
 request's steps make no span.
@@ -22,7 +22,9 @@ class EnsembleStepTracer:
 
     @contextlib.contextmanager
     def step(self, label: str, model: str) -> Iterator[None]:
-        if not trace.get_current_span().is_recording():
+        # Sampled, not recording: with --frontends N the request's span is a
+        # front end's, current here as its (sampled, non-recording) context.
+        if not trace.get_current_span().get_span_context().trace_flags.sampled:
             yield
             return
         attributes = {
