@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Many cores for one GPU, measured where there are many cores (the lent GPU machine: 16):
+# the flat GPU-like model (5 ms a batch of up to 64: it allows 12,800 items/s) at c=512,
+# loaded by wrk, under `--frontends 1 2 4 8` (docs/performance.md, "Many cores").
+#
+# Here, before the device call (from the project's root, on the commit to measure):
+#   ../shared/gpu/carry-wheels.sh pytest-timeout   # the wheels the machine lacks, into .whl/
+#   bash scripts/gpu_frontends.sh --prepare          # wrk and its libluajit, into .gpu-tools/
+# Then in the device call (carry [".whl", ".gpu-tools"]), after or instead of gpu_run.sh:
+#   GPU_RUN_COMMIT=<sha> bash scripts/gpu_run.sh; bash scripts/gpu_frontends.sh
+# It needs ~2 minutes. Lands in $OUT: frontends_many_cores.json, frontends_many_cores.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+TOOLS=.gpu-tools
+
+if [ "${1:-}" = "--prepare" ]; then
+  mkdir -p "$TOOLS"
+  wrk=$(command -v wrk) || { echo "no wrk here: apt-get install wrk"; exit 1; }
+  cp "$wrk" "$TOOLS/wrk"
+  # Its libraries the GPU machine may lack (libssl and libc it has).
+  ldd "$wrk" | awk '/luajit/ {print $3}' | xargs -r -I{} cp {} "$TOOLS/"
+  ls -l "$TOOLS"
+  exit 0
+fi
+
+OUT=${OUT:-/tmp/gpu_run_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+# The wheels gpu_run.sh installs, unless it ran already or nothing is missing.
+if compgen -G ".whl/*.whl" > /dev/null && [ ! -d /tmp/site ] \
+    && ! python3 -c "import msgspec, pydantic_settings" 2> /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || { echo "installing .whl/ failed"; exit 1; }
+fi
+export PYTHONPATH=$PWD:$PWD/clients/python:$PWD/bench:/tmp/site
+if [ -x "$TOOLS/wrk" ]; then
+  export PATH=$PWD/$TOOLS:$PATH LD_LIBRARY_PATH=$PWD/$TOOLS:${LD_LIBRARY_PATH:-}
+fi
+command -v wrk > /dev/null || { echo "no wrk: run scripts/gpu_frontends.sh --prepare here and carry $TOOLS"; exit 1; }
+echo "== $(nproc) CPUs; wrk: $(wrk -v 2>&1 | head -1)"
+timeout -k 5 240 python3 benchmarks/frontend.py --frontends 1 2 4 8 --cases flat --flat-c 512 \
+  --isolation thread --repeats 1 --duration 8 --warmup 2 \
+  --output "$OUT/frontends_many_cores.json" 2>&1 | tee "$OUT/frontends_many_cores.log"
+exit "${PIPESTATUS[0]}"
