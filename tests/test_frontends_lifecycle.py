@@ -15,13 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import psutil
 import pytest
 
 from tensorserve.frontends import supervisor
 from tensorserve.settings import Settings
 from tests.conftest import ServerProcess
-from tests.helpers import ECHO, FileGate, wait_until, write_toy_model
+from tests.helpers import ECHO, MSGPACK, FileGate, body, wait_until, write_toy_model
 from tests.test_frontends import front_ends, hold, infer, queued, start, stats
 
 
@@ -85,6 +86,28 @@ def test_a_model_unloaded_through_one_front_end_is_gone_from_all(
         assert loaded.status_code == 200, loaded.text
         for _ in range(6):
             assert infer(server.url, 1.0)[0] == 200
+    finally:
+        server.stop()
+
+
+def test_a_model_reloaded_with_a_new_config_is_validated_by_it_in_every_front_end(
+    gated: tuple[Path, FileGate],
+) -> None:
+    repo, gate = gated
+    gate.open()
+    server = start(repo, "--model-control-mode", "explicit")
+    try:
+        wide = {"dtype": "float32", "shape": [-1, 8]}
+        write_toy_model(repo, "gated", gate.model(),
+                        **{**ECHO, "max_batch_size": 8, "inputs": {"x": wide}, "outputs": {"y": wide}})
+        assert httpx.post(f"{server.url}/v2/repository/models/gated/load", json={}).status_code == 200
+        for _ in range(6):  # any connection, either front end: the new config, never the old
+            reply = httpx.post(f"{server.url}/v2/models/gated/infer", headers=MSGPACK,
+                               content=body([{"x": np.ones((2, 8), np.float32)}]), timeout=30)
+            assert reply.status_code == 200, reply.content
+            old = httpx.post(f"{server.url}/v2/models/gated/infer", headers=MSGPACK,
+                             content=body([{"x": np.ones((2, 4), np.float32)}]), timeout=30)
+            assert old.status_code == 400, old.content
     finally:
         server.stop()
 

@@ -38,7 +38,9 @@ from tensorserve.repository.config import parse_config
         errors.ModelControlDisabled("cannot load"),
     ],
 )
-def test_an_error_keeps_its_class_code_and_retry_after_across(error: errors.TensorServeError) -> None:
+def test_an_error_keeps_its_class_code_and_retry_after_across(
+    error: errors.TensorServeError,
+) -> None:
     again = error_from(msgpack.unpackb(msgpack.packb(error_entry(error))))
     assert (again.code, again.message, again.http_status, again.grpc_status) == (
         error.code, error.message, error.http_status, error.grpc_status,
@@ -49,7 +51,7 @@ def test_an_error_keeps_its_class_code_and_retry_after_across(error: errors.Tens
 def test_any_other_exception_is_the_servers_fault_with_its_text() -> None:
     again = error_from(error_entry(KeyError("weights")))
     assert (type(again), again.code, again.message) == (
-        errors.TensorServeError, "internal", "KeyError: 'weights'",
+        errors.TensorServeError, "internal", "internal error: KeyError: 'weights'",
     )  # fmt: skip
 
 
@@ -90,7 +92,9 @@ def test_a_stream_is_read_whole_however_the_reads_cut_it(
 ) -> None:
     left, right = sockets
     big = np.arange(300_000, dtype=np.float32)  # larger than a read
-    sent = [({"n": i}, {"t": np.full(i + 1, i, np.int16)}) for i in range(5)] + [({"n": 5}, {"t": big})]
+    sent = [({"n": i}, {"t": np.full(i + 1, i, np.int16)}) for i in range(5)] + [
+        ({"n": 5}, {"t": big})
+    ]
     stream = b"".join(bytes(b) for h, t in sent for b in messages.frames(h, t))
     reader = messages.StreamReader()
     got: list[messages.Message] = []
@@ -163,7 +167,10 @@ def test_a_front_ends_table_answers_lookups_as_the_registry_does(
 ) -> None:
     scheduler = Scheduler(sockets[0])
     scheduler._models(
-        [["m", 1, "READY", "", CONFIG, False], ["f", None, "FAILED", "bad weights", None, False]]
+        [
+            ["m", 1, "READY", "", CONFIG, False, 1],
+            ["f", None, "FAILED", "bad weights", None, False, 2],
+        ]
     )
     model = scheduler.ready_model("m")
     assert (model.name, model.version, model.config.input[0].name) == ("m", 1, "x")
@@ -171,7 +178,9 @@ def test_a_front_ends_table_answers_lookups_as_the_registry_does(
         scheduler.ready_model("nope")
     with pytest.raises(errors.ModelNotFound, match=r"version '2' is not served"):
         scheduler.ready_model("m", "2")
-    with pytest.raises(errors.ModelNotReady, match=r"^model 'f' is not ready \(FAILED\): bad weights$"):
+    with pytest.raises(
+        errors.ModelNotReady, match=r"^model 'f' is not ready \(FAILED\): bad weights$"
+    ):
         scheduler.ready_model("f")
     scheduler.late = {"m": ["model 'm' would answer in ~900 ms", 4.0]}
     with pytest.raises(errors.WouldMissTarget) as refused:

@@ -31,9 +31,9 @@ from tensorserve.batching.batcher import Batcher
 from tensorserve.dataplane import models as answers
 from tensorserve.dataplane.plane import DataPlane
 from tensorserve.ensemble import Ensemble
-from tensorserve.errors import TensorServeError
+from tensorserve.errors import ModelNotReady, TensorServeError
 from tensorserve.frontends.protocol import Outbox, error_entry, split_items
-from tensorserve.frontends.table import LatePublisher, model_table, table_signature
+from tensorserve.frontends.table import Generations, LatePublisher, model_table
 from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
 from tensorserve.serving.model import ServedModel
@@ -146,9 +146,12 @@ class Connection:
             request.cancel()
 
     def _lost(self) -> None:
-        """The front end died (or closed): its requests leave the queues."""
+        """The front end died, or its stream broke: its requests leave the
+        queues, and its socket closes (a front end still alive sees that and
+        exits, and is restarted, rather than writing to nobody)."""
         for rid in list(self.requests):
             self._cancel(rid)
+        self.link.sock.close()
         self.hub.detached(self)
 
     # -- out --------------------------------------------------------------------
@@ -186,8 +189,9 @@ class FrontEndHub:
     def __init__(self, plane: DataPlane, loop: asyncio.AbstractEventLoop) -> None:
         self.plane, self.loop = plane, loop
         self.connections: dict[int, Connection] = {}
-        self._signature: Any = None
+        self._generations = Generations()
         self._table: list[Any] = []
+        self._asking: set[asyncio.Task[None]] = set()
         self._late = LatePublisher(plane, self._publish_late)
         self._checking: asyncio.TimerHandle | None = None
 
@@ -217,47 +221,89 @@ class FrontEndHub:
 
     # -- requests ----------------------------------------------------------------
     def admit(self, connection: Connection, requests: list[Any], arrays: list[np.ndarray]) -> None:
-        registry, start = self.plane.registry, 0
+        start = 0
         woken: dict[int, Batcher] = {}
         tracer = self.plane.tracer
-        for rid, model, version, timeout, priority, parameters, names, count, traced in requests:
-            items, start = split_items(arrays, start, names, count)
-            # A traced request's span (in its front end) is current while its
-            # items are queued: its batch's and steps' spans join its trace.
-            context = tracer.request_context(traced) if traced and tracer is not None else None
-            try:
-                served = registry.ready_model(model, version)
-                if isinstance(served, Ensemble):
-                    coroutine = served.infer_many(
-                        items,
-                        timeout=timeout,
-                        priority=priority,
-                        parameters=parameters,
-                        max_bytes_element_length=self.plane.settings.max_bytes_element_length,
-                    )
-                    task = _within(context, self.loop.create_task, coroutine)
-                    self._answer_when_done(connection, rid, task)
-                    continue
-                request = RemoteRequest(connection, rid, count)
-                request.batcher = batcher = served.batcher
-                request.entries = _within(
-                    context,
-                    batcher.submit_into,
+        try:
+            for (
+                rid,
+                model,
+                version,
+                generation,
+                timeout,
+                priority,
+                parameters,
+                names,
+                count,
+                traced,
+            ) in requests:
+                items, start = split_items(arrays, start, names, count)
+                # A traced request's span (in its front end) is current while its
+                # items are queued: its batch's and steps' spans join its trace.
+                context = tracer.request_context(traced) if traced and tracer is not None else None
+                self._admit_one(
+                    connection, rid, model, version, generation, timeout, priority, parameters,
+                    items, context, woken,
+                )  # fmt: skip
+        finally:
+            for batcher in woken.values():  # one pass per model for the whole message
+                batcher.scheduler.wake()
+
+    def _admit_one(
+        self,
+        connection: Connection,
+        rid: int,
+        model: str,
+        version: str,
+        generation: int,
+        timeout: float | None,
+        priority: Any,
+        parameters: Any,
+        items: list[dict[str, np.ndarray]],
+        context: contextvars.Context | None,
+        woken: dict[int, Batcher],
+    ) -> None:
+        try:
+            served = self.plane.registry.ready_model(model, version)
+            if not self._generations.current(model, served, generation):
+                # Validated against another config than the one serving now
+                # (a reload the front end had not heard of): never batched.
+                self._check_table(reschedule=False)
+                raise ModelNotReady(
+                    f"model {model!r} was reloaded while this request was on its way; retry it"
+                )
+            if isinstance(served, Ensemble):
+                coroutine = served.infer_many(
                     items,
-                    [ReplySlot(request, i) for i in range(count)],
-                    self.loop,
                     timeout=timeout,
                     priority=priority,
-                    parameters=parameters or NO_PARAMETERS,
-                    wake=False,
+                    parameters=parameters,
+                    max_bytes_element_length=self.plane.settings.max_bytes_element_length,
                 )
-            except TensorServeError as exc:  # unknown, not ready, queue full, too large
-                connection.fail(rid, exc, admitted=False)
-                continue
-            connection.requests[rid] = request
-            woken[id(batcher)] = batcher
-        for batcher in woken.values():  # one pass per model for the whole message
-            batcher.scheduler.wake()
+                self._answer_when_done(
+                    connection, rid, _within(context, self.loop.create_task, coroutine)
+                )
+                return
+            request = RemoteRequest(connection, rid, len(items))
+            request.batcher = batcher = served.batcher
+            request.entries = _within(
+                context,
+                batcher.submit_into,
+                items,
+                [ReplySlot(request, i) for i in range(len(items))],
+                self.loop,
+                timeout=timeout,
+                priority=priority,
+                parameters=parameters or NO_PARAMETERS,
+                wake=False,
+            )
+        except Exception as exc:  # noqa: BLE001 - its caller's answer; the next request goes on
+            # Unknown, not ready, queue full, too large; or a fault of the
+            # server, which must fail this request only (and is logged).
+            connection.fail(rid, exc, admitted=False)
+            return
+        connection.requests[rid] = request
+        woken[id(batcher)] = batcher
 
     @staticmethod
     def _answer_when_done(connection: Connection, rid: int, task: asyncio.Task[Any]) -> None:
@@ -278,7 +324,9 @@ class FrontEndHub:
 
     # -- answers about the server and its models ---------------------------------
     def ask(self, connection: Connection, aid: int, what: str, args: list[Any]) -> None:
-        self.loop.create_task(self._answer(connection, aid, what, args))
+        task = self.loop.create_task(self._answer(connection, aid, what, args))
+        self._asking.add(task)
+        task.add_done_callback(self._asking.discard)
 
     async def _answer(self, connection: Connection, aid: int, what: str, args: list[Any]) -> None:
         try:
@@ -296,11 +344,11 @@ class FrontEndHub:
 
     # -- what every front end is told -------------------------------------------
     def _check_table(self, reschedule: bool = True) -> None:
-        signature = table_signature(self.plane.registry)
-        if signature != self._signature:
-            self._signature, self._table = signature, model_table(self.plane.registry)
+        table = model_table(self.plane.registry, self._generations)
+        if table != self._table:
+            self._table = table
             for connection in self.connections.values():
-                connection.outbox.put("models", self._table)
+                connection.outbox.put("models", table)
             self._late.models_changed()
         if reschedule:
             self._checking = self.loop.call_later(TABLE_CHECK_S, self._check_table)

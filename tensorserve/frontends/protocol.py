@@ -6,7 +6,9 @@ process. Its header holds any of these sections, so what one loop iteration
 produced travels as one message, whatever the number of requests in it:
 
     front end -> scheduler process
-    "infer"    [[rid, model, version, timeout, priority, parameters, names, items, traceparent], ...]
+    "infer"    [[rid, model, version, generation, timeout, priority, parameters, names,
+                 items, traceparent], ...]; ``generation``: the load of the model whose
+               config the front end validated against (``table.Generations``)
                the tensors: each request's items, each item's ``names`` in order
     "cancel"   [rid, ...]: callers that left or timed out; their items leave the queue
     "ask"      [[aid, what, args], ...]: the answers about the server and its models
@@ -51,10 +53,11 @@ ERROR_CLASSES: dict[str, type[TensorServeError]] = {
 
 def error_entry(exc: BaseException) -> list[Any]:
     """An exception as it travels: a tensorserve error keeps its class; any
-    other is the server's fault (``internal``), its text kept for the log."""
+    other is the server's fault (``internal``), worded as the front ends word
+    it in one process."""
     if isinstance(exc, TensorServeError):
         return [type(exc).__name__, exc.message, getattr(exc, "retry_after", None)]
-    return ["TensorServeError", f"{type(exc).__name__}: {exc}", None]
+    return ["TensorServeError", f"internal error: {type(exc).__name__}: {exc}", None]
 
 
 def error_from(entry: Sequence[Any]) -> TensorServeError:

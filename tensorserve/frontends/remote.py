@@ -50,11 +50,20 @@ class RemoteModel:
     """A model served by the scheduler process, as the infer path sees it."""
 
     def __init__(
-        self, scheduler: Scheduler, name: str, version: int, config: ModelConfig, ensemble: bool
+        self,
+        scheduler: Scheduler,
+        name: str,
+        version: int,
+        config: ModelConfig,
+        ensemble: bool,
+        generation: int,
     ) -> None:
         self.scheduler = scheduler
         self.name, self.version, self.config = name, version, config
         self.ensemble = ensemble
+        # Which load of the model ``config`` is: sent with each request, so a
+        # request validated against a config reloaded since is refused there.
+        self.generation = generation
 
     def refuse_if_late(self) -> None:
         """``WouldMissTarget`` when the scheduler process last said that one
@@ -136,8 +145,9 @@ class Scheduler:
         if self._reporting is not None:
             self._reporting.cancel()
         self.loop_lag.stop()
-        if self._outbox is not None:
-            self._outbox.flush()  # the last metrics
+        if self._outbox is not None:  # the last metrics, the calls of the drain among them
+            self._outbox.put("report", {"cpu": cpu_seconds(), "lag": self.loop_lag.seconds})
+            self._outbox.flush()
         if self._link is not None:
             self._link.close()
 
@@ -187,7 +197,18 @@ class Scheduler:
         traced = self.traceparent() if self.traceparent is not None else None
         outbox.add(
             "infer",
-            [rid, model.name, str(model.version), timeout, level, values, names, len(rows), traced],
+            [
+                rid,
+                model.name,
+                str(model.version),
+                model.generation,
+                timeout,
+                level,
+                values,
+                names,
+                len(rows),
+                traced,
+            ],
             tensors,
         )
         answer = loop.create_future()
@@ -209,12 +230,12 @@ class Scheduler:
     # -- in ----------------------------------------------------------------------
     def _message(self, message: messages.Message) -> None:
         header, tensors = message
+        if "replies" in header:  # first: a table that fails to parse must not cost them
+            self._replies(header["replies"], list(tensors.values()))
         if "models" in header:
             self._models(header["models"])
         if "late" in header:
             self.late = header["late"]
-        if "replies" in header:
-            self._replies(header["replies"], list(tensors.values()))
         for aid, ok, value in header.get("answers", ()):
             answer = self._asked.get(aid)
             if answer is not None and not answer.done():
@@ -225,15 +246,19 @@ class Scheduler:
 
     def _models(self, table: list[Any]) -> None:
         entries = {}
-        for name, version, state, reason, config, ensemble in table:
+        for name, version, state, reason, config, ensemble, generation in table:
             kept = self.entries.get(name)
             served = None
             if state == ModelState.READY.value and config is not None:
-                if kept is not None and kept.served is not None and kept.version == version:
-                    served = kept.served  # the same model: no need to parse its config again
+                if (
+                    kept is not None
+                    and kept.served is not None
+                    and kept.served.generation == generation
+                ):
+                    served = kept.served  # the same load: no need to parse its config again
                 else:
                     parsed = ModelConfig.model_validate(config)
-                    served = RemoteModel(self, name, version, parsed, ensemble)
+                    served = RemoteModel(self, name, version, parsed, ensemble, generation)
             entries[name] = RemoteEntry(name, version, ModelState(state), reason, served)
         self.entries = entries
         self.table_received.set()

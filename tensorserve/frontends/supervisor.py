@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 from tensorserve.dataplane import logs
 from tensorserve.dataplane.assembly import build_plane, models_served
@@ -75,7 +76,10 @@ def run(settings: Settings) -> None:
     http = reserve(settings.host, settings.port, "HTTP")
     grpc = reserve(settings.host, settings.grpc_port, "gRPC") if settings.grpc_port >= 0 else None
     logs.log_startup(settings)
-    ports = {"port": http.getsockname()[1], "frontends": 1}
+    ports: dict[str, Any] = {"port": http.getsockname()[1], "frontends": 1}
+    if settings.intra_op_threads is None:
+        # The front ends keep cores busy too: a CPU model's threads leave them theirs.
+        ports["intra_op_threads"] = max(1, available_cpus() - 1 - count)
     if grpc is not None:
         ports["grpc_port"] = grpc.getsockname()[1]
     tune_process(settings)
@@ -168,6 +172,8 @@ class Fleet:
             theirs.close()
         self.hub.attach(ours, process.pid)
         self.processes[index] = process
+        if self._stopping:  # a restart that raced with the shutdown drains too
+            process.send_signal(signal.SIGTERM)
         task = asyncio.create_task(self._watch(index, process, failures))
         self._watching.add(task)
         task.add_done_callback(self._watching.discard)
@@ -178,17 +184,20 @@ class Fleet:
         if self._stopping:
             return
         failures = 0 if time.monotonic() - started >= STABLE_S else failures + 1
-        pause = RESTART_PAUSES_S[min(failures, len(RESTART_PAUSES_S)) - 1] if failures else 0.0
         log.error(
-            "front end %d (pid %d) exited with status %s; restarting it%s",
-            index,
-            process.pid,
-            status,
-            f" in {pause:g} s" if pause else "",
+            "front end %d (pid %d) exited with status %s; restarting it", index, process.pid, status
         )
-        await asyncio.sleep(pause)
-        if not self._stopping:
-            await self._spawn(index, failures)
+        while not self._stopping:
+            pause = RESTART_PAUSES_S[min(failures, len(RESTART_PAUSES_S)) - 1] if failures else 0.0
+            await asyncio.sleep(pause)
+            if self._stopping:
+                return
+            try:
+                await self._spawn(index, failures)
+                return
+            except Exception:  # fork or exec failed (memory, file descriptors): try again later
+                log.exception("front end %d could not be started", index)
+                failures += 1
 
     async def stop(self, patience: float) -> None:
         """SIGTERM to each; SIGKILL to any still running after ``patience`` s."""
@@ -196,15 +205,19 @@ class Fleet:
         for process in self.processes.values():
             if process.returncode is None:
                 process.send_signal(signal.SIGTERM)
-        waits = [process.wait() for process in self.processes.values()]
         try:
-            await asyncio.wait_for(asyncio.gather(*waits), patience)
+            await asyncio.wait_for(self._all_exited(), patience)
         except asyncio.TimeoutError:
             log.error("shutdown: front ends still running after %.0f s: killing them", patience)
             self.kill()
-            await asyncio.gather(*(p.wait() for p in self.processes.values()))
+            await self._all_exited()
         for task in self._watching:
             task.cancel()
+
+    async def _all_exited(self) -> None:
+        """Every front end has exited, a restart started meanwhile included."""
+        while running := [p for p in self.processes.values() if p.returncode is None]:
+            await asyncio.gather(*(p.wait() for p in running))
 
     def kill(self) -> None:
         for process in self.processes.values():

@@ -6,6 +6,7 @@ models' latency targets a request would miss now."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,24 +16,43 @@ from tensorserve.errors import WouldMissTarget
 from tensorserve.serving.model import ServedModel
 from tensorserve.serving.registry import ModelRegistry
 
+log = logging.getLogger(__name__)
+
 # How often the models with a latency target are asked whether one more item
 # would miss it. A front end refuses on what it was told last: at most this
 # old, against a prediction that moves by whole batches.
 LATE_CHECK_S = 0.005
 
 
-def table_signature(registry: ModelRegistry) -> tuple[Any, ...]:
-    """Changes whenever the table would."""
-    return tuple(
-        (e.name, e.state, e.version, e.reason, id(e.served), id(e.config))
-        for e in registry.entries.values()
-    )
+class Generations:
+    """A number per model that changes whenever what serves it does (a load,
+    a reload of the same version, an unload): the front ends send it with
+    each request, and a request validated against another generation's
+    config is refused, not batched (``hub.py``). The served objects are held
+    only to compare them, never by address (an address is reused)."""
+
+    def __init__(self) -> None:
+        self._served: dict[str, tuple[Any, int]] = {}
+        self._next = 0
+
+    def of(self, name: str, served: Any) -> int:
+        known = self._served.get(name)
+        if known is not None and known[0] is served:
+            return known[1]
+        self._next += 1
+        self._served[name] = (served, self._next)
+        return self._next
+
+    def current(self, name: str, served: Any, generation: int) -> bool:
+        known = self._served.get(name)
+        return known is not None and known[0] is served and known[1] == generation
 
 
-def model_table(registry: ModelRegistry) -> list[list[Any]]:
-    """[[name, version, state, reason, config, is_ensemble], ...]: the config
-    as the served model uses it (what "auto" became on this device), as
-    JSON-like data the front end validates back into a ``ModelConfig``."""
+def model_table(registry: ModelRegistry, generations: Generations) -> list[list[Any]]:
+    """[[name, version, state, reason, config, is_ensemble, generation], ...]:
+    the config as the served model uses it (what "auto" became on this
+    device), as JSON-like data the front end validates back into a
+    ``ModelConfig``. Equal tables: nothing changed."""
     table = []
     for entry in registry.entries.values():
         served = entry.served
@@ -45,6 +65,7 @@ def model_table(registry: ModelRegistry) -> list[list[Any]]:
                 entry.reason,
                 config.model_dump(mode="json") if config is not None else None,
                 isinstance(served, Ensemble),
+                generations.of(entry.name, served),
             ]
         )
     return table
@@ -87,14 +108,17 @@ class LatePublisher:
         ]
 
     def _tick(self) -> None:
-        late: dict[str, Any] = {}
-        for served in self._targeted():
-            try:
-                served.refuse_if_late(count=False)
-            except WouldMissTarget as exc:
-                late[served.name] = [exc.message, exc.retry_after]
-        if late != self.late:
-            self.late = late
-            self._publish(late)
-        loop = asyncio.get_running_loop()
-        self._timer = loop.call_later(LATE_CHECK_S, self._tick)
+        try:
+            late: dict[str, Any] = {}
+            for served in self._targeted():
+                try:
+                    served.refuse_if_late(count=False)
+                except WouldMissTarget as exc:
+                    late[served.name] = [exc.message, exc.retry_after]
+            if late != self.late:
+                self.late = late
+                self._publish(late)
+        except Exception:  # a bug here must not leave the front ends refusing for good
+            log.exception("publishing the latency targets failed")
+        finally:
+            self._timer = asyncio.get_running_loop().call_later(LATE_CHECK_S, self._tick)

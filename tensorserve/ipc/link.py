@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -22,6 +23,10 @@ from tensorserve.ipc import messages
 
 # Buffers per sendmsg call (Linux's IOV_MAX is 1024).
 MAX_BUFFERS = 512
+# Reads per readable callback before the loop's other callbacks get a turn.
+MAX_READS = 16
+
+log = logging.getLogger(__name__)
 
 
 class Link:
@@ -97,7 +102,11 @@ class Link:
             self._writing = False
 
     def _readable(self) -> None:
-        while self.open:
+        # A bounded number of reads per callback: a peer that writes as fast
+        # as this end reads cannot hold the loop in one callback.
+        for _ in range(MAX_READS):
+            if not self.open:
+                return
             try:
                 if self._reader is not None:
                     read = self._reader.feed(self.sock)
@@ -114,7 +123,10 @@ class Link:
             for message in read:
                 if not self.open:
                     return
-                self._on_message(message)
+                try:
+                    self._on_message(message)
+                except Exception:  # a bug handling one message costs that message only
+                    log.exception("a message from the other process could not be handled")
 
     def _broken(self) -> None:
         if self.open:

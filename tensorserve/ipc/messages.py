@@ -33,8 +33,9 @@ from tensorserve.tensors.dtypes import dtype
 
 _LENGTH = struct.Struct("<I")
 # Both ends are ours, but a corrupted stream must not make us allocate
-# without bound.
-MAX_HEADER_BYTES = 16 << 20
+# without bound. Above any request a client may send (max_request_bytes,
+# 64 MiB by default): a request's parameters travel in a front end's header.
+MAX_HEADER_BYTES = 1 << 30
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]
 
