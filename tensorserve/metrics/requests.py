@@ -12,6 +12,7 @@ is counted as ``_unknown``, so a scan of random names cannot add series.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -112,15 +113,7 @@ class RequestMetrics:
         items: int,
         seconds: float,
     ) -> None:
-        requests, counted_items, latency, rejections = self._labelled(
-            protocol, model, version, code, status
-        )
-        requests.inc()
-        if items:
-            counted_items.inc(items)
-        latency.observe(seconds)
-        if rejections is not None:
-            rejections.inc()
+        self.observe_many(protocol, model, version, code, status, 1, items, (seconds,))
 
     def observe_many(
         self,
@@ -131,10 +124,10 @@ class RequestMetrics:
         status: int,
         count: int,
         items: int,
-        seconds: list[float],
+        seconds: Sequence[float],
     ) -> None:
-        """``count`` requests of one outcome, observed elsewhere (a front-end
-        process reports them: ``frontends/report.py``)."""
+        """``count`` requests of one outcome: one observed here, or several
+        a front-end process reports (``frontends/report.py``)."""
         requests, counted_items, latency, rejections = self._labelled(
             protocol, model, version, code, status
         )
