@@ -112,6 +112,28 @@ def test_a_model_reloaded_with_a_new_config_is_validated_by_it_in_every_front_en
         server.stop()
 
 
+def test_a_front_end_that_stops_answering_is_killed_and_restarted(
+    gated: tuple[Path, FileGate],
+) -> None:
+    repo, gate = gated
+    gate.open()
+    server = start(repo)
+    try:
+        # Both have reported (a front end still starting gets longer before it counts as stuck).
+        wait_until(lambda: httpx.get(f"{server.url}/metrics").text.count('role="frontend"') >= 4,
+                   "both front ends reporting", timeout=60)
+        stuck = front_ends(server)[0]
+        stuck.send_signal(signal.SIGSTOP)  # alive, its loop frozen: it reports nothing
+        stuck.wait(30)  # killed by the scheduler process (psutil.TimeoutExpired if not)
+        wait_until(lambda: len(front_ends(server)) == 2, "a new front end", timeout=60)
+        assert server.log is not None
+        assert f"(pid {stuck.pid}) has sent nothing for 5 s: killing it" in server.log.read_text()
+        for _ in range(4):
+            assert infer(server.url, 1.0)[0] == 200
+    finally:
+        server.stop()
+
+
 def test_the_scheduler_process_dying_ends_every_front_end(gated: tuple[Path, FileGate]) -> None:
     repo, gate = gated
     gate.open()

@@ -45,6 +45,10 @@ T = TypeVar("T")
 # How often the hub looks for a changed model table (poll mode reloads,
 # failures): a load or unload asked through a front end publishes at once.
 TABLE_CHECK_S = 0.25
+# A front end that reported nothing for this long (it reports every 0.5 s)
+# is stuck; one that sent nothing this long after it started never started.
+SILENT_S = 5.0
+STARTING_S = 120.0
 
 
 class ReplySlot:
@@ -125,9 +129,14 @@ class Connection:
         self.outbox = Outbox(hub.loop, self.link.send)
         self.requests: dict[int, RemoteRequest | asyncio.Task[Any]] = {}
         self.in_flight = 0  # as it last reported
+        # When it last sent anything (it reports at least every 0.5 s); None
+        # until its first message (it is still importing and starting).
+        self.heard: float | None = None
+        self.attached = hub.loop.time()
 
     # -- in ---------------------------------------------------------------------
     def _message(self, message: messages.Message) -> None:
+        self.heard = self.hub.loop.time()
         header, tensors = message
         if "report" in header:
             self.hub.reported(self, header["report"])
@@ -192,6 +201,8 @@ class FrontEndHub:
         self._generations = Generations()
         self._table: list[Any] = []
         self._asking: set[asyncio.Task[None]] = set()
+        # Called with the pid of a front end that went silent (the supervisor kills it).
+        self.on_silent: Callable[[int], None] | None = None
         self._late = LatePublisher(plane, self._publish_late)
         self._checking: asyncio.TimerHandle | None = None
 
@@ -343,6 +354,19 @@ class FrontEndHub:
         connection.outbox.add("answers", [aid, True, value])
 
     # -- what every front end is told -------------------------------------------
+    def _check_silent(self) -> None:
+        """A front end alive but silent (its loop blocked, or stopped) takes
+        its share of the connections and serves none of them: it is killed,
+        and restarted as any front end that dies (``on_silent``)."""
+        now = self.loop.time()
+        for connection in list(self.connections.values()):
+            if connection.heard is not None:
+                silent = now - connection.heard > SILENT_S
+            else:
+                silent = now - connection.attached > STARTING_S
+            if silent and self.on_silent is not None:
+                self.on_silent(connection.pid)
+
     def _check_table(self, reschedule: bool = True) -> None:
         table = model_table(self.plane.registry, self._generations)
         if table != self._table:
@@ -351,6 +375,7 @@ class FrontEndHub:
                 connection.outbox.put("models", table)
             self._late.models_changed()
         if reschedule:
+            self._check_silent()
             self._checking = self.loop.call_later(TABLE_CHECK_S, self._check_table)
 
     def _publish_late(self, late: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 from tensorserve.dataplane import logs
 from tensorserve.dataplane.assembly import build_plane, models_served
-from tensorserve.frontends.hub import FrontEndHub
+from tensorserve.frontends.hub import SILENT_S, FrontEndHub
 from tensorserve.frontends.process import SETTINGS_ENV
 from tensorserve.host import available_cpus
 from tensorserve.http.server import CLOSE_TIMEOUT_S, cannot_listen, check_repository, tune_process
@@ -144,6 +144,8 @@ class Fleet:
         self._watching: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._env = {**os.environ, SETTINGS_ENV: settings.model_dump_json()}
+        hub.on_silent = self._silent
+        self._killed: set[int] = set()
 
     async def start(self) -> None:
         for index in range(self.count):
@@ -218,6 +220,20 @@ class Fleet:
         """Every front end has exited, a restart started meanwhile included."""
         while running := [p for p in self.processes.values() if p.returncode is None]:
             await asyncio.gather(*(p.wait() for p in running))
+
+    def _silent(self, pid: int) -> None:
+        for index, process in self.processes.items():
+            if process.pid == pid and process.returncode is None and not self._stopping:
+                if pid in self._killed:
+                    return  # killed already; its socket closes as it goes
+                self._killed.add(pid)
+                log.error(
+                    "front end %d (pid %d) has sent nothing for %.0f s: killing it",
+                    index,
+                    pid,
+                    SILENT_S,
+                )
+                process.kill()
 
     def kill(self) -> None:
         for process in self.processes.values():
