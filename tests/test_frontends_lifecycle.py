@@ -6,6 +6,7 @@ line."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -118,6 +119,7 @@ def test_a_front_end_that_stops_answering_is_killed_and_restarted(
     repo, gate = gated
     gate.open()
     server = start(repo)
+    stuck = None
     try:
         # Both have reported (a front end still starting gets longer before it counts as stuck).
         wait_until(lambda: httpx.get(f"{server.url}/metrics").text.count('role="frontend"') >= 4,
@@ -132,6 +134,9 @@ def test_a_front_end_that_stops_answering_is_killed_and_restarted(
             assert infer(server.url, 1.0)[0] == 200
     finally:
         server.stop()
+        if stuck is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):  # stopped, it would outlive the test
+                stuck.kill()
 
 
 def test_the_scheduler_process_dying_ends_every_front_end(gated: tuple[Path, FileGate]) -> None:
