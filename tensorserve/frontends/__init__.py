@@ -13,6 +13,8 @@
                    drains them on SIGTERM
     hub.py         its end of every front end: requests into the schedulers,
                    replies out, answers about the models, the front ends' reports
+    requests.py    a front end's request there: its items' reply slots, answered
+                   once all are in
     table.py       what every front end is told: the model table, and which
                    models' latency targets a request would miss now
     process.py     a front-end process: the one-process server's app and

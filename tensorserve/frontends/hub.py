@@ -26,13 +26,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tensorserve.batching.admission import NO_PARAMETERS, Pending
+from tensorserve.batching.admission import NO_PARAMETERS
 from tensorserve.batching.batcher import Batcher
 from tensorserve.dataplane import models as answers
 from tensorserve.dataplane.plane import DataPlane
 from tensorserve.ensemble import Ensemble
 from tensorserve.errors import ModelNotReady, TensorServeError
 from tensorserve.frontends.protocol import Outbox, error_entry, split_items
+from tensorserve.frontends.requests import RemoteRequest, ReplySlot
 from tensorserve.frontends.table import Generations, LatePublisher, model_table
 from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
@@ -49,75 +50,6 @@ TABLE_CHECK_S = 0.25
 # is stuck; one that sent nothing this long after it started never started.
 SILENT_S = 5.0
 STARTING_S = 120.0
-
-
-class ReplySlot:
-    """One item's answer, resolved by its model's scheduler on this loop in
-    place of an ``asyncio.Future`` (the same methods the scheduler calls):
-    no future, no callback, no extra loop round per item."""
-
-    __slots__ = ("_index", "_request", "_state")
-
-    def __init__(self, request: RemoteRequest, index: int) -> None:
-        self._request, self._index, self._state = (
-            request,
-            index,
-            0,
-        )  # 0 waiting, 1 done, 2 cancelled
-
-    def done(self) -> bool:
-        return self._state != 0
-
-    def cancelled(self) -> bool:
-        return self._state == 2
-
-    def cancel(self) -> bool:
-        if self._state:
-            return False
-        self._state = 2
-        return True
-
-    def set_result(self, value: Any) -> None:
-        self._state = 1
-        self._request.answered(self._index, value)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._state = 1
-        self._request.failed(exc)
-
-
-class RemoteRequest:
-    """One front end's request in this process: its items' results as they
-    come, answered once all are in (or at its first failure)."""
-
-    __slots__ = ("batcher", "connection", "entries", "finished", "left", "results", "rid")
-
-    def __init__(self, connection: Connection, rid: int, items: int) -> None:
-        self.connection, self.rid = connection, rid
-        self.results: list[Any] = [None] * items
-        self.left = items
-        self.entries: list[Pending] = []
-        self.batcher: Batcher | None = None
-        self.finished = False
-
-    def answered(self, index: int, value: Any) -> None:
-        self.results[index] = value
-        self.left -= 1
-        if self.left == 0 and not self.finished:
-            self.finished = True
-            self.connection.reply(self.rid, self.results)
-
-    def failed(self, exc: BaseException) -> None:
-        if not self.finished:  # the first failure fails the request, as infer_many does
-            self.finished = True
-            self.connection.fail(self.rid, exc)
-            self.withdraw()
-
-    def withdraw(self) -> None:
-        """Whatever is still queued leaves the queue now."""
-        self.finished = True
-        if self.batcher is not None:
-            self.batcher.withdraw(self.entries)
 
 
 class Connection:

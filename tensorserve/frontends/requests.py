@@ -1,0 +1,82 @@
+"""A front end's request in the scheduler process: ``RemoteRequest`` (its
+items' results as they come, answered once all are in) and ``ReplySlot``
+(what the model's scheduler resolves, for each item, in place of a future)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tensorserve.batching.admission import Pending
+from tensorserve.batching.batcher import Batcher
+
+if TYPE_CHECKING:
+    from tensorserve.frontends.hub import Connection
+
+
+class ReplySlot:
+    """One item's answer, resolved by its model's scheduler on this loop in
+    place of an ``asyncio.Future`` (the same methods the scheduler calls):
+    no future, no callback, no extra loop round per item."""
+
+    __slots__ = ("_index", "_request", "_state")
+
+    def __init__(self, request: RemoteRequest, index: int) -> None:
+        self._request, self._index, self._state = (
+            request,
+            index,
+            0,
+        )  # 0 waiting, 1 done, 2 cancelled
+
+    def done(self) -> bool:
+        return self._state != 0
+
+    def cancelled(self) -> bool:
+        return self._state == 2
+
+    def cancel(self) -> bool:
+        if self._state:
+            return False
+        self._state = 2
+        return True
+
+    def set_result(self, value: Any) -> None:
+        self._state = 1
+        self._request.answered(self._index, value)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._state = 1
+        self._request.failed(exc)
+
+
+class RemoteRequest:
+    """One front end's request in this process: its items' results as they
+    come, answered once all are in (or at its first failure)."""
+
+    __slots__ = ("batcher", "connection", "entries", "finished", "left", "results", "rid")
+
+    def __init__(self, connection: Connection, rid: int, items: int) -> None:
+        self.connection, self.rid = connection, rid
+        self.results: list[Any] = [None] * items
+        self.left = items
+        self.entries: list[Pending] = []
+        self.batcher: Batcher | None = None
+        self.finished = False
+
+    def answered(self, index: int, value: Any) -> None:
+        self.results[index] = value
+        self.left -= 1
+        if self.left == 0 and not self.finished:
+            self.finished = True
+            self.connection.reply(self.rid, self.results)
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.finished:  # the first failure fails the request, as infer_many does
+            self.finished = True
+            self.connection.fail(self.rid, exc)
+            self.withdraw()
+
+    def withdraw(self) -> None:
+        """Whatever is still queued leaves the queue now."""
+        self.finished = True
+        if self.batcher is not None:
+            self.batcher.withdraw(self.entries)
