@@ -207,10 +207,11 @@ def test_measure_splits_the_servers_cpu_by_role(tmp_path: Path) -> None:
     if shutil.which("wrk") is None:
         pytest.skip("wrk is not installed (apt-get install wrk)")
     port = free_port()
-    # A server process with a child that only waits: the child is a worker and spends nothing.
+    # A server process with a child that only waits: the child is a worker and spends nothing
+    # (sleep(1), not a Python child, whose start-up could fall inside the window on a busy machine).
     code = (
         "import subprocess, sys, http.server; "
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "child = subprocess.Popen(['sleep', '60']); "
         f"http.server.ThreadingHTTPServer(('127.0.0.1', {port}), "
         "http.server.SimpleHTTPRequestHandler).serve_forever()"
     )
