@@ -34,7 +34,7 @@ from tensorserve.ensemble import Ensemble
 from tensorserve.errors import ModelNotReady, TensorServeError
 from tensorserve.frontends.protocol import Outbox, error_entry, split_items
 from tensorserve.frontends.requests import RemoteRequest, ReplySlot
-from tensorserve.frontends.table import Generations, LatePublisher, model_table
+from tensorserve.frontends.table import Generations, LatePublisher, model_table, table_key
 from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
 from tensorserve.serving.model import ServedModel
@@ -131,6 +131,7 @@ class FrontEndHub:
         self.plane, self.loop = plane, loop
         self.connections: dict[int, Connection] = {}
         self._generations = Generations()
+        self._key: tuple[Any, ...] | None = None
         self._table: list[Any] = []
         self._asking: set[asyncio.Task[None]] = set()
         # Called with the pid of a front end that went silent (the supervisor kills it).
@@ -300,9 +301,10 @@ class FrontEndHub:
                 self.on_silent(connection.pid)
 
     def _check_table(self, reschedule: bool = True) -> None:
-        table = model_table(self.plane.registry, self._generations)
-        if table != self._table:
-            self._table = table
+        key = table_key(self.plane.registry, self._generations)
+        if key != self._key:
+            self._key = key
+            self._table = table = model_table(self.plane.registry, self._generations)
             for connection in self.connections.values():
                 connection.outbox.put("models", table)
             self._late.models_changed()

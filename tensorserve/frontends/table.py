@@ -48,15 +48,24 @@ class Generations:
         return known is not None and known[0] is served and known[1] == generation
 
 
+def table_key(registry: ModelRegistry, generations: Generations) -> tuple[Any, ...]:
+    """Changes whenever the table would, at a fraction of its cost (it is
+    asked every ``TABLE_CHECK_S``; a config's dump only when it changed)."""
+    return tuple(
+        (e.name, e.version, e.state, e.reason, generations.of(e.name, e.served))
+        for e in registry.entries.values()
+    )
+
+
 def model_table(registry: ModelRegistry, generations: Generations) -> list[list[Any]]:
     """[[name, version, state, reason, config, is_ensemble, generation], ...]:
     the config as the served model uses it (what "auto" became on this
     device), as JSON-like data the front end validates back into a
-    ``ModelConfig``. Equal tables: nothing changed."""
+    ``ModelConfig``; None where nothing serves (a front end needs none)."""
     table = []
     for entry in registry.entries.values():
         served = entry.served
-        config = served.config if served is not None else entry.config
+        config = served.config if served is not None else None
         table.append(
             [
                 entry.name,
