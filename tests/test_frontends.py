@@ -67,7 +67,10 @@ def start(repo: Path, *args: str) -> ServerProcess:
         *args,
         log=repo / "server.log",
     )  # fmt: skip
+    # Both started: each front end listens before its first report (its CPU series).
     wait_until(lambda: len(front_ends(server)) == 2, "two front ends", timeout=60)
+    wait_until(lambda: httpx.get(f"{server.url}/metrics").text.count('role="frontend"') >= 4,
+               "both front ends reporting", timeout=60)
     return server
 
 
