@@ -185,3 +185,39 @@ def test_padded_elements_is_what_pad_allocates(batch: tuple[list[dict], list[dic
     if primary is not None:  # an item's volume: its variable extents as padded alone
         alone = counting.pad(items[:1]).features[primary.name].shape[1:]
         assert counting.volume(items[0]) == math.prod(alone[a] for a in primary.variable_axes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=2, max_size=6),
+    other=st.lists(st.integers(0, 9), min_size=6, max_size=6),
+    shared=st.booleans(),
+    multiple=st.none() | st.integers(1, 4),
+)
+def test_one_dimensional_features_pad_as_row_by_row(
+    lengths: list[int], other: list[int], shared: bool, multiple: int | None
+) -> None:
+    """1-D features take one mask (shared by those of equal lengths): each
+    must still equal a row-by-row copy with its own pad value, with its own
+    extents, whether the next feature's lengths match or not."""
+    inputs = [
+        spec("ids", [-1], "int64", pad_value=7),
+        spec("mask", [-1], "int64", pad_value=0),
+        spec("fixed", [3], "int64", pad_value=5),
+    ]
+    second = lengths if shared else other[: len(lengths)]
+    items = [
+        {"ids": np.arange(1, n + 1), "mask": np.full(m, 2), "fixed": np.array([i, i, i])}
+        for i, (n, m) in enumerate(zip(lengths, second))
+    ]
+    batch = pad(items, inputs, pad_to_multiple_of=multiple)
+    for spec_, counts in ((inputs[0], lengths), (inputs[1], second)):
+        width = padded_shape([max(counts)], spec_, multiple)[0]
+        expected = np.full((len(items), width), spec_.pad_value, np.int64)
+        for row, item in zip(expected, items):
+            row[: len(item[spec_.name])] = item[spec_.name]
+        np.testing.assert_array_equal(batch.features[spec_.name].numpy(), expected)
+        assert batch.extents[spec_.name].tolist() == [[n] for n in counts]
+    np.testing.assert_array_equal(batch.features["fixed"].numpy(), [[i] * 3 for i in range(len(items))])
+    assert batch.extents["fixed"].shape == (len(items), 0)
+    assert batch.real_elements == sum(lengths) + sum(second) + 3 * len(items)

@@ -114,27 +114,72 @@ def pad(
     features: dict[str, Feature] = {}
     extents: dict[str, np.ndarray] = {}
     real = padded = 0
+    flat = _Rows()  # the last 1-D feature's lengths, which the next one often shares
     for spec in inputs:
         arrays = [item[spec.name] for item in items]
+        if len(spec.shape) == 1:  # the common case (token ids, masks): plain lists, one mask
+            buffer, host, lengths = flat.pad(arrays, spec, pad_to_multiple_of, pin_memory)
+            features[spec.name] = buffer
+            extents[spec.name] = lengths if spec.variable_axes else lengths[:, :0]
+            real += flat.total
+            padded += host.size
+            continue
         shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(batch, len(spec.shape))
         longest = shapes.max(axis=0) if batch else np.zeros(len(spec.shape), np.int64)
         row_shape = padded_shape(longest, spec, pad_to_multiple_of)
         buffer, host = _batch_buffer(batch, row_shape, spec.dt, pin_memory)
-        uniform = bool((shapes == shapes[0]).all()) and list(shapes[0]) == row_shape
-        if uniform:
+        if bool((shapes == shapes[0]).all()) and list(shapes[0]) == row_shape:
             np.stack(arrays, out=host)  # nothing to pad: one copy
         else:
-            host.fill(b"" if spec.dt.is_bytes else _pad_bits(spec.pad_value, spec.dt))
-            if len(spec.shape) == 1:  # the common case: every row's prefix in one assignment
-                host[np.arange(row_shape[0]) < shapes[:, :1]] = np.concatenate(arrays)
-            else:
-                for row, array in zip(host, arrays):
-                    row[tuple(slice(0, n) for n in array.shape)] = array
+            host.fill(_pad_fill(spec))
+            for row, array in zip(host, arrays):
+                row[tuple(slice(0, n) for n in array.shape)] = array
         features[spec.name] = buffer
         extents[spec.name] = shapes[:, list(spec.variable_axes)]
         real += int(shapes.prod(axis=1).sum())
         padded += host.size
     return PaddedBatch(features, extents, real, padded)
+
+
+class _Rows:
+    """Pads 1-D features. A model's 1-D inputs usually share their lengths
+    (ids and their mask): the second reuses the first's lengths array and
+    mask, so a batch of two costs little more than one (~1 us a call
+    counts here: this runs once a batch on the scheduler's loop)."""
+
+    __slots__ = ("key", "lengths", "mask", "total")
+
+    def __init__(self) -> None:
+        self.key: tuple[list[int], int] | None = None
+        self.lengths = np.zeros((0, 1), np.int64)
+        self.mask: np.ndarray | None = None
+        self.total = 0
+
+    def pad(
+        self,
+        arrays: list[np.ndarray],
+        spec: InputSpec,
+        pad_to_multiple_of: int | None,
+        pin_memory: bool,
+    ) -> tuple[Feature, np.ndarray, np.ndarray]:
+        counts = [len(a) for a in arrays]
+        width = padded_shape([max(counts, default=0)], spec, pad_to_multiple_of)[0]
+        buffer, host = _batch_buffer(len(arrays), [width], spec.dt, pin_memory)
+        if self.key is None or self.key[1] != width or self.key[0] != counts:
+            self.key, self.mask, self.total = (counts, width), None, sum(counts)
+            self.lengths = np.array(counts, dtype=np.int64).reshape(-1, 1)
+        if counts.count(width) == len(counts):
+            np.stack(arrays, out=host)  # nothing to pad: one copy
+            return buffer, host, self.lengths
+        if self.mask is None:
+            self.mask = np.arange(width) < self.lengths
+        host.fill(_pad_fill(spec))
+        host[self.mask] = np.concatenate(arrays)  # every row's prefix in one assignment
+        return buffer, host, self.lengths
+
+
+def _pad_fill(spec: InputSpec) -> Any:
+    return b"" if spec.dt.is_bytes else _pad_bits(spec.pad_value, spec.dt)
 
 
 def _single(item: Item, inputs: Sequence[InputSpec]) -> PaddedBatch:
