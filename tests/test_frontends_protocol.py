@@ -7,6 +7,7 @@ does, and its metrics report groups what it observed."""
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 from collections.abc import Iterator
 
@@ -20,6 +21,7 @@ from tensorserve.frontends.remote import Scheduler
 from tensorserve.frontends.report import RequestReport
 from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
+from tensorserve.metrics.requests import LATENCY_BUCKETS
 from tensorserve.repository.config import parse_config
 
 
@@ -146,11 +148,17 @@ def test_requests_are_reported_grouped_by_outcome() -> None:
     report.refused("m")
     report.in_flight.inc()
     taken = report.take()
+    def buckets(*seconds: float) -> list[int]:  # as the histogram counts them
+        counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        for value in seconds:
+            counts[next(i for i, b in enumerate([*LATENCY_BUCKETS, math.inf]) if value <= b)] += 1
+        return counts
+
     assert sorted(map(tuple, taken["requests"])) == [
-        ("grpc", "m", "1", "invalid_input", 400, 1, 0, [0.001]),
-        ("http", "m", "1", "ok", 200, 2, 3, [0.01, 0.02]),
+        ("grpc", "m", "1", "invalid_input", 400, 1, 0, buckets(0.001), 0.001),
+        ("http", "m", "1", "ok", 200, 2, 3, buckets(0.01, 0.02), 0.01 + 0.02),
     ]
-    assert taken["encode"] == [("m", [0.0001])] and taken["refused"] == [("m", 1)]
+    assert taken["encode"] == [["m", buckets(0.0001), 0.0001]] and taken["refused"] == [("m", 1)]
     assert taken["in_flight"] == 1 and not report.pending
     assert report.take() == {"in_flight": 1}
 

@@ -166,3 +166,37 @@ def test_a_real_servers_metrics_show_its_own_process(server: ServerProcess) -> N
     second = own_cpu()
     times = psutil.Process(pid).cpu_times()
     assert 0 < first <= second <= times.user + times.system + 0.01
+
+
+def test_a_front_ends_bucket_counts_expose_as_the_values_observed_one_by_one() -> None:
+    """A front end reports latencies as bucket counts; the scheduler process
+    adds them at once. /metrics must read exactly as if each was observed,
+    values on bucket bounds and past the last one included."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tensorserve.frontends.report import RequestReport
+    from tensorserve.metrics.requests import LATENCY_BUCKETS, RequestMetrics
+
+    values = [0.0001, 0.0005, 0.003, LATENCY_BUCKETS[5], 0.07, 2.5, 1e6]
+    registries = CollectorRegistry(), CollectorRegistry()
+    one_by_one, reported = (RequestMetrics(registry) for registry in registries)
+    report = RequestReport()
+    for value in values:
+        one_by_one.observe("http", "m", "1", "ok", 200, 1, value)
+        one_by_one.observe_encode("m", value / 10)
+        report.observe("http", "m", "1", "ok", 200, 1, value)
+        report.observe_encode("m", value / 10)
+    taken = report.take()
+    for outcome in taken["requests"]:
+        reported.observe_many(*outcome)
+    for model, counts, total in taken["encode"]:
+        reported.observe_encode_many(model, counts, total)
+
+    def exposed(registry: CollectorRegistry) -> list[str]:  # without creation times
+        lines = generate_latest(registry).decode().splitlines()
+        return [line for line in lines if "_created" not in line]
+
+    text = exposed(registries[0])
+    assert any(line.startswith("tensorserve_request_duration_seconds_bucket{") for line in text)
+    assert any(line.startswith("tensorserve_response_encode_seconds_bucket{") for line in text)
+    assert exposed(registries[1]) == text

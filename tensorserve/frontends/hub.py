@@ -319,15 +319,10 @@ class FrontEndHub:
     # -- what the front ends report ----------------------------------------------
     def reported(self, connection: Connection, report: dict[str, Any]) -> None:
         metrics = self.plane.local_metrics
-        for protocol, model, version, code, status, count, items, seconds in report.get(
-            "requests", ()
-        ):
-            metrics.requests.observe_many(
-                protocol, model, version, code, status, count, items, seconds
-            )
-        for model, seconds in report.get("encode", ()):
-            for value in seconds:
-                metrics.requests.observe_encode(model, value)
+        for outcome in report.get("requests", ()):
+            metrics.requests.observe_many(*outcome)
+        for model, counts, total in report.get("encode", ()):
+            metrics.requests.observe_encode_many(model, counts, total)
         for model, refusals in report.get("refused", ()):
             entry = self.plane.registry.entries.get(model)
             served = entry.served if entry is not None else None

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from tensorserve.metrics.requests import LATENCY_BUCKETS, latency_bucket
+
 REPORT_S = 0.5
+# Counts per latency bucket, the +Inf one last (``add_observations``).
+BUCKETS = len(LATENCY_BUCKETS) + 1
 
 
 class Count:
@@ -31,9 +35,11 @@ class Count:
 class RequestReport:
     def __init__(self) -> None:
         self.in_flight = Count()
-        # (protocol, model, version, code, status) -> [calls, items, [seconds, ...]]
+        # (protocol, model, version, code, status) -> [calls, items, bucket counts, seconds]:
+        # the latencies as the histogram counts them, so the scheduler process
+        # adds each bucket once per report, not each request's value.
         self._outcomes: dict[tuple[str, str, str, str, int], list[Any]] = {}
-        self._encode: dict[str, list[float]] = {}
+        self._encode: dict[str, list[Any]] = {}  # model -> [bucket counts, seconds]
         self._refused: dict[str, int] = {}  # model -> refusals on its latency target
 
     @property
@@ -58,13 +64,18 @@ class RequestReport:
         key = (protocol, model, version, code, status)
         outcome = self._outcomes.get(key)
         if outcome is None:
-            outcome = self._outcomes[key] = [0, 0, []]
+            outcome = self._outcomes[key] = [0, 0, [0] * BUCKETS, 0.0]
         outcome[0] += 1
         outcome[1] += items
-        outcome[2].append(seconds)
+        outcome[2][latency_bucket(seconds)] += 1
+        outcome[3] += seconds
 
     def observe_encode(self, model: str, seconds: float) -> None:
-        self._encode.setdefault(model, []).append(seconds)
+        encode = self._encode.get(model)
+        if encode is None:
+            encode = self._encode[model] = [[0] * BUCKETS, 0.0]
+        encode[0][latency_bucket(seconds)] += 1
+        encode[1] += seconds
 
     def take(self) -> dict[str, Any]:
         """What was observed since the last ``take``, as the "report"
@@ -74,7 +85,7 @@ class RequestReport:
             report["requests"] = [[*key, *outcome] for key, outcome in self._outcomes.items()]
             self._outcomes = {}
         if self._encode:
-            report["encode"] = list(self._encode.items())
+            report["encode"] = [[model, *encode] for model, encode in self._encode.items()]
             self._encode = {}
         if self._refused:
             report["refused"] = list(self._refused.items())

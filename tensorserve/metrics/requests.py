@@ -12,6 +12,7 @@ is counted as ``_unknown``, so a scan of random names cannot add series.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,26 @@ REJECTION_REASONS = {
 
 # A request's end-to-end seconds: the stages' buckets from 0.5 ms up.
 LATENCY_BUCKETS = SECONDS_BUCKETS[SECONDS_BUCKETS.index(0.0005) :]
+
+
+def latency_bucket(seconds: float) -> int:
+    """The bucket of ``LATENCY_BUCKETS`` (or the last, +Inf) that a Prometheus
+    histogram counts ``seconds`` in: the first upper bound >= it."""
+    return bisect.bisect_left(LATENCY_BUCKETS, seconds)
+
+
+def add_observations(child: Any, counts: Sequence[int], total: float) -> None:
+    """Many observations at once into a histogram's child, as bucket counts
+    (``latency_bucket``) and their sum: what a front-end process reports.
+    One ``inc`` per non-empty bucket, where ``observe`` scans the bounds in
+    Python for each value (~2 us each in the scheduler process, for every
+    request). prometheus_client keeps each bucket's own count and the sum
+    as values (``_buckets``, ``_sum``) that ``observe`` increments;
+    tests/test_process_metrics.py checks the text matches ``observe``'s."""
+    child._sum.inc(total)
+    for bucket, count in zip(child._buckets, counts):
+        if count:
+            bucket.inc(count)
 
 
 def rejection_reason(code: str, status: int) -> str | None:
@@ -113,7 +134,15 @@ class RequestMetrics:
         items: int,
         seconds: float,
     ) -> None:
-        self.observe_many(protocol, model, version, code, status, 1, items, (seconds,))
+        requests, counted_items, latency, rejections = self._labelled(
+            protocol, model, version, code, status
+        )
+        requests.inc()
+        if items:
+            counted_items.inc(items)
+        latency.observe(seconds)
+        if rejections is not None:
+            rejections.inc()
 
     def observe_many(
         self,
@@ -124,23 +153,29 @@ class RequestMetrics:
         status: int,
         count: int,
         items: int,
-        seconds: Sequence[float],
+        latency_counts: Sequence[int],
+        latency_sum: float,
     ) -> None:
-        """``count`` requests of one outcome: one observed here, or several
-        a front-end process reports (``frontends/report.py``)."""
+        """``count`` requests of one outcome, which a front-end process
+        observed (``frontends/report.py``): their latencies as bucket counts."""
         requests, counted_items, latency, rejections = self._labelled(
             protocol, model, version, code, status
         )
         requests.inc(count)
         if items:
             counted_items.inc(items)
-        for value in seconds:
-            latency.observe(value)
+        add_observations(latency, latency_counts, latency_sum)
         if rejections is not None:
             rejections.inc(count)
 
     def observe_encode(self, model: str, seconds: float) -> None:
+        self._encode_child(model).observe(seconds)
+
+    def observe_encode_many(self, model: str, counts: Sequence[int], total: float) -> None:
+        add_observations(self._encode_child(model), counts, total)
+
+    def _encode_child(self, model: str) -> Any:
         child = self._encode_children.get(model)
         if child is None:
             child = self._encode_children[model] = self.encode.labels(model)
-        child.observe(seconds)
+        return child
