@@ -12,6 +12,7 @@ the indices of the next batch. Two rules bind every policy:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -176,6 +177,24 @@ def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
 _GRID_CELLS = 8192
 
 
+_STARTS = np.arange(1024)
+
+
+@functools.lru_cache(maxsize=32)
+def _run_grid(n: int, low: int, high: int) -> tuple[np.ndarray, ...]:
+    """The index grids of the runs of sizes ``low + 1 .. high`` over ``n``
+    ranked items, rows by size and columns by start: each size (a float
+    column), one past each run's last item, the same clipped to the queue,
+    and whether the run lies inside the queue. They depend only on the
+    shape, and building them was most of a small grid's cost."""
+    sizes = np.arange(low + 1, high + 1)[:, None]
+    ends = np.arange(n) + sizes
+    grids = (sizes.astype(np.float64), ends, np.minimum(ends, n), ends <= n)
+    for grid in grids:
+        grid.flags.writeable = False  # shared by every call of this shape
+    return grids
+
+
 @dataclass(frozen=True)
 class LengthAwarePolicy:
     """Batches of similar padded size, as infinity does: sort the waiting
@@ -200,7 +219,8 @@ class LengthAwarePolicy:
         volumes = np.fromiter(waiting.volumes, dtype=np.int64, count=n)
         order = np.argsort(volumes, kind="stable")
         ranked = volumes[order]
-        prefix = np.concatenate(([0.0], np.cumsum(ranked, dtype=np.float64)))
+        prefix = np.zeros(n + 1)  # prefix[i]: the volume of the i shortest
+        np.cumsum(ranked, dtype=np.float64, out=prefix[1:])
         forced = int(np.flatnonzero(order == 0)[0]) if waiting.oldest_overdue else None
         limit = budget_for_next_batch(self)
         most = min(max_batch_size, n)
@@ -208,7 +228,7 @@ class LengthAwarePolicy:
             size, start = self._best_left_run(ranked, prefix, most, forced, limit)
         else:
             size, start = self._best_run(ranked.astype(np.float64), prefix, most, forced, limit)
-        return sorted(int(i) for i in order[start : start + size])
+        return np.sort(order[start : start + size]).tolist()
 
     def _best_run(
         self,
@@ -222,36 +242,28 @@ class LengthAwarePolicy:
         searched over every size and start."""
         n = len(ranked)
         # Every candidate run ranked[start : start + size] at once, as a
-        # (size, start) grid of strided views (no copies, no fancy indexing),
-        # a block of sizes at a time so that each block stays in cache:
-        # a few numpy passes instead of a Python loop of numpy calls per
-        # size, which cost ~0.3 ms a batch at 64 waiting (benchmarks/results/HISTORY.md).
-        # Row-major argmax, strict across blocks, keeps that loop's choice:
-        # the best score, then the fewest items, then the first start.
-        windows = np.lib.stride_tricks.sliding_window_view
-        # Runs that would reach past the queue's end read repeats of its last
-        # item, and are masked out.
-        longest_all = windows(np.concatenate((ranked, np.full(most, ranked[-1]))), n)
-        ends_all = windows(np.concatenate((prefix[1:], np.full(most, prefix[-1]))), n)
-        starts = np.arange(n)
+        # (size, start) grid, a block of sizes at a time so that each block
+        # stays in cache: a few numpy passes over index grids cached per
+        # shape, instead of a Python loop of numpy calls per size (~0.3 ms a
+        # batch at 64 waiting, benchmarks/results/HISTORY.md). Row-major
+        # argmax, strict across blocks, keeps that loop's choice: the best
+        # score, then the fewest items, then the first start.
+        starts = _STARTS[:n] if n <= len(_STARTS) else np.arange(n)
         best = (-np.inf, 0, 0)  # (score, size, start)
         block = max(1, _GRID_CELLS // n)
         for low in range(0, most, block):
-            high = min(most, low + block)
-            longest = longest_all[low:high]
-            real = ends_all[low:high] - prefix[:n]
-            sizes = np.arange(low + 1, high + 1, dtype=np.float64)[:, None]
-            padded = sizes * longest
-            ends = starts + sizes  # one past each run's last item
-            valid = ends <= n
+            sizes, ends, stop, inside = _run_grid(n, low, min(most, low + block))
+            longest = ranked[stop - 1]  # a run past the queue's end reads its last item
+            real = prefix[stop] - prefix[:n]
+            valid = inside
             if forced is not None:  # only runs that hold the oldest item
-                valid &= (starts <= forced) & (forced < ends)
+                valid = valid & (starts <= forced) & (forced < ends)
             if limit:
-                valid &= (padded <= limit) | (sizes == 1)
+                valid = valid & ((sizes * longest <= limit) | (sizes == 1))
             if self.cost.fitted:
                 scores = real / np.maximum(self.cost.cost(sizes, longest), 1e-12)
             else:  # most items first, then least waste
-                scores = sizes * 1e18 - (padded - real)
+                scores = sizes * 1e18 - (sizes * longest - real)
             scores = np.where(valid, scores, -np.inf)
             row, first = divmod(int(np.argmax(scores)), n)
             if scores[row, first] > best[0]:
