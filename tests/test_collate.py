@@ -221,3 +221,19 @@ def test_one_dimensional_features_pad_as_row_by_row(
     np.testing.assert_array_equal(batch.features["fixed"].numpy(), [[i] * 3 for i in range(len(items))])
     assert batch.extents["fixed"].shape == (len(items), 0)
     assert batch.real_elements == sum(lengths) + sum(second) + 3 * len(items)
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches())
+def test_the_padded_length_is_the_longest_items_variable_extent(
+    batch: tuple[list[dict], list[dict], int | None],
+) -> None:
+    """What the stats and spans report as the length a batch is padded to:
+    the largest product of an item's variable axes, over every feature."""
+    specs, items, multiple = batch
+    counting = collator(specs, multiple)
+    expected = [
+        math.prod(item[s.name].shape[a] for a in s.variable_axes)
+        for s in counting.inputs if s.variable_axes for item in items
+    ]  # fmt: skip
+    assert counting.pad(items).longest == max(expected, default=None)

@@ -49,6 +49,10 @@ class PaddedBatch:
     extents: dict[str, np.ndarray]  # feature -> int64 array [batch, n_variable_axes]
     real_elements: int
     padded_elements: int
+    # The longest item's variable extent (the product of its variable axes),
+    # over every feature with one: the length the batch is padded to. None
+    # without variable axes. Counted here, from the shapes pad reads anyway.
+    longest: int | None = None
     # Declared request parameter -> one value per row ({}: the model declares none).
     parameters: dict[str, list[Any]] = field(default_factory=dict)
 
@@ -114,6 +118,7 @@ def pad(
     features: dict[str, Feature] = {}
     extents: dict[str, np.ndarray] = {}
     real = padded = 0
+    longest_item: int | None = None
     flat = _Rows()  # the last 1-D feature's lengths, which the next one often shares
     for spec in inputs:
         arrays = [item[spec.name] for item in items]
@@ -121,6 +126,8 @@ def pad(
             buffer, host, lengths = flat.pad(arrays, spec, pad_to_multiple_of, pin_memory)
             features[spec.name] = buffer
             extents[spec.name] = lengths if spec.variable_axes else lengths[:, :0]
+            if spec.variable_axes and batch:
+                longest_item = max(longest_item or 0, flat.longest)
             real += flat.total
             padded += host.size
             continue
@@ -135,10 +142,12 @@ def pad(
             for row, array in zip(host, arrays):
                 row[tuple(slice(0, n) for n in array.shape)] = array
         features[spec.name] = buffer
-        extents[spec.name] = shapes[:, list(spec.variable_axes)]
+        extents[spec.name] = variable = shapes[:, list(spec.variable_axes)]
+        if variable.size:
+            longest_item = max(longest_item or 0, int(variable.prod(axis=1).max()))
         real += int(shapes.prod(axis=1).sum())
         padded += host.size
-    return PaddedBatch(features, extents, real, padded)
+    return PaddedBatch(features, extents, real, padded, longest_item)
 
 
 class _Rows:
@@ -147,13 +156,13 @@ class _Rows:
     mask, so a batch of two costs little more than one (~1 us a call
     counts here: this runs once a batch on the scheduler's loop)."""
 
-    __slots__ = ("key", "lengths", "mask", "total")
+    __slots__ = ("key", "lengths", "longest", "mask", "total")
 
     def __init__(self) -> None:
         self.key: tuple[list[int], int] | None = None
         self.lengths = np.zeros((0, 1), np.int64)
         self.mask: np.ndarray | None = None
-        self.total = 0
+        self.total = self.longest = 0
 
     def pad(
         self,
@@ -167,6 +176,7 @@ class _Rows:
         buffer, host = _batch_buffer(len(arrays), [width], spec.dt, pin_memory)
         if self.key is None or self.key[1] != width or self.key[0] != counts:
             self.key, self.mask, self.total = (counts, width), None, sum(counts)
+            self.longest = max(counts, default=0)
             self.lengths = np.array(counts, dtype=np.int64).reshape(-1, 1)
         if counts.count(width) == len(counts):
             np.stack(arrays, out=host)  # nothing to pad: one copy
@@ -187,6 +197,7 @@ def _single(item: Item, inputs: Sequence[InputSpec]) -> PaddedBatch:
     at low load is the latency-critical case)."""
     features: dict[str, Feature] = {}
     extents, elements = {}, 0
+    longest: int | None = None
     for spec in inputs:
         array = np.array(item[spec.name])  # owned and writable, as torch wants
         if spec.dt.is_bytes:
@@ -198,8 +209,10 @@ def _single(item: Item, inputs: Sequence[InputSpec]) -> PaddedBatch:
         extents[spec.name] = np.array(
             [[array.shape[a] for a in spec.variable_axes]], dtype=np.int64
         )
+        if spec.variable_axes:
+            longest = max(longest or 0, math.prod(array.shape[a] for a in spec.variable_axes))
         elements += array.size
-    return PaddedBatch(features, extents, elements, elements)
+    return PaddedBatch(features, extents, elements, elements, longest)
 
 
 def check_output(name: str, array: np.ndarray, spec: OutputSpec, batch: int) -> None:
@@ -265,22 +278,29 @@ def unpad(
         source = sources[spec.name]
         assert source is not None  # guaranteed by config validation
         wanted = batch.extents[source][:, : len(variable)]
-        available = np.array([array.shape[axis + 1] for axis in variable])
-        if (wanted > available).any():
-            raise ModelFailure(
-                f"output {spec.name!r} is shorter than input {source!r} on a variable axis: "
-                f"padded sizes {available.tolist()}, longest item needs {wanted.max(axis=0).tolist()}"
-            )
-        if variable == (0,):  # the common case: one slice per row, lengths as ints at once
-            for result, row, length in zip(results, array, wanted[:, 0].tolist()):
+        if variable == (0,):  # the common case: one slice per row, lengths as plain ints
+            lengths = wanted[:, 0].tolist()
+            if max(lengths, default=0) > array.shape[1]:
+                _too_short(spec.name, source, [array.shape[1]], [max(lengths)])
+            for result, row, length in zip(results, array, lengths):
                 result[spec.name] = row[:length]
             continue
+        available = np.array([array.shape[axis + 1] for axis in variable])
+        if (wanted > available).any():
+            _too_short(spec.name, source, available.tolist(), wanted.max(axis=0).tolist())
         for result, row, lengths in zip(results, array, wanted):
             index = [slice(None)] * len(spec.shape)
             for axis, length in zip(variable, lengths):
                 index[axis] = slice(0, int(length))
             result[spec.name] = row[tuple(index)]
     return results
+
+
+def _too_short(name: str, source: str, available: list[int], needed: list[int]) -> None:
+    raise ModelFailure(
+        f"output {name!r} is shorter than input {source!r} on a variable axis: "
+        f"padded sizes {available}, longest item needs {needed}"
+    )
 
 
 class Collator:

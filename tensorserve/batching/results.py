@@ -179,10 +179,7 @@ class BatchResults:
 def padded_length(padded: PaddedBatch | None) -> int | None:
     """The longest item's variable extent (product of its variable axes): the
     length the batch is padded to. None for a batch with no variable axis."""
-    if padded is None:
-        return None
-    lengths = [int(e.prod(axis=1).max()) for e in padded.extents.values() if e.size and e.shape[1]]
-    return max(lengths, default=None)
+    return padded.longest if padded is not None else None
 
 
 def _with_parameters(rows: Sequence[Any], columns: Mapping[str, Sequence[Any]]) -> list[Any]:
