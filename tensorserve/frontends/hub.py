@@ -34,7 +34,14 @@ from tensorserve.ensemble import Ensemble
 from tensorserve.errors import ModelNotReady, TensorServeError
 from tensorserve.frontends.protocol import Outbox, error_entry, split_items
 from tensorserve.frontends.requests import RemoteRequest, ReplySlot
-from tensorserve.frontends.table import Generations, LatePublisher, model_table, table_key
+from tensorserve.frontends.table import (
+    Generations,
+    LatePublisher,
+    late_models,
+    model_table,
+    table_key,
+    targeted_models,
+)
 from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
 from tensorserve.serving.model import ServedModel
@@ -136,7 +143,7 @@ class FrontEndHub:
         self._asking: set[asyncio.Task[None]] = set()
         # Called with the pid of a front end that went silent (the supervisor kills it).
         self.on_silent: Callable[[int], None] | None = None
-        self._late = LatePublisher(plane, self._publish_late)
+        self._late = LatePublisher(lambda: late_models(plane), self._publish_late)
         self._checking: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
@@ -307,7 +314,7 @@ class FrontEndHub:
             self._table = table = model_table(self.plane.registry, self._generations)
             for connection in self.connections.values():
                 connection.outbox.put("models", table)
-            self._late.models_changed()
+            self._late.models_changed(bool(targeted_models(self.plane)))
         if reschedule:
             self._check_silent()
             self._checking = self.loop.call_later(TABLE_CHECK_S, self._check_table)

@@ -22,7 +22,9 @@ produced travels as one message, whatever the number of requests in it:
                always before the answer of a load or unload that changed it
     "late"     {model: [message, retry_after]}: the models whose latency target
                a request would miss now; a front end refuses those before it
-               reads a body (published on change, not asked per request)
+               reads a body. Published when the set or a Retry-After (whole
+               seconds) changes, not asked per request; the message names
+               only those (``table.refusals``), so it holds until the next one
     "replies"  [[rid, [names per item], [parameters per item] | None], ...] or
                [[rid, None, error], ...]; the tensors: each answered item's outputs
     "answers"  [[aid, True, value] | [aid, False, error], ...]
