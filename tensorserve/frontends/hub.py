@@ -29,7 +29,8 @@ import numpy as np
 from tensorserve.batching.admission import NO_PARAMETERS
 from tensorserve.batching.batcher import Batcher
 from tensorserve.dataplane import models as answers
-from tensorserve.dataplane.plane import DataPlane
+from tensorserve.dataplane.logs import REQUEST_ID, logged_as
+from tensorserve.dataplane.plane import DataPlane, is_server_fault
 from tensorserve.ensemble import Ensemble
 from tensorserve.errors import ModelNotReady, TensorServeError
 from tensorserve.frontends.protocol import Outbox, error_entry, split_items
@@ -111,13 +112,32 @@ class Connection:
         tensors: list[np.ndarray] = [array for result in results for array in result.values()]
         self.outbox.add("replies", [rid, names, parameters if any(parameters) else None], tensors)
 
-    def fail(self, rid: int, exc: BaseException, *, admitted: bool = True) -> None:
-        """Answer ``exc``; an ``admitted`` request only if still waited for."""
+    def fail(
+        self,
+        rid: int,
+        exc: BaseException,
+        *,
+        admitted: bool = True,
+        request_id: str | None = None,
+    ) -> None:
+        """Answer ``exc``; an ``admitted`` request only if still waited for.
+        A fault of the model or the server is logged here, with its
+        traceback (the model's own frames, which do not cross), as about
+        ``request_id`` (None: the request whose id is current)."""
         if self.requests.pop(rid, None) is None and admitted:
             return
-        if not isinstance(exc, TensorServeError):
-            log.error("front end %d request %d: the server failed", self.pid, rid, exc_info=exc)
-        self.outbox.add("replies", [rid, None, error_entry(exc)])
+        entry = error_entry(exc)
+        if not isinstance(exc, TensorServeError) or is_server_fault(exc.code, exc.http_status):
+            with logged_as(request_id):
+                log.error(
+                    "front end pid %d, request %d -> %s: %s",
+                    self.pid,
+                    rid,
+                    exc.code if isinstance(exc, TensorServeError) else "internal",
+                    entry[1],
+                    exc_info=exc,
+                )
+        self.outbox.add("replies", [rid, None, entry])
 
     def close(self) -> None:
         self.link.close()
@@ -187,15 +207,24 @@ class FrontEndHub:
                 names,
                 count,
                 traced,
+                request_id,
             ) in requests:
                 items, start = split_items(arrays, start, names, count)
-                # A traced request's span (in its front end) is current while its
-                # items are queued: its batch's and steps' spans join its trace.
-                context = tracer.request_context(traced) if traced and tracer is not None else None
-                self._admit_one(
-                    connection, rid, model, version, generation, timeout, priority, parameters,
-                    items, context, woken,
-                )  # fmt: skip
+                # Its caller's id is current while it is admitted, as in one process:
+                # a line logged meanwhile, or by its ensemble's task, carries it.
+                token = REQUEST_ID.set(request_id)
+                try:
+                    # A traced request's span (in its front end) is current while its
+                    # items are queued: its batch's and steps' spans join its trace.
+                    context = (
+                        tracer.request_context(traced) if traced and tracer is not None else None
+                    )
+                    self._admit_one(
+                        connection, rid, model, version, generation, timeout, priority,
+                        parameters, items, context, woken, request_id,
+                    )  # fmt: skip
+                finally:
+                    REQUEST_ID.reset(token)
         finally:
             for batcher in woken.values():  # one pass per model for the whole message
                 batcher.scheduler.wake()
@@ -213,6 +242,7 @@ class FrontEndHub:
         items: list[dict[str, np.ndarray]],
         context: contextvars.Context | None,
         woken: dict[int, Batcher],
+        request_id: str,
     ) -> None:
         try:
             served = self.plane.registry.ready_model(model, version)
@@ -235,7 +265,7 @@ class FrontEndHub:
                     connection, rid, _within(context, self.loop.create_task, coroutine)
                 )
                 return
-            request = RemoteRequest(connection, rid, len(items))
+            request = RemoteRequest(connection, rid, len(items), request_id)
             request.batcher = batcher = served.batcher
             request.entries = _within(
                 context,

@@ -7,8 +7,10 @@ produced travels as one message, whatever the number of requests in it:
 
     front end -> scheduler process
     "infer"    [[rid, model, version, generation, timeout, priority, parameters, names,
-                 items, traceparent], ...]; ``generation``: the load of the model whose
-               config the front end validated against (``table.Generations``)
+                 items, traceparent, request_id], ...]; ``generation``: the load of the
+               model whose config the front end validated against
+               (``table.Generations``); ``request_id``: its caller's (X-Request-ID),
+               on the scheduler process's log lines about it
                the tensors: each request's items, each item's ``names`` in order
     "cancel"   [rid, ...]: callers that left or timed out; their items leave the queue
     "ask"      [[aid, what, args], ...]: the answers about the server and its models

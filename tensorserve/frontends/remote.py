@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tensorserve.dataplane.lag import LoopLag
+from tensorserve.dataplane.logs import REQUEST_ID
 from tensorserve.errors import DeadlineExceeded, ModelNotReady, WouldMissTarget
 from tensorserve.frontends.protocol import Outbox, error_from, split_items
 from tensorserve.frontends.report import REPORT_S, FrontEndMetrics
@@ -208,6 +209,7 @@ class Scheduler:
                 names,
                 len(rows),
                 traced,
+                REQUEST_ID.get(),  # the scheduler process's lines about it carry it too
             ],
             tensors,
         )
