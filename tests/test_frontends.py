@@ -389,6 +389,30 @@ def test_the_scheduler_process_logs_a_models_failure_with_its_callers_request_id
     )
 
 
+def test_front_ends_serve_both_protocols_without_torch(
+    served: tuple[ServerProcess, FileGate],
+) -> None:
+    server, _ = served
+    for value in range(4):  # on connections of their own: most likely both front ends
+        assert infer(server.url, float(value), model="poison")[0] == 200
+        data = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1, 4],
+                            "data": [value] * 4}]}
+        assert httpx.post(f"{server.url}/v2/models/poison/infer", json=data).status_code == 200
+    x = grpcclient.InferInput("x", [1, 1, 4], "FP32")
+    x.set_data_from_numpy(np.ones((1, 1, 4), np.float32))
+    assert grpcclient.InferenceServerClient(server.grpc_address).infer("poison", [x]).as_numpy(
+        "y").tolist() == [[[2.0] * 4]]
+    assert server.process is not None
+
+    def torch_mapped(pid: int) -> bool:
+        return any("libtorch" in m.path for m in psutil.Process(pid).memory_maps())
+
+    # The scheduler process runs the models; a front end only decodes,
+    # validates and encodes, with numpy (~250 MB of RSS less each).
+    assert torch_mapped(server.process.pid)
+    assert [torch_mapped(p.pid) for p in front_ends(server)] == [False, False]
+
+
 def test_front_ends_log_which_process_they_are(served: tuple[ServerProcess, FileGate]) -> None:
     server, _ = served
     processes = {

@@ -36,7 +36,7 @@ from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
 from tensorserve.metrics.processes import cpu_seconds
 from tensorserve.repository.config import ModelConfig
-from tensorserve.serving.registry import ModelState, lookup, ready
+from tensorserve.serving.entries import ModelState, lookup, ready
 from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
 from tensorserve.tensors.results import RowResult
 from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
