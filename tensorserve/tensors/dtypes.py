@@ -53,13 +53,14 @@ class DType:
     def is_float(self) -> bool:
         return self.numpy.kind == "f" or self.name == "bfloat16"
 
-    @property
+    # Looked up once, then kept on the instance (read per batch by the model's side).
+    @functools.cached_property
     def torch(self) -> TorchDType | None:
         """The torch dtype (imports torch); None: bytes, which stays a numpy
         object array."""
         return None if self.torch_name is None else _torch_dtype(self.torch_name)
 
-    @property
+    @functools.cached_property
     def torch_dtype(self) -> TorchDType:
         """The torch dtype of a numeric dtype (bytes has none: a sentence says so)."""
         if self.torch_name is None:
