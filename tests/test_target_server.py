@@ -88,10 +88,12 @@ def test_a_burst_past_the_target_is_refused_at_once_and_the_admitted_get_their_r
     url = server.url
     for value in range(8):  # the controller measures a few batches first
         assert _infer(url, "targeted", float(value))[0] == 200
-    # A 3 s batch holds the instance, so the burst queues behind it however
-    # slowly a busy machine sends it.
+    # An 8 s batch holds the instance, so the burst queues behind it however
+    # slowly a busy machine sends it, and the model is still late when the
+    # early requests below arrive (3 s was not enough at a load of ~10 on 2
+    # cores: they came 4 s in, after the queue had drained).
     with ThreadPoolExecutor(2) as holder:
-        held = holder.submit(_infer, url, "targeted", 1.0, 3000.0)
+        held = holder.submit(_infer, url, "targeted", 1.0, 8000.0)
         wait_until(lambda: _stats(url, "targeted")["total_requests"] == 9, "the long batch admitted")
         bursting = holder.submit(_burst, url, "targeted")
         wait_until(lambda: _stats(url, "targeted")["latency_target"]["refused"] > 0,
