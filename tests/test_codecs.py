@@ -18,7 +18,8 @@ from tensorserve_client import _tensors as client_tensors
 from tensorserve.errors import InvalidInput
 from tensorserve.http.app import create_app
 from tensorserve.settings import MAX_TIMEOUT_S, Settings
-from tensorserve.tensors.dtypes import DTYPES
+from tensorserve.repository.value_bounds import RANGES
+from tensorserve.tensors.dtypes import DTYPES, bfloat16_bits, bfloat16_floats
 from tensorserve.wire.lists import array_from_list
 from tests.helpers import MSGPACK, body, from_wire, write_toy_model
 
@@ -54,6 +55,37 @@ def test_bfloat16_lists_become_bit_patterns() -> None:
     bits = cast([1.0, -2.5, 3], "bfloat16")
     assert bits.dtype == np.uint16
     np.testing.assert_array_equal(bits.view(ml_dtypes.bfloat16).astype(np.float32), [1, -2.5, 3])
+
+
+def test_bfloat16_is_rounded_and_read_back_as_torch_does_without_torch() -> None:
+    # A front-end process converts BF16 with numpy alone (tensors/dtypes.py):
+    # every bit pattern it could be given, and the halfway cases, agree with torch.
+    import torch
+
+    floats = np.concatenate([
+        np.random.default_rng(0).integers(0, 2**32, 1_000_000, np.uint64).astype(np.uint32),
+        np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x00000001, 0x80000000, 0x7F800000],
+                 np.uint32),  # ties to even (down, up), to inf, subnormal, -0, inf
+    ]).view(np.float32)
+    ours = bfloat16_bits(floats)
+    theirs = torch.from_numpy(floats.copy()).to(torch.bfloat16).view(torch.uint16).numpy()
+    nan = np.isnan(floats)
+    np.testing.assert_array_equal(ours[~nan], theirs[~nan])
+    assert np.isnan(bfloat16_floats(ours[nan])).all()  # a NaN stays a NaN
+    patterns = np.arange(2**16, dtype=np.uint16)
+    read = torch.from_numpy(patterns.copy()).view(torch.bfloat16).float().numpy()
+    np.testing.assert_array_equal(bfloat16_floats(patterns).view(np.uint32), read.view(np.uint32))
+    assert bfloat16_bits(np.float32(1.5)).shape == ()  # a 0-d tensor stays one
+
+
+def test_the_value_ranges_checked_without_torch_are_torchs() -> None:
+    import torch
+
+    for name, (least, greatest) in RANGES.items():
+        dt = DTYPES[name].torch_dtype
+        info: Any = torch.finfo(dt) if dt.is_floating_point else torch.iinfo(dt)
+        assert (least, greatest) == (info.min, info.max), name
+    assert set(RANGES) == set(DTYPES) - {"bool", "bytes"}
 
 
 def test_an_empty_list_is_left_to_the_shape_checks() -> None:

@@ -29,6 +29,7 @@ from tests.conftest import ServerProcess
 from tests.helpers import (
     ECHO,
     MSGPACK,
+    POISON_MODEL,
     FileGate,
     body,
     from_wire,
@@ -82,6 +83,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     write_toy_model(repo, "params", PARAMS_MODEL, **PARAMS)
     write_toy_model(repo, "small", gate.model(), **SMALL)
     write_toy_model(repo, "ranked", gate.model(), **RANKED)
+    write_toy_model(repo, "poison", POISON_MODEL, **ECHO)
     _write(repo, "double", _toy_toml({"x": FLOATS}, {"y": FLOATS}), DOUBLE_PY)
     _write(repo, "shift", _toy_toml({"a": FLOATS, "b": FLOATS}, {"s": FLOATS}), SHIFT_PY)
     steps = [_step("double", {"x": "X"}, {"y": "D"}), _step("shift", {"a": "D", "b": "X"}, {"s": "OUT"})]
@@ -347,6 +349,68 @@ def test_an_ensemble_runs_in_the_scheduler_process_through_either_protocol(
     assert result.as_numpy("OUT").tolist() == [[3.5, 6.5, 9.5]]
     assert client.get_model_metadata("gated").name == "gated"
     assert client.is_server_ready()
+
+
+def _log_records(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+
+
+def test_the_scheduler_process_logs_a_models_failure_with_its_callers_request_id(
+    served: tuple[ServerProcess, FileGate],
+) -> None:
+    server, _ = served
+    status, error, _ = send(server.url, 13.0, "poisoned-http", "poison")
+    assert status == 500 and error["code"] == "model_failure", error
+    client = grpcclient.InferenceServerClient(server.grpc_address)
+    x = grpcclient.InferInput("x", [1, 1, 4], "FP32")
+    x.set_data_from_numpy(np.full((1, 1, 4), 13.0, np.float32))
+    with pytest.raises(grpcclient.InferenceServerException, match="poison value 13"):
+        client.infer("poison", [x], headers={"x-request-id": "poisoned-grpc"})
+
+    def failures() -> dict[str, dict[str, Any]]:
+        return {
+            record["request_id"]: record
+            for record in _log_records(server.log)
+            if record.get("process") == "scheduler" and record["level"] == "ERROR"
+        }
+
+    wait_until(lambda: {"poisoned-http", "poisoned-grpc"} <= set(failures()),
+               "the scheduler process's lines of both failures")
+    for request_id in ("poisoned-http", "poisoned-grpc"):
+        line = failures()[request_id]
+        assert "-> model_failure: model 'poison' failed: RuntimeError: poison value 13" in (
+            line["message"]), line
+        assert "in forward" in line["exc"], line  # the model's own frames, which do not cross
+    # The front end's line about the same call carries the same id.
+    assert any(
+        record["request_id"] == "poisoned-http" and record["level"] == "ERROR"
+        and record["process"].startswith("frontend") and "-> 500 model_failure" in record["message"]
+        for record in _log_records(server.log)
+    )
+
+
+def test_front_ends_serve_both_protocols_without_torch(
+    served: tuple[ServerProcess, FileGate],
+) -> None:
+    server, _ = served
+    for value in range(4):  # on connections of their own: most likely both front ends
+        assert infer(server.url, float(value), model="poison")[0] == 200
+        data = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1, 4],
+                            "data": [value] * 4}]}
+        assert httpx.post(f"{server.url}/v2/models/poison/infer", json=data).status_code == 200
+    x = grpcclient.InferInput("x", [1, 1, 4], "FP32")
+    x.set_data_from_numpy(np.ones((1, 1, 4), np.float32))
+    assert grpcclient.InferenceServerClient(server.grpc_address).infer("poison", [x]).as_numpy(
+        "y").tolist() == [[[2.0] * 4]]
+    assert server.process is not None
+
+    def torch_mapped(pid: int) -> bool:
+        return any("libtorch" in m.path for m in psutil.Process(pid).memory_maps())
+
+    # The scheduler process runs the models; a front end only decodes,
+    # validates and encodes, with numpy (~250 MB of RSS less each).
+    assert torch_mapped(server.process.pid)
+    assert [torch_mapped(p.pid) for p in front_ends(server)] == [False, False]
 
 
 def test_front_ends_log_which_process_they_are(served: tuple[ServerProcess, FileGate]) -> None:

@@ -1,6 +1,6 @@
 """The packages form layers with no cycles, only tensorserve.http imports
-aiohttp, ``import tensorserve`` stays light, and modules stay small enough to
-read in one sitting. The contracts live in pyproject.toml
+aiohttp, ``import tensorserve`` and a front-end process stay light (no
+torch), and modules stay small enough to read in one sitting. The contracts live in pyproject.toml
 (``[tool.importlinter]``); docs/architecture.md explains them."""
 
 from __future__ import annotations
@@ -68,6 +68,45 @@ def test_import_tensorserve_does_not_import_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+# A front-end process (``--frontends N``): it imports its module, builds its
+# app on a plane that asks the scheduler process, takes a model table (each
+# config parsed and checked, bounds too), and validates a JSON request's
+# BF16 data and a bounded float16 input: all with numpy, never torch.
+FRONT_END = """
+import socket, sys
+import numpy as np
+from tensorserve.frontends.process import build_app
+from tensorserve.frontends.remote import Scheduler
+from tensorserve.settings import Settings
+from tensorserve.wire.validate import validate_item
+
+ours, theirs = socket.socketpair()
+scheduler = Scheduler(ours)
+build_app(Settings(), scheduler)
+config = {
+    "max_batch_size": 4,
+    "input": [{"name": "x", "dtype": "bfloat16", "shape": [-1]},
+              {"name": "h", "dtype": "float16", "shape": [-1], "min_value": -1, "max_value": 1}],
+    "output": [{"name": "y", "dtype": "float32", "shape": [-1]}],
+}
+scheduler._models([["m", 1, "READY", "", config, False, 1]])
+model = scheduler.ready_model("m")
+row = validate_item({"x": [1.0, 2.5], "h": np.array([0.5], np.float16)}, model.config.input, 0)
+assert row["x"].tolist() == [0x3F80, 0x4020], row
+print(sorted(m for m in ("torch", "safetensors") if m in sys.modules))
+"""
+
+
+def test_a_front_end_process_does_not_import_torch() -> None:
+    # ~250 MB of RSS and ~1.3 s of start-up in each front end (docs/architecture.md).
+    result = subprocess.run(
+        [sys.executable, "-c", FRONT_END],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_no_module_is_longer_than_it_can_be_read() -> None:

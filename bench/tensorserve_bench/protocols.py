@@ -150,7 +150,7 @@ def _kserve_inputs(
     items: Sequence[Item], dtypes: Mapping[str, str], batched: bool
 ) -> list[tuple[str, np.ndarray, str]]:
     """(name, tensor, KServe datatype) of each input: the items' rows stacked."""
-    from tensorserve.tensors.dtypes import dtype as lookup  # imports torch: only when encoding
+    from tensorserve.tensors.dtypes import dtype as lookup  # the server's table (no torch)
 
     if not items:
         raise ValueError("a KServe v2 request needs at least one item")

@@ -14,6 +14,7 @@ the handler calls (a codec, the registry, a thread started with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -45,6 +47,21 @@ def request_id_from(header: str | None) -> str:
     if header is not None and _SAFE_ID.fullmatch(header):
         return header
     return os.urandom(16).hex()  # as random as uuid4().hex, without building a UUID
+
+
+@contextlib.contextmanager
+def logged_as(request_id: str | None) -> Iterator[None]:
+    """Lines logged inside carry ``request_id`` (None: the current one), for
+    code that acts for a request outside its task: the scheduler process,
+    answering a front end's request."""
+    if request_id is None:
+        yield
+        return
+    token = REQUEST_ID.set(request_id)
+    try:
+        yield
+    finally:
+        REQUEST_ID.reset(token)
 
 
 _factory_lock = threading.Lock()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorserve import __version__
 from tensorserve.batching.policy import budget_report
@@ -15,11 +15,13 @@ from tensorserve.dataplane.lifecycle import SHUTTING_DOWN
 from tensorserve.dataplane.plane import DataPlane
 from tensorserve.ensemble import Ensemble
 from tensorserve.errors import InvalidInput, ModelControlDisabled, ModelNotReady
-from tensorserve.serving import ServedModel
-from tensorserve.serving.registry import ModelState
+from tensorserve.serving.entries import ModelState
 from tensorserve.settings import Settings
 from tensorserve.wire import triton
 from tensorserve.wire.metadata import model_metadata
+
+if TYPE_CHECKING:
+    from tensorserve.serving.model import ServedModel
 
 # What Triton clients may rely on (KServe v2 server metadata "extensions").
 EXTENSIONS = [

@@ -31,18 +31,20 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from contextvars import Token
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from tensorserve.dataplane.calls import Call, WireCall
 from tensorserve.dataplane.lifecycle import Lifecycle
 from tensorserve.dataplane.logs import REQUEST_ID, RateLimit, request_id_from
 from tensorserve.metrics import Metrics
 from tensorserve.metrics.requests import DISCONNECT, UNKNOWN_MODEL, rejection_reason
-from tensorserve.serving.liveness import Liveness
-from tensorserve.serving.registry import ModelRegistry
 from tensorserve.settings import Settings
 from tensorserve.tracing import CallOrigin, RequestTracer, outcome_attributes
 from tensorserve.wire.request import effective_timeout
+
+if TYPE_CHECKING:  # the model-owning side's (a front-end process has neither)
+    from tensorserve.serving.liveness import Liveness
+    from tensorserve.serving.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 

@@ -29,12 +29,20 @@ import numpy as np
 from tensorserve.batching.admission import NO_PARAMETERS
 from tensorserve.batching.batcher import Batcher
 from tensorserve.dataplane import models as answers
-from tensorserve.dataplane.plane import DataPlane
+from tensorserve.dataplane.logs import REQUEST_ID, logged_as
+from tensorserve.dataplane.plane import DataPlane, is_server_fault
 from tensorserve.ensemble import Ensemble
 from tensorserve.errors import ModelNotReady, TensorServeError
 from tensorserve.frontends.protocol import Outbox, error_entry, split_items
 from tensorserve.frontends.requests import RemoteRequest, ReplySlot
-from tensorserve.frontends.table import Generations, LatePublisher, model_table, table_key
+from tensorserve.frontends.table import (
+    Generations,
+    LatePublisher,
+    late_models,
+    model_table,
+    table_key,
+    targeted_models,
+)
 from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
 from tensorserve.serving.model import ServedModel
@@ -104,13 +112,32 @@ class Connection:
         tensors: list[np.ndarray] = [array for result in results for array in result.values()]
         self.outbox.add("replies", [rid, names, parameters if any(parameters) else None], tensors)
 
-    def fail(self, rid: int, exc: BaseException, *, admitted: bool = True) -> None:
-        """Answer ``exc``; an ``admitted`` request only if still waited for."""
+    def fail(
+        self,
+        rid: int,
+        exc: BaseException,
+        *,
+        admitted: bool = True,
+        request_id: str | None = None,
+    ) -> None:
+        """Answer ``exc``; an ``admitted`` request only if still waited for.
+        A fault of the model or the server is logged here, with its
+        traceback (the model's own frames, which do not cross), as about
+        ``request_id`` (None: the request whose id is current)."""
         if self.requests.pop(rid, None) is None and admitted:
             return
-        if not isinstance(exc, TensorServeError):
-            log.error("front end %d request %d: the server failed", self.pid, rid, exc_info=exc)
-        self.outbox.add("replies", [rid, None, error_entry(exc)])
+        entry = error_entry(exc)
+        if not isinstance(exc, TensorServeError) or is_server_fault(exc.code, exc.http_status):
+            with logged_as(request_id):
+                log.error(
+                    "front end pid %d, request %d -> %s: %s",
+                    self.pid,
+                    rid,
+                    exc.code if isinstance(exc, TensorServeError) else "internal",
+                    entry[1],
+                    exc_info=exc,
+                )
+        self.outbox.add("replies", [rid, None, entry])
 
     def close(self) -> None:
         self.link.close()
@@ -136,7 +163,7 @@ class FrontEndHub:
         self._asking: set[asyncio.Task[None]] = set()
         # Called with the pid of a front end that went silent (the supervisor kills it).
         self.on_silent: Callable[[int], None] | None = None
-        self._late = LatePublisher(plane, self._publish_late)
+        self._late = LatePublisher(lambda: late_models(plane), self._publish_late)
         self._checking: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
@@ -180,15 +207,24 @@ class FrontEndHub:
                 names,
                 count,
                 traced,
+                request_id,
             ) in requests:
                 items, start = split_items(arrays, start, names, count)
-                # A traced request's span (in its front end) is current while its
-                # items are queued: its batch's and steps' spans join its trace.
-                context = tracer.request_context(traced) if traced and tracer is not None else None
-                self._admit_one(
-                    connection, rid, model, version, generation, timeout, priority, parameters,
-                    items, context, woken,
-                )  # fmt: skip
+                # Its caller's id is current while it is admitted, as in one process:
+                # a line logged meanwhile, or by its ensemble's task, carries it.
+                token = REQUEST_ID.set(request_id)
+                try:
+                    # A traced request's span (in its front end) is current while its
+                    # items are queued: its batch's and steps' spans join its trace.
+                    context = (
+                        tracer.request_context(traced) if traced and tracer is not None else None
+                    )
+                    self._admit_one(
+                        connection, rid, model, version, generation, timeout, priority,
+                        parameters, items, context, woken, request_id,
+                    )  # fmt: skip
+                finally:
+                    REQUEST_ID.reset(token)
         finally:
             for batcher in woken.values():  # one pass per model for the whole message
                 batcher.scheduler.wake()
@@ -206,6 +242,7 @@ class FrontEndHub:
         items: list[dict[str, np.ndarray]],
         context: contextvars.Context | None,
         woken: dict[int, Batcher],
+        request_id: str,
     ) -> None:
         try:
             served = self.plane.registry.ready_model(model, version)
@@ -228,7 +265,7 @@ class FrontEndHub:
                     connection, rid, _within(context, self.loop.create_task, coroutine)
                 )
                 return
-            request = RemoteRequest(connection, rid, len(items))
+            request = RemoteRequest(connection, rid, len(items), request_id)
             request.batcher = batcher = served.batcher
             request.entries = _within(
                 context,
@@ -307,7 +344,7 @@ class FrontEndHub:
             self._table = table = model_table(self.plane.registry, self._generations)
             for connection in self.connections.values():
                 connection.outbox.put("models", table)
-            self._late.models_changed()
+            self._late.models_changed(bool(targeted_models(self.plane)))
         if reschedule:
             self._check_silent()
             self._checking = self.loop.call_later(TABLE_CHECK_S, self._check_table)

@@ -7,8 +7,10 @@ produced travels as one message, whatever the number of requests in it:
 
     front end -> scheduler process
     "infer"    [[rid, model, version, generation, timeout, priority, parameters, names,
-                 items, traceparent], ...]; ``generation``: the load of the model whose
-               config the front end validated against (``table.Generations``)
+                 items, traceparent, request_id], ...]; ``generation``: the load of the
+               model whose config the front end validated against
+               (``table.Generations``); ``request_id``: its caller's (X-Request-ID),
+               on the scheduler process's log lines about it
                the tensors: each request's items, each item's ``names`` in order
     "cancel"   [rid, ...]: callers that left or timed out; their items leave the queue
     "ask"      [[aid, what, args], ...]: the answers about the server and its models
@@ -22,7 +24,9 @@ produced travels as one message, whatever the number of requests in it:
                always before the answer of a load or unload that changed it
     "late"     {model: [message, retry_after]}: the models whose latency target
                a request would miss now; a front end refuses those before it
-               reads a body (published on change, not asked per request)
+               reads a body. Published when the set or a Retry-After (whole
+               seconds) changes, not asked per request; the message names
+               only those (``table.refusals``), so it holds until the next one
     "replies"  [[rid, [names per item], [parameters per item] | None], ...] or
                [[rid, None, error], ...]; the tensors: each answered item's outputs
     "answers"  [[aid, True, value] | [aid, False, error], ...]

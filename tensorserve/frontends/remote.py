@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from tensorserve.dataplane.lag import LoopLag
+from tensorserve.dataplane.logs import REQUEST_ID
 from tensorserve.errors import DeadlineExceeded, ModelNotReady, WouldMissTarget
 from tensorserve.frontends.protocol import Outbox, error_from, split_items
 from tensorserve.frontends.report import REPORT_S, FrontEndMetrics
@@ -35,7 +36,7 @@ from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
 from tensorserve.metrics.processes import cpu_seconds
 from tensorserve.repository.config import ModelConfig
-from tensorserve.serving.registry import ModelState, lookup, ready
+from tensorserve.serving.entries import ModelState, lookup, ready
 from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
 from tensorserve.tensors.results import RowResult
 from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
@@ -208,6 +209,7 @@ class Scheduler:
                 names,
                 len(rows),
                 traced,
+                REQUEST_ID.get(),  # the scheduler process's lines about it carry it too
             ],
             tensors,
         )

@@ -52,10 +52,20 @@ class RemoteRequest:
     """One front end's request in this process: its items' results as they
     come, answered once all are in (or at its first failure)."""
 
-    __slots__ = ("batcher", "connection", "entries", "finished", "left", "results", "rid")
+    __slots__ = (
+        "batcher",
+        "connection",
+        "entries",
+        "finished",
+        "left",
+        "request_id",
+        "results",
+        "rid",
+    )
 
-    def __init__(self, connection: Connection, rid: int, items: int) -> None:
+    def __init__(self, connection: Connection, rid: int, items: int, request_id: str) -> None:
         self.connection, self.rid = connection, rid
+        self.request_id = request_id  # its caller's: on the lines logged about it here
         self.results: list[Any] = [None] * items
         self.left = items
         self.entries: list[Pending] = []
@@ -72,7 +82,7 @@ class RemoteRequest:
     def failed(self, exc: BaseException) -> None:
         if not self.finished:  # the first failure fails the request, as infer_many does
             self.finished = True
-            self.connection.fail(self.rid, exc)
+            self.connection.fail(self.rid, exc, request_id=self.request_id)
             self.withdraw()
 
     def withdraw(self) -> None:

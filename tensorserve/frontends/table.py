@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -80,53 +81,109 @@ def model_table(registry: ModelRegistry, generations: Generations) -> list[list[
     return table
 
 
-class LatePublisher:
-    """Publishes ``{model: [message, retry_after]}`` for the models whose
-    target one more item at the highest priority would miss, when that
-    changes; a timer on the loop while any served model has a target."""
+# A late model: its latency target and the Retry-After its refusal would
+# carry now, in seconds (both move with the queue; the target only on a reload).
+Late = tuple[float, float]
 
-    def __init__(self, plane: DataPlane, publish: Callable[[dict[str, Any]], None]) -> None:
-        self.plane = plane
+
+def late_models(plane: DataPlane) -> dict[str, Late]:
+    """The served models whose target one more item at the highest priority
+    would miss now (as a front end asks before reading a request)."""
+    late: dict[str, Late] = {}
+    for served in targeted_models(plane):
+        try:
+            served.refuse_if_late(count=False)
+        except WouldMissTarget as exc:
+            target = served.batcher.latency_target
+            assert target is not None
+            late[served.name] = (target.target_s, exc.retry_after)
+    return late
+
+
+def targeted_models(plane: DataPlane) -> list[ServedModel]:
+    return [
+        e.served
+        for e in plane.registry.entries.values()
+        if isinstance(e.served, ServedModel) and e.served.batcher.latency_target is not None
+    ]
+
+
+def as_acted_on(late: dict[str, Late]) -> dict[str, Late]:
+    """What a front end does with ``late``: which models it refuses, and the
+    Retry-After it sends, in whole seconds as both protocols round it
+    (``math.ceil``: http/errors.py, grpc/errors.py)."""
+    return {
+        name: (target_s, math.ceil(retry_after)) for name, (target_s, retry_after) in late.items()
+    }
+
+
+def refusals(acted_on: dict[str, Late]) -> dict[str, list[Any]]:
+    """``{model: [message, retry_after]}``, what a front end refuses with
+    before it reads a request. Built only from what it acts on, so it stays
+    true for as long as it is published: the predicted wait, which moves
+    with every item queued, is left to the refusals of admission itself."""
+    return {
+        name: [
+            (
+                f"model {name!r} is over its {1000 * target_s:.0f} ms latency target: a "
+                f"request now would wait longer; retry in {retry_after:.0f} s"
+            ),
+            retry_after,
+        ]
+        for name, (target_s, retry_after) in acted_on.items()
+    }
+
+
+class LatePublisher:
+    """Publishes ``refusals`` to every front end when what they act on
+    changes (which models are late, or a Retry-After in whole seconds), not
+    when only the predicted wait moves; a timer on the loop, every
+    ``LATE_CHECK_S``, while any served model has a target.
+
+    ``find_late``: ``late_models`` of the scheduler process's plane (made
+    up in tests)."""
+
+    def __init__(
+        self,
+        find_late: Callable[[], dict[str, Late]],
+        publish: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self._find_late = find_late
         self._publish = publish
-        self.late: dict[str, Any] = {}
+        self._seen: dict[str, Late] = {}
+        self.late: dict[str, Any] = {}  # as last published
         self._timer: asyncio.TimerHandle | None = None
 
     def send_to(self, outbox: Any) -> None:
         outbox.put("late", self.late)
 
-    def models_changed(self) -> None:
+    def models_changed(self, targeted: bool) -> None:
         """Start or stop the timer as models with a target come and go."""
-        if self._targeted() and self._timer is None:
+        if targeted and self._timer is None:
             self._tick()
-        elif not self._targeted():
+        elif not targeted:
             self.stop()
-            if self.late:
-                self.late = {}
-                self._publish(self.late)
+            self._changed({})
 
     def stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
-    def _targeted(self) -> list[ServedModel]:
-        return [
-            e.served
-            for e in self.plane.registry.entries.values()
-            if isinstance(e.served, ServedModel) and e.served.batcher.latency_target is not None
-        ]
+    def check(self) -> None:
+        """One look: publish if what a front end acts on changed."""
+        self._changed(self._find_late())
+
+    def _changed(self, late: dict[str, Late]) -> None:
+        acted_on = as_acted_on(late)
+        if acted_on != self._seen:
+            self._seen = acted_on
+            self.late = refusals(acted_on)
+            self._publish(self.late)
 
     def _tick(self) -> None:
         try:
-            late: dict[str, Any] = {}
-            for served in self._targeted():
-                try:
-                    served.refuse_if_late(count=False)
-                except WouldMissTarget as exc:
-                    late[served.name] = [exc.message, exc.retry_after]
-            if late != self.late:
-                self.late = late
-                self._publish(late)
+            self.check()
         except Exception:  # a bug here must not leave the front ends refusing for good
             log.exception("publishing the latency targets failed")
         finally:

@@ -11,7 +11,6 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from tensorserve.dataplane import DataPlane, models
-from tensorserve.dataplane.assembly import build_plane, models_served
 from tensorserve.dataplane.logs import install_request_ids
 from tensorserve.http import handlers, infer, repository
 from tensorserve.http.access import restricted_api_middleware
@@ -90,6 +89,10 @@ def create_app(
     )
     app[SETTINGS] = settings
     if plane is None:
+        # Here, not at the top: a front-end process's app (``plane`` given)
+        # runs no model and never imports the registry, the runtime or torch.
+        from tensorserve.dataplane.assembly import build_plane, models_served
+
         plane, loop_lag = build_plane(settings)
         app[REGISTRY], app[METRICS] = plane.registry, plane.local_metrics
 

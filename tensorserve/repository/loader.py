@@ -11,7 +11,8 @@ the padded features as keyword arguments, as a model.py's forward does.
 
 The highest numeric version is served. Weights come from safetensors only;
 nothing is ever unpickled. Every failure raises ``ConfigError`` with a
-sentence naming the file and what is wrong.
+sentence naming the file and what is wrong. torch is imported by what loads
+a model, not by this module: discovery serves a front-end process too.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import load_file
+from typing import TYPE_CHECKING, Any
 
 from tensorserve.errors import ConfigError
 from tensorserve.repository.config import ModelConfig, load_config
 from tensorserve.repository.platforms import PLATFORMS
+
+if TYPE_CHECKING:
+    import torch
 
 MODULE_FILE = "model.py"
 WEIGHTS_FILE = "model.safetensors"
@@ -69,6 +70,8 @@ def _import_model_class(path: Path, module_name: str) -> type[torch.nn.Module]:
     except Exception as exc:
         sys.modules.pop(module_name, None)
         raise ConfigError(f"{path}: import failed: {type(exc).__name__}: {exc}") from exc
+    import torch
+
     cls = getattr(module, "Model", None)
     if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
         raise ConfigError(f"{path}: must define class Model(torch.nn.Module)")
@@ -77,6 +80,8 @@ def _import_model_class(path: Path, module_name: str) -> type[torch.nn.Module]:
 
 def load_weights(module: torch.nn.Module, path: Path) -> None:
     """Strict safetensors loading: missing, unexpected and mis-shaped keys by name."""
+    from safetensors.torch import load_file
+
     try:
         weights = load_file(str(path))
     except Exception as exc:

@@ -15,9 +15,28 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
 
-from tensorserve.tensors.dtypes import DType
+from tensorserve.tensors.dtypes import NUMERIC, DType, bfloat16_floats
+
+# The largest bfloat16 (numpy has none: torch.finfo(torch.bfloat16).max).
+BFLOAT16_MAX = 3.3895313892515355e38
+
+
+def _value_range(dt: DType) -> tuple[Any, Any]:
+    if dt.name == "bfloat16":
+        return -BFLOAT16_MAX, BFLOAT16_MAX
+    if dt.is_float:
+        floats = np.finfo(dt.numpy)
+        return float(floats.min), float(floats.max)
+    ints = np.iinfo(dt.numpy)
+    return int(ints.min), int(ints.max)
+
+
+# Each integer and float dtype's least and greatest value, from numpy (a
+# front-end process checks configs too, and never imports torch).
+RANGES: dict[str, tuple[Any, Any]] = {
+    name: _value_range(dt) for name, dt in NUMERIC.items() if name != "bool"
+}
 
 
 def bounds_problem(dt: DType, low: float | None, high: float | None) -> str | None:
@@ -27,19 +46,17 @@ def bounds_problem(dt: DType, low: float | None, high: float | None) -> str | No
     bounds = {name: v for name, v in (("min_value", low), ("max_value", high)) if v is not None}
     if not bounds:
         return None
-    if dt.torch is None or dt.torch == torch.bool:
+    if dt.name not in RANGES:
         return f"min_value and max_value are for integer and float inputs, not {dt.name}"
+    least, greatest = RANGES[dt.name]
     for name, value in bounds.items():
-        if dt.torch.is_floating_point:
-            info: Any = torch.finfo(dt.torch)
+        if dt.is_float:
             if not math.isfinite(value):
                 return f"{name} must be a finite number, got {value}"
-        else:
-            info = torch.iinfo(dt.torch)
-            if not isinstance(value, int):
-                return f"{name} must be a whole number for dtype {dt.name}, got {value}"
-        if not info.min <= value <= info.max:
-            return f"{name} {value} is outside the range of {dt.name} ({info.min} to {info.max})"
+        elif not isinstance(value, int):
+            return f"{name} must be a whole number for dtype {dt.name}, got {value}"
+        if not least <= value <= greatest:
+            return f"{name} {value} is outside the range of {dt.name} ({least} to {greatest})"
     if low is not None and high is not None and low > high:
         return f"min_value {low} is above max_value {high}"
     return None
@@ -53,7 +70,7 @@ def values_problem(
     Python loop. A NaN is outside any bound."""
     values = array
     if dt.name == "bfloat16":  # the host carries its bit patterns as uint16
-        values = (array.astype(np.uint32) << 16).view(np.float32)
+        values = bfloat16_floats(array)
     if values.dtype.kind == "f" and np.isnan(values).any():
         bounds = ", ".join(
             f"{name} {value}"

@@ -14,14 +14,13 @@ then closes the old one, whose queued and in-flight requests finish first.
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from tensorserve.batching.tracer import BatchTracer
 from tensorserve.ensemble import Candidate, Ensemble, plan_ensemble
@@ -29,17 +28,10 @@ from tensorserve.ensemble.tracer import StepTracer
 from tensorserve.errors import ConfigError, ModelNotFound, ModelNotReady
 from tensorserve.repository.config import ModelConfig, load_config
 from tensorserve.repository.loader import ModelSource, discover, read_config, resolve_version
-from tensorserve.serving import ServedModel
+from tensorserve.serving.entries import ModelState, lookup, ready
+from tensorserve.serving.model import ServedModel
 
 log = logging.getLogger(__name__)
-
-
-class ModelState(str, enum.Enum):
-    LOADING = "LOADING"
-    READY = "READY"
-    FAILED = "FAILED"
-    UNLOADING = "UNLOADING"
-    UNAVAILABLE = "UNAVAILABLE"  # unloaded on request
 
 
 @dataclass
@@ -60,44 +52,6 @@ class ModelEntry:
         if self.reason:
             described["reason"] = self.reason
         return described
-
-
-class Entry(Protocol):
-    """What a lookup reads of a model's entry: the registry's ``ModelEntry``,
-    or a front end's copy of it (``frontends/remote.py``)."""
-
-    name: str
-    state: ModelState
-    reason: str
-    version: int | None
-
-    @property
-    def served(self) -> Any: ...
-
-
-E = TypeVar("E", bound=Entry)
-
-
-def lookup(entries: Mapping[str, E], name: str, version: str | None) -> E:
-    """The entry of ``name``, or ``ModelNotFound`` for an unknown model or
-    a version that is not the one served."""
-    entry = entries.get(name)
-    if entry is None:
-        raise ModelNotFound(f"unknown model {name!r}")
-    if version is not None and entry.version is not None and version != str(entry.version):
-        raise ModelNotFound(
-            f"model {name!r} version {version!r} is not served (serving version {entry.version})"
-        )
-    return entry
-
-
-def ready(entry: Entry) -> Any:
-    """What serves the entry's requests, or ``ModelNotReady`` with its state
-    and reason."""
-    if entry.state is not ModelState.READY or entry.served is None:
-        detail = f": {entry.reason}" if entry.reason else ""
-        raise ModelNotReady(f"model {entry.name!r} is not ready ({entry.state.value}){detail}")
-    return entry.served
 
 
 class ModelRegistry:

@@ -23,14 +23,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from tensorserve.errors import InvalidInput
-from tensorserve.tensors.dtypes import NUMERIC, DType, from_torch
+from tensorserve.tensors.dtypes import NUMERIC, DType, bfloat16_bits
 
 # numpy kinds each declared dtype accepts, and how an error names them.
 _ALLOWED = {
-    name: "b" if name == "bool" else ("iuf" if dt.torch_dtype.is_floating_point else "iu")
+    name: "b" if name == "bool" else ("iuf" if dt.is_float else "iu")
     for name, dt in NUMERIC.items()
 }
 # An integer dtype's bounds (np.iinfo is slow to build per call).
@@ -87,7 +86,7 @@ def array_from_list(data: Any, dt: DType, where: str, *, what: str, v2: bool) ->
     else:
         floats = raw.astype(host)  # any 64-bit integer is within float32's range
     if dt.name == "bfloat16":
-        return from_torch(torch.from_numpy(floats).to(torch.bfloat16))
+        return bfloat16_bits(floats)
     return floats
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import orjson
 
 from tensorserve.errors import InvalidInput
-from tensorserve.tensors.dtypes import DType, as_torch
+from tensorserve.tensors.dtypes import DType, bfloat16_floats
 
 _DECODER = msgspec.json.Decoder()
 _NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -56,7 +56,7 @@ def tensor_data(array: np.ndarray, dt: DType) -> np.ndarray | list[str]:
     if dt.is_bytes:
         return _strings(array, dt)  # a list: orjson writes no object arrays
     if dt.name == "bfloat16":
-        array = as_torch(np.ascontiguousarray(array), dt).float().numpy()
+        array = bfloat16_floats(array)
     if array.dtype.kind == "f":
         array = array.astype(np.float64, copy=False)
     return np.ascontiguousarray(array).reshape(-1)

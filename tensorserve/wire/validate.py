@@ -12,11 +12,11 @@ what is wrong in the request's own axis numbers), ``check_range`` (an input's
 from __future__ import annotations
 
 import reprlib
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeGuard
 
 import numpy as np
-import torch
 
 from tensorserve.errors import InvalidInput
 from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, DynamicBatching, InputSpec
@@ -24,9 +24,12 @@ from tensorserve.repository.parameters import RequestParameterSpec, check_value
 from tensorserve.repository.value_bounds import values_problem
 from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
 from tensorserve.tensors.bytes_tensor import bytes_array, check_element_lengths, check_utf8
-from tensorserve.tensors.dtypes import BY_TORCH, from_torch
+from tensorserve.tensors.dtypes import by_torch, from_torch
 from tensorserve.tensors.wire_tensor import WireTensor
 from tensorserve.wire.lists import array_from_list
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ShapeProblem(NamedTuple):
@@ -99,7 +102,7 @@ def _bytes_input(value: Any, where: str, max_element_length: int) -> np.ndarray:
         if value.dtype != "bytes":
             raise InvalidInput(f"{where}: dtype {value.dtype} does not match the declared bytes")
         array = value.array
-    elif isinstance(value, torch.Tensor) or (
+    elif _is_torch_tensor(value) or (
         isinstance(value, np.ndarray) and value.dtype.kind not in "OSU"
     ):
         raise InvalidInput(f"{where}: dtype {value.dtype} does not match the declared bytes")
@@ -111,8 +114,8 @@ def _bytes_input(value: Any, where: str, max_element_length: int) -> np.ndarray:
 
 def _numeric_input(value: Any, spec: InputSpec, where: str) -> np.ndarray:
     dt = spec.dt
-    if isinstance(value, torch.Tensor):  # in-process callers
-        known = BY_TORCH.get(value.dtype)
+    if _is_torch_tensor(value):  # in-process callers
+        known = by_torch(value.dtype)
         if known is None:
             raise InvalidInput(
                 f"{where}: torch dtype {value.dtype} does not match the declared {dt.name}"
@@ -128,6 +131,13 @@ def _numeric_input(value: Any, spec: InputSpec, where: str) -> np.ndarray:
             )
         return value.array
     return array_from_list(value, dt, where, what="the list", v2=False)
+
+
+def _is_torch_tensor(value: Any) -> TypeGuard[torch.Tensor]:
+    """Whether ``value`` is a torch tensor, without importing torch: a
+    process that never imported it (a front end) has none."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def check_range(array: np.ndarray, spec: InputSpec, where: str) -> None:
