@@ -84,7 +84,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def drive(args: argparse.Namespace, sock: socket.socket, pid: int) -> dict[str, Any]:
+def drive(
+    args: argparse.Namespace, sock: socket.socket, pid: int, request_ids: bool
+) -> dict[str, Any]:
     from tensorserve.ipc import messages
 
     reader = messages.StreamReader()
@@ -112,9 +114,8 @@ def drive(args: argparse.Namespace, sock: socket.socket, pid: int) -> dict[str, 
         requests, tensors = [], []
         for _ in range(count):
             next_id += 1
-            requests.append(
-                [next_id, name, str(version), generation, None, None, {}, names, 1, None]
-            )
+            request = [next_id, name, str(version), generation, None, None, {}, names, 1, None]
+            requests.append(request + [f"bench-{next_id}"] if request_ids else request)
             tensors += items[next_id % ITEMS]
         buffers = messages.frames({"infer": requests}, {str(i): t for i, t in enumerate(tensors)})
         sock.sendall(b"".join(buffers))
@@ -159,7 +160,9 @@ def one_run(tree: Path, repository: Path, args: argparse.Namespace) -> dict[str,
     )  # fmt: skip
     theirs.close()
     try:
-        result = drive(args, ours, child.pid)
+        # A tree whose requests carry their caller's id (the 11th field) or not.
+        protocol = (tree / "tensorserve" / "frontends" / "protocol.py").read_text()
+        result = drive(args, ours, child.pid, "traceparent, request_id]" in protocol)
     finally:
         child.send_signal(signal.SIGTERM)
         try:
