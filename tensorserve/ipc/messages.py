@@ -213,9 +213,11 @@ def _arrays(specs: list[Any], sizes: list[int], payload: Any) -> dict[str, np.nd
         if name == "bytes":
             tensors[key] = unframe(view[offset : offset + size], shape, f"tensor {key!r}")
         else:
-            tensors[key] = np.frombuffer(
+            flat = np.frombuffer(
                 payload, dtype=_numpy(name)[0], count=math.prod(shape), offset=offset
-            ).reshape(shape)
+            )
+            # 1-D (a front end's token ids): already its shape, no reshape to pay for
+            tensors[key] = flat if len(shape) == 1 else flat.reshape(shape)
         offset += size
     return tensors
 
