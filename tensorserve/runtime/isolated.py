@@ -137,9 +137,8 @@ class ProcessExecutor:
 
     def health(self) -> str | None:
         """Why no batch can run now (None: one can)."""
-        if any(worker.alive for worker in self.workers):
-            return None
-        return "its worker process is being replaced"
+        alive = any(worker.alive for worker in self.workers)
+        return None if alive else "its worker process is being replaced"
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -158,15 +157,13 @@ class ProcessExecutor:
         worker = self.workers[instance]
 
         def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
-            if message is None:
-                done(None, error)
-                return
-            try:
-                executed = self._executed(message)
-            except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
-                done(None, exc)
-            else:
-                done(executed, None)
+            executed = None
+            if message is not None:
+                try:
+                    executed = self._executed(message)
+                except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
+                    error = exc
+            done(executed, error)
 
         host = {name: host_array(t) for name, t in features.items()}
         return Sent(worker, worker.dispatch(host, parameters, on_reply, self.loop))
@@ -191,13 +188,13 @@ class ProcessExecutor:
         sent.worker.kill(because, ticket=sent.ticket)
         return True
 
-    def _replace(self, instance: int) -> WorkerProcess:
+    def _replace(self, instance: int) -> None:
         """An up worker for the instance: the standby if one is loaded (a
         swap), else a new one (a full model load); what it cost goes into
         ``restart_seconds``."""
         old = self.workers[instance]
         if old.alive:
-            return old  # replaced already (a batch behind the dead one)
+            return  # replaced already (a batch behind the dead one)
         started = time.perf_counter()
         old.stop()
         spare = self.standby.take() if self.standby is not None else None
@@ -216,7 +213,6 @@ class ProcessExecutor:
         self.restarts += 1
         seconds, last = time.perf_counter() - started, self.restart_seconds
         self.restart_seconds = seconds if last is None else last + RESTART_ALPHA * (seconds - last)
-        return self.workers[instance]
 
     def _executed(self, message: ipc.Message) -> Executed:
         header, tensors = message

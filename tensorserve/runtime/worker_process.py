@@ -170,62 +170,54 @@ class WorkerProcess:
         """The connection broke: take the process off this handle, learn how
         it died off the loop, then fail what was sent to it."""
         self._channel = None
-        lost = self._detach()
-
-        def report() -> WorkerCrashed:
-            return lost.report("while running this batch", True)
+        lost = self._take()
 
         def fail(reported: asyncio.Future[WorkerCrashed]) -> None:
-            crashed = reported.result()
             for i, on_reply in enumerate(waiting):
-                if i == 0:
-                    on_reply(None, crashed)
-                else:  # sent behind the batch that was running: never ran
-                    on_reply(None, self._never_ran())
+                # The first was running; those sent behind it never ran.
+                on_reply(None, reported.result() if i == 0 else self._never_ran())
 
-        loop.run_in_executor(None, report).add_done_callback(fail)
+        loop.run_in_executor(None, lost.report).add_done_callback(fail)
 
     def _never_ran(self) -> WorkerCrashed:
         return WorkerCrashed(
             f"{self.label}: the worker process died before running this batch", ran=False
         )
 
-    def _detach(self) -> Lost:
-        """Take the (dead) process and its socket off this handle."""
+    def _take(self) -> Lost:
+        """Take the process and its socket off this handle."""
         with self._guard:
-            sock, self.sock = self.sock, None
-            process, self.process = self.process, None
-            return Lost(self.label, process, sock, self.killed_because)
+            lost = Lost(self.label, self.process, self.sock, self.killed_because)
+            self.process, self.sock = None, None
+            return lost
 
     def stop(self) -> None:
         """Ask the worker to exit (closing the socket does), kill it if it won't."""
-        with self._guard:
-            sock, self.sock = self.sock, None
-            process, self.process = self.process, None
-        if sock is not None:
+        lost = self._take()
+        if lost.sock is not None:
             try:
-                sock.settimeout(1.0)  # the loop had made it non-blocking
-                ipc.send(sock, {"stop": True})
+                lost.sock.settimeout(1.0)  # the loop had made it non-blocking
+                ipc.send(lost.sock, {"stop": True})
             except OSError:
                 pass
-            sock.close()
-        if process is not None:
-            reap(self.label, process)
+            lost.sock.close()
+        if lost.process is not None:
+            reap(self.label, lost.process)
 
 
 @dataclass(frozen=True)
 class Lost:
-    """A worker process taken off its handle after its connection broke.
-    Nothing else holds it, so any thread may wait for it."""
+    """A worker process taken off its handle (its connection broke, or it
+    is stopping). Nothing else holds it, so any thread may wait for it."""
 
     label: str
     process: Process | None
     sock: socket.socket | None
     because: str | None  # why the watchdog killed it, if it did
 
-    def report(self, when: str, ran: bool) -> WorkerCrashed:
-        """How it died, once its exit status is in (waits up to
-        ``STOP_TIMEOUT_S``; one still running is killed)."""
+    def report(self) -> WorkerCrashed:
+        """How it died running its batch, once its exit status is in (waits up
+        to ``STOP_TIMEOUT_S``; one still running is killed)."""
         returncode: int | None = None
         if self.process is not None:
             try:
@@ -239,6 +231,7 @@ class Lost:
         if self.because is not None:
             message = f"{self.label}: the watchdog killed the worker process: {self.because}"
         else:
-            message = f"{self.label}: the worker process died {when} ({_died(returncode)})"
+            died = _died(returncode)
+            message = f"{self.label}: the worker process died while running this batch ({died})"
         log.error("%s", message)
-        return WorkerCrashed(message, ran=ran, watchdog=self.because is not None)
+        return WorkerCrashed(message, ran=True, watchdog=self.because is not None)
