@@ -56,16 +56,7 @@ class Template:
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tensorserve.runtime.worker_main",
-                    "--template",
-                    str(theirs.fileno()),
-                ],
-                pass_fds=(theirs.fileno(),),
-            )
+            self.process = spawn(["--template"], theirs)
         self._control = ours
         try:
             reply = self._ask(self.hello, timeout=START_TIMEOUT_S)
@@ -118,6 +109,15 @@ class Template:
         process, self.process = self.process, None
         if process is not None:
             reap(self.label, process)
+
+
+def spawn(args: list[str], theirs: socket.socket) -> subprocess.Popen[bytes]:
+    """``python -m tensorserve.runtime.worker_main [ARGS] FD``, which inherits
+    the socket ``theirs`` as FD."""
+    fd = theirs.fileno()
+    return subprocess.Popen(
+        [sys.executable, "-m", "tensorserve.runtime.worker_main", *args, str(fd)], pass_fds=(fd,)
+    )
 
 
 def reap(label: str, process: subprocess.Popen[bytes] | ForkedProcess) -> int:

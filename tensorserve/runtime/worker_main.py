@@ -97,12 +97,6 @@ def _run_batch(
         return {"error": as_model_failure(exc, name).message}, {}
 
 
-def serve(sock: socket.socket) -> int:
-    hello, _ = ipc.recv(sock)
-    _log_as(hello)
-    return _load_and_run(sock, hello, None)
-
-
 def _load_and_run(
     sock: socket.socket, hello: dict[str, Any], loaded: tuple[ModelConfig, ThreadExecutor] | None
 ) -> int:
@@ -221,7 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with socket.socket(fileno=int(args[1])) as control:
             return template(control)
     with socket.socket(fileno=int(args[0])) as sock:
-        return serve(sock)
+        hello, _ = ipc.recv(sock)
+        _log_as(hello)
+        return _load_and_run(sock, hello, None)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import numpy as np
 
 from tensorserve.errors import ConfigError, WorkerCrashed
 from tensorserve.ipc import messages as ipc
-from tensorserve.runtime.template import STOP_TIMEOUT_S, ForkedProcess, Template, reap
+from tensorserve.runtime.template import STOP_TIMEOUT_S, ForkedProcess, Template, reap, spawn
 from tensorserve.runtime.worker_channel import OnReply, WorkerChannel
 
 log = logging.getLogger("tensorserve.runtime.isolated")
@@ -103,10 +102,7 @@ class WorkerProcess:
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         with theirs:
-            process = self._fork(theirs) or subprocess.Popen(
-                [sys.executable, "-m", "tensorserve.runtime.worker_main", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-            )
+            process = self._fork(theirs) or spawn([], theirs)
         with self._guard:
             self.process, self.sock = process, ours
             self.killed_because = None
