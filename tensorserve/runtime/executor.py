@@ -1,33 +1,25 @@
 """Runs padded batches of a torch callable on its device, on each instance's thread.
 
-``ThreadExecutor`` is the executor the scheduler drives (through
-``batching/instances.py``) for a model that runs
-in this process (``isolation = "thread"``), and the one a worker process
-runs its batches with (``isolation = "process"``). It sees padded tensors
-only; padding and un-padding are ``batching.collate``'s:
+``ThreadExecutor`` runs the batches of a model in this process (``isolation =
+"thread"``, through ``batching/instances.py``) and of a worker process
+(``isolation = "process"``). It sees padded tensors only; padding and
+un-padding are ``batching.collate``'s:
 
     launch   one non_blocking host->device copy per feature, forward under
              inference_mode, outputs cast to their declared dtype and copied
              back to pinned host memory once per batch (queued on CUDA)
     collect  one synchronisation per batch; host arrays
 
-A batch function may return one tensor (single output), a dict of output
-name -> tensor, or a list with one entry per item, where an entry may be an
-Exception that fails that item alone; or any of these wrapped in
-``tensorserve.WithParameters`` with per-row output parameters.
-
-A ``ragged`` output is returned inside the dict as a list of one tensor
-(or array) per row, each its own length (runtime/ragged.py).
-
-A bytes feature reaches the forward as the numpy object array of ``bytes``
-it was padded into (``[batch, *item_shape]``), never as a tensor, and a
-bytes output comes back the same way (an object array or nested lists of
-``bytes`` / ``str``), never through torch.
-
-A model that declares request parameters gets each as one more keyword
-argument: a 1-D int64 / float32 tensor on its device, or a list (bool,
-string), one value per row. A model that declares none gets the features
-only, exactly as before parameters existed.
+A batch function returns one tensor (a single output), a dict of output name
+-> tensor (a ``ragged`` output: a list of one tensor per row, runtime/ragged.py),
+or a list with one entry per item, an Exception failing that item alone; any
+of these may be wrapped in ``tensorserve.WithParameters`` with per-row output
+parameters. Bytes never go through torch: a bytes feature is a numpy object
+array of ``bytes`` (``[batch, *item_shape]``), a bytes output such an array or
+nested lists of ``bytes`` / ``str``. Each declared request parameter is one
+more keyword argument, one value per row: a 1-D int64 / float32 tensor on the
+device, or a list (bool, string); a model that declares none gets the
+features only.
 """
 
 from __future__ import annotations

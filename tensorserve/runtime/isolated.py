@@ -82,17 +82,16 @@ class ProcessExecutor:
         self.instance_count = config.instance_count
         self.outputs = config.output
         self.label = f"model {source.name!r}"
+        on_cpu = resolve_device(config.device).type == "cpu"
         self.hello = {
             "name": source.name,
             "path": str(source.path),
             "version": version,
             "config": config.model_dump(mode="json"),
             "intra_op_threads": intra_op_threads,
-            # The worker template loads the weights before forking only on the
-            # CPU, and only a model that starts no threads of its own as it
-            # loads; it must never touch CUDA (runtime/template.py).
-            "template_loads": resolve_device(config.device).type == "cpu"
-            and PLATFORMS[config.platform].loads_before_fork,
+            # The template loads the weights only on the CPU, of a model that
+            # starts no threads as it loads: it never touches CUDA (template.py).
+            "template_loads": on_cpu and PLATFORMS[config.platform].loads_before_fork,
             "log_level": logging.getLevelName(logging.getLogger("tensorserve").getEffectiveLevel()),
         }
         faults = config.faults
@@ -103,7 +102,6 @@ class ProcessExecutor:
         ]
         # A spare on a GPU would hold a CUDA context and a copy of the weights
         # there for a crash that may never come: by default, only on the CPU.
-        on_cpu = resolve_device(config.device).type == "cpu"
         standby = on_cpu if faults.standby_worker == "auto" else faults.standby_worker
         self.standby = Standby(self.hello, self.label, self.template) if standby else None
         self.loop: asyncio.AbstractEventLoop | None = None  # the scheduler's (attach)

@@ -141,9 +141,8 @@ def _run(
 
 
 def template(control: socket.socket) -> int:
-    """The worker template (runtime/template.py): load once, then fork a
-    worker per request. It never runs a batch, holds torch at one intra-op
-    thread, and never touches CUDA, so that every fork is safe."""
+    """The worker template (runtime/template.py, which says why each fork is
+    safe): load once, then fork a worker per request."""
     import msgpack
     import torch
 
@@ -152,9 +151,7 @@ def template(control: socket.socket) -> int:
     _log_as(hello)
     loaded: tuple[ModelConfig, ThreadExecutor] | None = None
     try:
-        # On a GPU (or "auto") each worker loads the model after the fork:
-        # the template never touches CUDA. torch is imported either way.
-        if hello.get("template_loads"):
+        if hello.get("template_loads"):  # else each worker loads it after the fork
             loaded = _load(hello)
     except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
         socket.send_fds(control, [msgpack.packb({"error": _reason(exc)})], [])
