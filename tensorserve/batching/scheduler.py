@@ -246,9 +246,9 @@ class Scheduler:
             return
         loop = self.home.loop
         at = loop.time() + due_in
-        if self._timer is not None and self._timer_at <= at:
-            return
         if self._timer is not None:
+            if self._timer_at <= at:
+                return  # it comes back sooner already
             self._timer.cancel()
         self._timer_at = at
         self._timer = loop.call_at(at, self._timer_fired)
