@@ -6,11 +6,8 @@
     gpus = [0, 1]
 
 ``place`` turns the groups into one ``Placement`` per device (the counts of
-groups that name the same device add up). A model on one device runs as
-before: ``resolve_placement`` hands back the config with that ``device`` and
-``instance_count``. A model on several devices gets a ``PlacedExecutor``:
-a ``ThreadExecutor`` whose instances run on each device with that device's
-own copy of the model, as one flat list, so one server keeps every GPU busy.
+groups that name the same device add up). A model on several devices gets a
+``PlacedExecutor``, so one server keeps every GPU busy.
 """
 
 from __future__ import annotations

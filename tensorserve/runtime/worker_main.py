@@ -109,7 +109,17 @@ def _load_and_run(
         ipc.send(sock, {"error": _reason(exc)})
         return 1
     ipc.send(sock, {"ready": True, "pid": os.getpid()})
-    return _run(sock, hello, config, executor)
+    while True:
+        try:
+            header, features = ipc.recv(sock)
+        except (EOFError, ConnectionError):
+            return 0  # the server closed its end: stopped or gone
+        if header.get("stop"):
+            return 0
+        reply, tensors = _run_batch(
+            hello["name"], config, executor, features, header.get("parameters")
+        )
+        ipc.send(sock, reply, tensors)
 
 
 def _log_as(hello: dict[str, Any]) -> None:
@@ -122,22 +132,6 @@ def _log_as(hello: dict[str, Any]) -> None:
 
 def _reason(exc: Exception) -> str:
     return str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
-
-
-def _run(
-    sock: socket.socket, hello: dict[str, Any], config: ModelConfig, executor: ThreadExecutor
-) -> int:
-    while True:
-        try:
-            header, features = ipc.recv(sock)
-        except (EOFError, ConnectionError):
-            return 0  # the server closed its end: stopped or gone
-        if header.get("stop"):
-            return 0
-        reply, tensors = _run_batch(
-            hello["name"], config, executor, features, header.get("parameters")
-        )
-        ipc.send(sock, reply, tensors)
 
 
 def template(control: socket.socket) -> int:
