@@ -22,6 +22,7 @@ status of a worker that has exited (the template is its parent and reaps it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -164,10 +165,8 @@ class ForkedProcess:
     def kill(self) -> None:
         if self.returncode is not None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def _exited(self, timeout: float | None) -> bool:
         try:

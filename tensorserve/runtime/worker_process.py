@@ -15,6 +15,7 @@ it is ``alive`` and its ``pid`` (readiness), or ``stop`` it; they take
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -88,10 +89,8 @@ class WorkerProcess:
                 return
             if process.poll() is None:
                 self.killed_because = because
-                try:
+                with contextlib.suppress(ProcessLookupError):  # it just exited
                     os.kill(process.pid, signal.SIGKILL)
-                except ProcessLookupError:  # pragma: no cover - it just exited
-                    pass
 
     # ------------------------------------------------------------------ the owner
     def start(self) -> None:
@@ -191,11 +190,9 @@ class WorkerProcess:
         """Ask the worker to exit (closing the socket does), kill it if it won't."""
         lost = self._take()
         if lost.sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 lost.sock.settimeout(1.0)  # the loop had made it non-blocking
                 ipc.send(lost.sock, {"stop": True})
-            except OSError:
-                pass
             lost.sock.close()
         if lost.process is not None:
             reap(self.label, lost.process)
@@ -216,10 +213,8 @@ class Lost:
         to ``STOP_TIMEOUT_S``; one still running is killed)."""
         returncode: int | None = None
         if self.process is not None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 returncode = self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
         if self.sock is not None:
             self.sock.close()
         if returncode is None and self.process is not None:
