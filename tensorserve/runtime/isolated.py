@@ -170,15 +170,6 @@ class ProcessExecutor:
         for worker in self.workers:
             worker.detach()
 
-    def repair(self, instance: int) -> None:
-        """After a worker died: replace it at once (not at the next batch), so
-        the model is ready again without waiting for traffic. On a thread of
-        the scheduler's, which sends the instance nothing meanwhile."""
-        try:
-            self._replace(instance)
-        except ModelFailure as exc:  # the next batch tries again, and says why
-            log.error("%s", exc)
-
     def abort(self, sent: Sent, because: str) -> bool:
         """The watchdog: kill the worker running this batch, so it fails as a
         crash (a worker already replaced, or being replaced, is left alone).
@@ -186,10 +177,12 @@ class ProcessExecutor:
         sent.worker.kill(because, ticket=sent.ticket)
         return True
 
-    def _replace(self, instance: int) -> None:
-        """An up worker for the instance: the standby if one is loaded (a
-        swap), else a new one (a full model load); what it cost goes into
-        ``restart_seconds``."""
+    def repair(self, instance: int) -> None:
+        """After a worker died: replace it at once (not at the next batch), so
+        the model is ready again without waiting for traffic. On a thread of
+        the scheduler's, which sends the instance nothing meanwhile. The
+        standby takes over if one is loaded (a swap), else a new worker loads;
+        what it cost goes into ``restart_seconds``."""
         old = self.workers[instance]
         if old.alive:
             return  # replaced already (a batch behind the dead one)
@@ -204,10 +197,9 @@ class ProcessExecutor:
             log.warning("%s: starting a new worker process", old.label)
             try:
                 old.start()
-            except ConfigError as exc:
-                raise ModelFailure(
-                    f"{old.label}: the worker process could not restart: {exc}"
-                ) from None
+            except ConfigError as exc:  # the next batch tries again, and says why
+                log.error("%s: the worker process could not restart: %s", old.label, exc)
+                return
         self.restarts += 1
         seconds, last = time.perf_counter() - started, self.restart_seconds
         self.restart_seconds = seconds if last is None else last + RESTART_ALPHA * (seconds - last)
