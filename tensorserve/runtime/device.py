@@ -80,11 +80,9 @@ def sticky_cuda_error(exc: BaseException) -> str | None:
     text = str(exc)
     if "CUDA error" not in text and not isinstance(exc, getattr(torch, "AcceleratorError", ())):
         return None
-    for sticky in STICKY_CUDA_ERRORS:
-        if sticky in text:
-            first = text.strip().splitlines()[0]
-            return f"{type(exc).__name__}: {first}"
-    return None
+    if not any(sticky in text for sticky in STICKY_CUDA_ERRORS):
+        return None
+    return f"{type(exc).__name__}: {text.strip().splitlines()[0]}"
 
 
 class ContextLoss:

@@ -36,7 +36,6 @@ import torch
 
 from tensorserve.errors import BatchOutOfMemory, DeviceLost, ModelFailure
 from tensorserve.repository.config import ModelConfig, OutputSpec
-from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
 from tensorserve.runtime.ragged import join_rows, rows_in, split_rows
 from tensorserve.tensors.bytes_tensor import bytes_output
@@ -219,7 +218,7 @@ class ThreadExecutor:
         tensor on the device, booleans and strings as the list."""
         arguments: dict[str, Any] = {}
         for name, values in columns.items():
-            spec: RequestParameterSpec = self.parameter_specs[name]
+            spec = self.parameter_specs[name]
             if spec.numeric:
                 dtype = torch.int64 if spec.type == "int" else torch.float32
                 # Pinned on CUDA: the copy to the device is queued, not made
@@ -228,8 +227,7 @@ class ThreadExecutor:
                 arguments[name] = torch.tensor(values, dtype=dtype, pin_memory=pinned)
             else:
                 arguments[name] = list(values)
-        tensors = context.to_device({k: v for k, v in arguments.items() if torch.is_tensor(v)})
-        return {**arguments, **tensors}
+        return context.to_device(arguments)  # the lists stay as they are
 
     def collect(self, launched: Launched) -> Executed:
         """Wait for the device (one synchronisation per batch); host arrays.
@@ -242,9 +240,8 @@ class ThreadExecutor:
                 launched.done.synchronize()
                 if launched.started is not None:
                     seconds = launched.started.elapsed_time(launched.done) / 1000.0
-            parameters = None
-            if launched.parameters is not None:
-                parameters = output_parameters(launched.parameters)
+            returned = launched.parameters
+            parameters = None if returned is None else output_parameters(returned)
             if launched.per_item is not None:
                 items = [self._item_result(entry) for entry in launched.per_item]
                 return Executed(None, items, seconds, parameters)

@@ -7,21 +7,18 @@ encodes requests; on a busy server the forward runs measurably slower
 pool. The price is one copy of the padded inputs and of the outputs
 through a socketpair per batch.
 
-``ProcessExecutor`` is a ``LoopExecutor``: the model's scheduler sends each
-padded batch to the instance's worker (``tensorserve/runtime/worker_main.py``)
-from its event loop and reads the reply as it arrives, never blocking on
-the worker (``worker_channel.py``); like CUDA, it ``overlaps``, so a full
-next batch is sent while the worker runs this one. Padding and un-padding
-stay in the server, so the worker only ever sees whole padded batches.
+``ProcessExecutor`` is a ``LoopExecutor``: the scheduler's loop sends each
+padded batch to the instance's worker (``worker_main.py``, which sees only
+whole padded batches) and reads the reply as it arrives, never blocking
+(``worker_channel.py``); like CUDA, it ``overlaps``.
 
 A worker that dies (a segfault in a native extension, the OOM killer, an
 ``os._exit`` in model code, the watchdog) fails the batch it was running
 with ``WorkerCrashed`` saying how it died, and a batch queued behind it with
-``WorkerCrashed(ran=False)``; the scheduler retries them (batching.recovery).
-The instance gets a new worker at once (``repair``, off the scheduler's
-loop, while it sends the instance nothing): the standby, a spare worker kept
-loaded (``[faults] standby_worker``), takes over in milliseconds, and a new
-standby loads in the background; without one, a new worker loads.
+``WorkerCrashed(ran=False)``; the scheduler retries them (batching.recovery)
+and has the instance ``repair``ed at once: the standby, a spare worker kept
+loaded (``[faults] standby_worker``), takes over in milliseconds; without
+one, a new worker loads.
 """
 
 from __future__ import annotations

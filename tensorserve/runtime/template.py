@@ -5,9 +5,8 @@ model (and, on the CPU, loaded its weights) but never runs a batch, and that
 Why: a worker started from scratch pays for Python, torch and the model
 before it can run a batch (3-4 s of a core on a small VM,
 ``benchmarks/worker_crash.py``); a worker forked from the template is ready
-in milliseconds and shares the template's weights copy-on-write. That makes
-a crash cheap for the machine, not only for the callers (the standby worker
-already makes it cheap for the callers).
+in milliseconds and shares the template's weights copy-on-write: a crash
+is cheap for the machine too, not only for the callers (the standby's work).
 
 Safe to fork because the template never runs a batch: it holds torch's
 intra-op pool at one thread (no OpenMP threads exist to be lost in the

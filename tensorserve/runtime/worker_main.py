@@ -48,14 +48,9 @@ def _load(hello: dict[str, Any]) -> tuple[ModelConfig, ThreadExecutor]:
     source = ModelSource(name, Path(hello["path"]), (version,))
     loaded = load_model(source, version, config, hello["intra_op_threads"])
     device = resolve_device(config.device)
-    executor = ThreadExecutor(
-        on_device(loaded.module, config, device),
-        config,
-        device,
-        intra_op_threads=hello["intra_op_threads"],
-        name=name,
-    )
-    return config, executor
+    module = on_device(loaded.module, config, device)
+    threads = hello["intra_op_threads"]
+    return config, ThreadExecutor(module, config, device, intra_op_threads=threads, name=name)
 
 
 def _run_batch(
