@@ -81,8 +81,7 @@ class Batcher:
         return len(self.scheduler.queue)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """True once nothing is queued or running; False if that did not
-        happen within ``timeout``."""
+        """True once nothing is queued or running (False: not within ``timeout``)."""
         return self.scheduler.wait_idle(timeout)
 
     # ------------------------------------------------------------------ submitting

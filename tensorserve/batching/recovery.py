@@ -46,7 +46,6 @@ from tensorserve.errors import (
     ModelFailure,
     OutOfMemory,
     RowErrors,
-    TensorServeError,
     WorkerCrashed,
 )
 
@@ -140,7 +139,12 @@ class Recovery:
             padded = batch.padded.padded_elements if batch.padded is not None else 0
             self.ceiling.ran_out(padded)
             if len(entries) == 1:
-                return Plan([(entries[0], self._too_large(padded, error), True)])
+                alone = OutOfMemory(
+                    f"model {self.name!r}: this item does not fit in memory even alone: it "
+                    f"pads to {padded} elements, and batches now form under "
+                    f"{self.ceiling.limit} elements ({error}); send a smaller item"
+                )
+                return Plan([(entries[0], alone, True)])
         if isinstance(error, WorkerCrashed):
             for entry in entries:
                 entry.crashes += 1
@@ -194,13 +198,6 @@ class Recovery:
         if again:
             self.stats.record_recovery("rerun")
         return Plan(spent, [again] if again else [])
-
-    def _too_large(self, padded: int, error: BaseException) -> TensorServeError:
-        return OutOfMemory(
-            f"model {self.name!r}: this item does not fit in memory even alone: it pads to "
-            f"{padded} elements, and batches now form under {self.ceiling.limit} elements "
-            f"({error}); send a smaller item"
-        )
 
     def _crashed_alone(self, entry: Pending, error: WorkerCrashed) -> Plan:
         """A worker died running this item alone. The first time (a lone

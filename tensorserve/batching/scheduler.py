@@ -129,14 +129,12 @@ class Scheduler:
         if self.home is None:
             return
         self.wake()
-        if self.home.here():
-            if not self.wait_idle(0):
-                raise RuntimeError(
-                    f"model {self.name!r}: close() on the scheduler's own event loop would wait "
-                    f"for itself; close it from another thread (asyncio.to_thread)"
-                )
-        else:
-            self.wait_idle(timeout)
+        if self.home.here() and not self.wait_idle(0):
+            raise RuntimeError(
+                f"model {self.name!r}: close() on the scheduler's own event loop would wait "
+                f"for itself; close it from another thread (asyncio.to_thread)"
+            )
+        self.wait_idle(timeout)  # at once on the loop's own thread: it is idle
         self.home.run(self._stop_on_loop)
         self.home.stop()
 

@@ -106,8 +106,7 @@ class ThreadExecutor:
         self._contexts = [DeviceContext(device, intra_op_threads) for _ in range(instance_count)]
         # On CUDA, launch returns once the work is queued: the scheduler pads and
         # hands over the next full batch while this one runs.
-        self.overlaps = device.type == "cuda"
-        self.pin_memory = device.type == "cuda"
+        self.overlaps = self.pin_memory = device.type == "cuda"
         self.restarts = 0  # a thread is never replaced
         self.restart_seconds: float | None = None
         self.label = name  # for messages

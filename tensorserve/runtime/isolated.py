@@ -45,8 +45,6 @@ from tensorserve.tensors.dtypes import Feature, host_array
 
 log = logging.getLogger(__name__)
 
-Done = Callable[[Executed | None, BaseException | None], None]
-
 # The weight of the newest restart in ``restart_seconds``.
 RESTART_ALPHA = 0.3
 
@@ -143,7 +141,7 @@ class ProcessExecutor:
         features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None,
-        done: Done,
+        done: Callable[[Executed | None, BaseException | None], None],
     ) -> Sent:
         """On the scheduler's loop: send the batch to the instance's worker
         without blocking; ``done`` once its reply is in. A dead worker fails it

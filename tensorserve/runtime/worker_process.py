@@ -142,9 +142,8 @@ class WorkerProcess:
         """On the scheduler's ``loop``: send one padded batch without blocking;
         ``on_reply(message, None)`` once its reply is in, or ``(None,
         WorkerCrashed)`` if the worker dies first (``ran`` for the batch it was
-        running, not for those sent behind it). ``parameters`` (the model's
-        declared request parameters, one value per row: plain scalars) travel
-        in the message's msgpack header. Returns the ticket ``kill`` takes."""
+        running, not for those sent behind it). ``parameters`` (plain scalars,
+        one per row) travel in the msgpack header. Returns the ticket ``kill`` takes."""
         if not self.alive or loop is None:
             raise self._never_ran()
         assert self.sock is not None
