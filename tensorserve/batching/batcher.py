@@ -179,11 +179,9 @@ class Batcher:
         waiting = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
         # A timer that fails the wait, rather than asyncio.wait_for's extra
         # future and callbacks per request (~3% of the loop's time per request).
-        timer = (
-            None
-            if timeout is None
-            else loop.call_later(timeout, _time_out, waiting, self.name, timeout)
-        )
+        timer = None
+        if timeout is not None:
+            timer = loop.call_later(timeout, _time_out, waiting, self.name, timeout)
         try:
             results = await waiting
             return [results] if len(futures) == 1 else list(results)

@@ -129,7 +129,6 @@ class ProcessExecutor:
         return None  # the device is the workers'
 
     def health(self) -> str | None:
-        """Why no batch can run now (None: one can)."""
         alive = any(worker.alive for worker in self.workers)
         return None if alive else "its worker process is being replaced"
 
@@ -167,8 +166,7 @@ class ProcessExecutor:
 
     def abort(self, sent: Sent, because: str) -> bool:
         """The watchdog: kill the worker running this batch, so it fails as a
-        crash (a worker already replaced, or being replaced, is left alone).
-        From the watchdog's thread: ``kill`` is safe from any thread."""
+        crash (a worker already replaced, or being replaced, is left alone)."""
         sent.worker.kill(because, ticket=sent.ticket)
         return True
 

@@ -11,6 +11,7 @@ whether the server stopped or died.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -148,14 +149,12 @@ def template(control: socket.socket) -> int:
     exited: dict[int, int] = {}
 
     def reap(*_: object) -> None:
-        while True:
-            try:
+        with contextlib.suppress(ChildProcessError):  # no child is left
+            while True:
                 pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            exited[pid] = os.waitstatus_to_exitcode(status)
+                if pid == 0:
+                    return  # none more has exited
+                exited[pid] = os.waitstatus_to_exitcode(status)
 
     signal.signal(signal.SIGCHLD, reap)
     socket.send_fds(control, [msgpack.packb({"ready": True, "pid": os.getpid()})], [])
