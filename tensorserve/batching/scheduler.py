@@ -321,8 +321,7 @@ class Scheduler:
         self._pump()
 
     def _repair(self, instance: int) -> None:
-        """Restore the instance (a new worker) off the loop; no batch goes to
-        it meanwhile."""
+        """Restore the instance (a new worker) off the loop; no batch goes to it meanwhile."""
         assert self.home is not None
         self.repairing.add(instance)
         restored = self.home.loop.run_in_executor(None, self.executor.repair, instance)

@@ -156,9 +156,7 @@ class Watchdog:
             batch.instance,
             limit,
         )
-        launched = batch.launched
-        if launched is not None and s.instances.abort(
-            launched, f"the batch ran longer than {limit:g} s"
-        ):
+        because = f"the batch ran longer than {limit:g} s"
+        if batch.launched is not None and s.instances.abort(batch.launched, because):
             return  # the worker is killed: the batch fails as a crash and is retried split
         s.give_up(batch, limit)
