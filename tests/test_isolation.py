@@ -291,13 +291,13 @@ def test_a_dead_worker_fails_its_batch_alone_and_is_replaced_off_the_loop(toy_re
         async with ServedModel.from_repository(toy_repo, "mortal") as model:
             first = _pids(model)[0]
             executor: Any = model.executor
-            replace, replaced_on = executor._replace, []
+            repair, replaced_on = executor.repair, []
 
-            def recording_replace(instance: int) -> object:
+            def recording_repair(instance: int) -> object:
                 replaced_on.append(threading.get_ident())
-                return replace(instance)
+                return repair(instance)
 
-            executor._replace = recording_replace
+            executor.repair = recording_repair
             with pytest.raises(ModelFailure, match=r"died while running this batch \(exit code 7\)"):
                 await model.infer(_x(7))
             await wait_until_async(lambda: executor.workers[0].alive, "a worker up again")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, cast, final
 
-from tensorserve.batching.admission import NO_PARAMETERS, AdmissionQueue, BatcherOptions, Pending
+from tensorserve.batching.admission import NO_PARAMETERS, BatcherOptions, Pending
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.executor import Executor
 from tensorserve.batching.scheduler import Scheduler
@@ -72,10 +72,6 @@ class Batcher:
         self.close()
 
     @property
-    def queue(self) -> AdmissionQueue:
-        return self.scheduler.queue
-
-    @property
     def latency_target(self) -> LatencyTarget | None:
         """The latency target's controller, if the model has a target."""
         return self.scheduler.target
@@ -85,8 +81,7 @@ class Batcher:
         return len(self.scheduler.queue)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """True once nothing is queued or running; False if that did not
-        happen within ``timeout``."""
+        """True once nothing is queued or running (False: not within ``timeout``)."""
         return self.scheduler.wait_idle(timeout)
 
     # ------------------------------------------------------------------ submitting
@@ -139,15 +134,13 @@ class Batcher:
         now = self.clock()
         deadline = None if timeout is None else now + timeout
         tally = RequestTally(len(items)) if len(items) > 1 else None  # one request (stats.py)
+        if futures is None:
+            futures = [loop.create_future() if loop is not None else Future() for _ in items]
         entries = [
             Pending(
                 item,
                 self.collator.volume(item),
-                futures[i]
-                if futures is not None
-                else loop.create_future()
-                if loop is not None
-                else Future(),
+                future,
                 loop,
                 now,
                 deadline,
@@ -155,7 +148,7 @@ class Batcher:
                 parameters=parameters,
                 request=tally,
             )
-            for i, item in enumerate(items)
+            for item, future in zip(items, futures, strict=True)
         ]
         tracer = self.scheduler.tracer
         if tracer is not None:  # the request's span, for its items' queue and batch spans
@@ -168,15 +161,6 @@ class Batcher:
 
     def submit(self, item: Any, *, timeout: float | None = None) -> Future:
         return self.submit_many([item], timeout=timeout)[0]
-
-    def infer_sync(self, item: Any, *, timeout: float | None = None) -> Any:
-        """Blocking call from any thread (not from the event loop's)."""
-        future = self.submit(item, timeout=timeout)
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            future.cancel()
-            raise DeadlineExceeded(f"model {self.name!r}: no result within {timeout} s") from None
 
     async def infer_many(
         self,
@@ -195,11 +179,9 @@ class Batcher:
         waiting = futures[0] if len(futures) == 1 else asyncio.gather(*futures)
         # A timer that fails the wait, rather than asyncio.wait_for's extra
         # future and callbacks per request (~3% of the loop's time per request).
-        timer = (
-            None
-            if timeout is None
-            else loop.call_later(timeout, _time_out, waiting, self.name, timeout)
-        )
+        timer = None
+        if timeout is not None:
+            timer = loop.call_later(timeout, _time_out, waiting, self.name, timeout)
         try:
             results = await waiting
             return [results] if len(futures) == 1 else list(results)
@@ -218,6 +200,3 @@ class Batcher:
         for entry in entries:
             entry.future.cancel()
         self.scheduler.withdraw([e for e in entries if e.future.cancelled()])
-
-    async def infer(self, item: Any, *, timeout: float | None = None) -> Any:
-        return (await self.infer_many([item], timeout=timeout))[0]

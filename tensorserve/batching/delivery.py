@@ -11,6 +11,7 @@ scheduler's own loop: every server request's).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from concurrent import futures
 
@@ -30,10 +31,8 @@ def settle(outcomes: Sequence[Outcome]) -> None:
         if running_loop() is loop:
             _deliver(batch)  # the scheduler runs on this loop: no self-pipe round
             continue
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: its callers are gone
             loop.call_soon_threadsafe(_deliver, batch)
-        except RuntimeError:  # the loop is closed: its callers are gone
-            pass
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:

@@ -99,8 +99,8 @@ class Executor(Protocol):
 
 
 class ThreadedExecutor(Executor, Protocol):
-    """An executor that runs a batch on the calling thread: the scheduler
-    gives each instance a thread of its own for it (``batching/instances.py``)."""
+    """An executor that runs a batch on the calling thread: one per instance
+    (``batching/instances.py``)."""
 
     def start_instance(self, instance: int) -> None:
         """Called once on each instance's thread before its first batch."""
@@ -129,11 +129,10 @@ Done = Callable[[BatchOutputs | None, BaseException | None], None]
 
 @runtime_checkable
 class LoopExecutor(Executor, Protocol):
-    """An executor that runs its batches elsewhere (worker processes) and is
-    driven from the scheduler's event loop itself, without a thread of its
-    own: ``dispatch`` only hands the batch over and never blocks, and the
-    reply is read as it arrives. Every other executor runs ``launch`` and
-    ``collect`` on one thread per instance (``batching/instances.py``)."""
+    """An executor that runs its batches elsewhere (worker processes), driven
+    from the scheduler's event loop without a thread of its own: ``dispatch``
+    only hands the batch over, never blocking, and the reply is read as it
+    arrives."""
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """The scheduler's loop: ``dispatch`` is called, and ``done`` runs, on it."""

@@ -4,6 +4,7 @@ thread of its own (a model used as a library, outside a server)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -38,13 +39,11 @@ class SchedulerLoop:
 
     def call_soon(self, fn: Callable[..., None], *args: object) -> None:
         """``fn(*args)`` on the loop, from any thread (nothing once it has closed)."""
-        try:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
             if self.here():
                 self.loop.call_soon(fn, *args)
             else:
                 self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop has closed: nobody waits any more
-            pass
 
     def run(self, fn: Callable[[], None]) -> None:
         """``fn()`` on the loop, waiting for it (at once on the loop's thread,

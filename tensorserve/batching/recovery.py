@@ -46,7 +46,6 @@ from tensorserve.errors import (
     ModelFailure,
     OutOfMemory,
     RowErrors,
-    TensorServeError,
     WorkerCrashed,
 )
 
@@ -114,8 +113,8 @@ class Recovery:
         name: str,
         split: bool,
         stats: BatchStats,
-        cost: BatchCostModel | None = None,
-        restart_s: Callable[[], float | None] = lambda: None,
+        cost: BatchCostModel | None,
+        restart_s: Callable[[], float | None],
         free_bytes: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.name = name
@@ -140,16 +139,19 @@ class Recovery:
             padded = batch.padded.padded_elements if batch.padded is not None else 0
             self.ceiling.ran_out(padded)
             if len(entries) == 1:
-                return Plan([(entries[0], self._too_large(padded, error), True)])
+                alone = OutOfMemory(
+                    f"model {self.name!r}: this item does not fit in memory even alone: it "
+                    f"pads to {padded} elements, and batches now form under "
+                    f"{self.ceiling.limit} elements ({error}); send a smaller item"
+                )
+                return Plan([(entries[0], alone, True)])
         if isinstance(error, WorkerCrashed):
             for entry in entries:
                 entry.crashes += 1
             if len(entries) == 1:
                 return self._crashed_alone(entries[0], error)
-        if len(entries) == 1:
-            return None  # the model's own error, for this item alone
-        if not self.split:
-            return None
+        if len(entries) == 1 or not self.split:
+            return None  # the model's own error: for this item alone, or the whole batch
         half = len(entries) // 2
         if isinstance(error, WorkerCrashed):
             search = self.crash_search(entries)
@@ -164,15 +166,11 @@ class Recovery:
         """Halves or singles for a crashed batch (batching.culprit): singles
         until both the cost model and a restart's time have been measured, as
         singles kill the fewest workers."""
-        restart_s = self.restart_s()
-        if self.cost is None or not self.cost.fitted or restart_s is None:
+        cost, restart_s = self.cost, self.restart_s()
+        if cost is None or not cost.fitted or restart_s is None:
             return "singles"
-        cost, longest = self.cost, max(entry.volume for entry in entries)
-
-        def forward_s(size: int) -> float:
-            return float(cost.cost(size, longest))
-
-        return culprit.choose(len(entries), forward_s, restart_s)
+        longest = max(entry.volume for entry in entries)
+        return culprit.choose(len(entries), lambda size: float(cost.cost(size, longest)), restart_s)
 
     def _rows(self, entries: list[Pending], error: RowErrors) -> Plan:
         bad = sorted(error.errors)
@@ -183,36 +181,23 @@ class Recovery:
             )
             return Plan([(entry, failure, True) for entry in entries])
         self.stats.record_recovery("rows")
-        plan = Plan()
-        for row, entry in enumerate(entries):
-            if row in error.errors:
-                failure = ModelFailure(f"model {self.name!r} failed this item: {error.errors[row]}")
-                plan.outcomes.append((entry, failure, True))
-        rest = [entry for row, entry in enumerate(entries) if row not in error.errors]
-        if rest:
-            plan.retries.append(rest)
-        return plan
+        why = error.errors
+        failed = [
+            (entry, ModelFailure(f"model {self.name!r} failed this item: {why[row]}"), True)
+            for row, entry in enumerate(entries)
+            if row in why
+        ]
+        rest = [entry for row, entry in enumerate(entries) if row not in why]
+        return Plan(failed, [rest] if rest else [])
 
     def _rerun(self, entries: list[Pending], error: WorkerCrashed) -> Plan:
-        plan = Plan()
-        again = []
         for entry in entries:
             entry.reruns += 1
-            if entry.reruns > MAX_RERUNS:
-                plan.outcomes.append((entry, error, True))
-            else:
-                again.append(entry)
+        spent = [(entry, error, True) for entry in entries if entry.reruns > MAX_RERUNS]
+        again = [entry for entry in entries if entry.reruns <= MAX_RERUNS]
         if again:
             self.stats.record_recovery("rerun")
-            plan.retries.append(again)
-        return plan
-
-    def _too_large(self, padded: int, error: BaseException) -> TensorServeError:
-        return OutOfMemory(
-            f"model {self.name!r}: this item does not fit in memory even alone: it pads to "
-            f"{padded} elements, and batches now form under {self.ceiling.limit} elements "
-            f"({error}); send a smaller item"
-        )
+        return Plan(spent, [again] if again else [])
 
     def _crashed_alone(self, entry: Pending, error: WorkerCrashed) -> Plan:
         """A worker died running this item alone. The first time (a lone

@@ -129,14 +129,12 @@ class Scheduler:
         if self.home is None:
             return
         self.wake()
-        if self.home.here():
-            if not self.wait_idle(0):
-                raise RuntimeError(
-                    f"model {self.name!r}: close() on the scheduler's own event loop would wait "
-                    f"for itself; close it from another thread (asyncio.to_thread)"
-                )
-        else:
-            self.wait_idle(timeout)
+        if self.home.here() and not self.wait_idle(0):
+            raise RuntimeError(
+                f"model {self.name!r}: close() on the scheduler's own event loop would wait "
+                f"for itself; close it from another thread (asyncio.to_thread)"
+            )
+        self.wait_idle(timeout)  # at once on the loop's own thread: it is idle
         self.home.run(self._stop_on_loop)
         self.home.stop()
 
@@ -246,9 +244,9 @@ class Scheduler:
             return
         loop = self.home.loop
         at = loop.time() + due_in
-        if self._timer is not None and self._timer_at <= at:
-            return
         if self._timer is not None:
+            if self._timer_at <= at:
+                return  # it comes back sooner already
             self._timer.cancel()
         self._timer_at = at
         self._timer = loop.call_at(at, self._timer_fired)
@@ -323,8 +321,7 @@ class Scheduler:
         self._pump()
 
     def _repair(self, instance: int) -> None:
-        """Restore the instance (a new worker) off the loop; no batch goes to
-        it meanwhile."""
+        """Restore the instance (a new worker) off the loop; no batch goes to it meanwhile."""
         assert self.home is not None
         self.repairing.add(instance)
         restored = self.home.loop.run_in_executor(None, self.executor.repair, instance)

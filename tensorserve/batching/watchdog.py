@@ -12,16 +12,14 @@ so far, at least ``AUTO_MIN_S``):
 - an executor that can abort (a worker process) kills the worker; the batch
   fails as a crash and is retried split (batching.recovery), so only an
   item that hangs alone fails;
-- a forward in a thread cannot be killed: the batch's callers are answered at once,
-  the instance counts as stuck, and once every instance is stuck the model
-  is not ready and refuses new items until a forward comes back. Such an
-  instance is ``stuck``: the server's liveness (``serving/liveness.py``)
-  fails once one has been stuck longer than ``--liveness-stall-s``, so that
-  the process is restarted, since nothing else can free the thread.
+- a forward in a thread cannot be killed: the batch's callers are answered
+  at once and the instance is ``stuck``; once every instance is, the model
+  is not ready and refuses new items until a forward comes back. Liveness
+  (``serving/liveness.py``) fails once one has been stuck longer than
+  ``--liveness-stall-s``: only a restart of the process frees the thread.
 
-Before the limit, ``stalled`` tells readiness a batch has run far longer
-than any before it (a frozen worker, a device that stopped answering), so
-a model is not reported ready while it cannot run a batch.
+Before the limit, ``health`` tells readiness a batch has stalled: run far
+longer than any before it (a frozen worker, a device that stopped answering).
 """
 
 from __future__ import annotations
@@ -100,10 +98,21 @@ class Watchdog:
         return found
 
     def health(self) -> str | None:
-        """Why no batch can run now (None: one can)."""
+        """Why no batch can run now (None: one can): every instance is stuck,
+        or a batch has stalled."""
         if self._every_instance_hung():
             return "every instance is stuck in a batch past the watchdog's limit"
-        return self.stalled()
+        stall = max(STALL_MIN_S, STALL_FACTOR * self.scheduler.slowest_s)
+        limit = self.limit_s
+        if limit is not None:
+            stall = min(stall, limit)
+        for batch, ran_s in self.running(time.perf_counter()):
+            if ran_s > stall:
+                return (
+                    f"instance {batch.instance} has been running one batch for {ran_s:.1f} s "
+                    f"(the slowest batch so far took {self.scheduler.slowest_s:.3f} s)"
+                )
+        return None
 
     @property
     def can_admit(self) -> bool:
@@ -121,20 +130,6 @@ class Watchdog:
 
     def _every_instance_hung(self) -> bool:
         return self._loop is not None and all(self.scheduler.hung)
-
-    def stalled(self) -> str | None:
-        """Why the model cannot run a batch now, if a batch has stalled."""
-        stall = max(STALL_MIN_S, STALL_FACTOR * self.scheduler.slowest_s)
-        limit = self.limit_s
-        if limit is not None:
-            stall = min(stall, limit)
-        for batch, ran_s in self.running(time.perf_counter()):
-            if ran_s > stall:
-                return (
-                    f"instance {batch.instance} has been running one batch for {ran_s:.1f} s "
-                    f"(the slowest batch so far took {self.scheduler.slowest_s:.3f} s)"
-                )
-        return None
 
     def stuck(self) -> list[tuple[int, float]]:
         """Each instance whose forward the watchdog gave up on and could not
@@ -161,9 +156,7 @@ class Watchdog:
             batch.instance,
             limit,
         )
-        launched = batch.launched
-        if launched is not None and s.instances.abort(
-            launched, f"the batch ran longer than {limit:g} s"
-        ):
+        because = f"the batch ran longer than {limit:g} s"
+        if batch.launched is not None and s.instances.abort(batch.launched, because):
             return  # the worker is killed: the batch fails as a crash and is retried split
         s.give_up(batch, limit)

@@ -10,6 +10,7 @@ be read. ``describe`` is pure, so it is tested without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
@@ -33,12 +34,9 @@ def parse_proc_version(text: str) -> str | None:
 def driver_version() -> str | None:
     """The NVIDIA driver of this node, if the container can see it: the
     kernel module's /proc file, else nvidia-smi; None when neither answers."""
-    try:
-        found = parse_proc_version(PROC_VERSION.read_text())
-        if found:
+    with contextlib.suppress(OSError):
+        if found := parse_proc_version(PROC_VERSION.read_text()):
             return found
-    except OSError:
-        pass
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None

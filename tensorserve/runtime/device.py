@@ -32,14 +32,11 @@ def resolve_device(name: str) -> torch.device:
 
     ``auto`` means CUDA when present; asking for CUDA without one is a
     ``ConfigError`` that says why CUDA is missing (the model is FAILED). A
-    bare ``cuda`` (from ``auto``, ``--device cuda`` or the GPU image's
-    ``TENSORSERVE_DEVICE=cuda``) becomes ``cuda:0``, the first GPU the
-    process sees (``CUDA_VISIBLE_DEVICES``), as torch's own current device is
-    in a process that never set one: ``torch.cuda.set_device`` and NVML need
-    the index, and an index-less device raises there (``ValueError: Expected a
-    torch.device with a specified index``). Not ``torch.cuda.current_device()``:
-    it initialises CUDA in this process, which must not hold a CUDA context of
-    its own when every model runs in worker processes."""
+    bare ``cuda`` (``auto``, ``--device cuda``, ``TENSORSERVE_DEVICE=cuda``)
+    becomes ``cuda:0``, the first GPU the process sees: ``torch.cuda.set_device``
+    and NVML raise on a device without an index ("Expected a torch.device with
+    a specified index"). Not ``torch.cuda.current_device()``: it would give
+    this process a CUDA context even when every model runs in worker processes."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
@@ -83,11 +80,9 @@ def sticky_cuda_error(exc: BaseException) -> str | None:
     text = str(exc)
     if "CUDA error" not in text and not isinstance(exc, getattr(torch, "AcceleratorError", ())):
         return None
-    for sticky in STICKY_CUDA_ERRORS:
-        if sticky in text:
-            first = text.strip().splitlines()[0]
-            return f"{type(exc).__name__}: {first}"
-    return None
+    if not any(sticky in text for sticky in STICKY_CUDA_ERRORS):
+        return None
+    return f"{type(exc).__name__}: {text.strip().splitlines()[0]}"
 
 
 class ContextLoss:
@@ -176,11 +171,9 @@ class DeviceContext:
         return host, self.record()
 
     def columns_to_host(self, columns: Any) -> Any:
-        """A batch's per-row output parameters (``WithParameters``) with each
-        device tensor queued for pinned host memory, as the outputs are: read
-        after the batch's event, a ``.tolist()`` would otherwise make one more
-        blocking copy into pageable memory per parameter. Call it before the
-        event is recorded (only an instance with a stream records one);
+        """A batch's per-row output parameters (``WithParameters``), each device
+        tensor queued for pinned host memory as the outputs are (before the
+        batch's event), so reading them costs no blocking copy per parameter;
         anything else is left for ``output_parameters`` to judge."""
         if self.stream is None or not isinstance(columns, Mapping):
             return columns
@@ -209,11 +202,8 @@ class DeviceContext:
 
 def default_intra_op_threads() -> int:
     """Intra-op threads for each instance thread: every CPU this process may
-    use but one, which is left to the event loop (HTTP and the scheduler). On
-    this project's 2-core machines one forward thread plus a free core served
-    1.4x the items/s of two intra-op threads fighting the HTTP stack for the cores
-    (docs/threading.md). The CPUs are counted as a container sees them: its
-    cpuset and its cgroup CPU quota (``runtime.cpus.available_cpus``), not
-    the node's cores. The server's ``--intra-op-threads`` /
-    ``TENSORSERVE_INTRA_OP_THREADS`` (``Settings``) overrides it."""
+    use (``host.available_cpus``: the container's cpuset and CPU quota) but one,
+    left to the event loop. On 2 cores one forward thread plus a free core served
+    1.4x the items/s of two intra-op threads fighting the HTTP stack for the
+    cores (docs/threading.md). ``--intra-op-threads`` overrides it."""
     return max(1, available_cpus() - 1)

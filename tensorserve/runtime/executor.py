@@ -1,33 +1,25 @@
 """Runs padded batches of a torch callable on its device, on each instance's thread.
 
-``ThreadExecutor`` is the executor the scheduler drives (through
-``batching/instances.py``) for a model that runs
-in this process (``isolation = "thread"``), and the one a worker process
-runs its batches with (``isolation = "process"``). It sees padded tensors
-only; padding and un-padding are ``batching.collate``'s:
+``ThreadExecutor`` runs the batches of a model in this process (``isolation =
+"thread"``, through ``batching/instances.py``) and of a worker process
+(``isolation = "process"``). It sees padded tensors only; padding and
+un-padding are ``batching.collate``'s:
 
     launch   one non_blocking host->device copy per feature, forward under
              inference_mode, outputs cast to their declared dtype and copied
              back to pinned host memory once per batch (queued on CUDA)
     collect  one synchronisation per batch; host arrays
 
-A batch function may return one tensor (single output), a dict of output
-name -> tensor, or a list with one entry per item, where an entry may be an
-Exception that fails that item alone; or any of these wrapped in
-``tensorserve.WithParameters`` with per-row output parameters.
-
-A ``ragged`` output is returned inside the dict as a list of one tensor
-(or array) per row, each its own length (runtime/ragged.py).
-
-A bytes feature reaches the forward as the numpy object array of ``bytes``
-it was padded into (``[batch, *item_shape]``), never as a tensor, and a
-bytes output comes back the same way (an object array or nested lists of
-``bytes`` / ``str``), never through torch.
-
-A model that declares request parameters gets each as one more keyword
-argument: a 1-D int64 / float32 tensor on its device, or a list (bool,
-string), one value per row. A model that declares none gets the features
-only, exactly as before parameters existed.
+A batch function returns one tensor (a single output), a dict of output name
+-> tensor (a ``ragged`` output: a list of one tensor per row, runtime/ragged.py),
+or a list with one entry per item, an Exception failing that item alone; any
+of these may be wrapped in ``tensorserve.WithParameters`` with per-row output
+parameters. Bytes never go through torch: a bytes feature is a numpy object
+array of ``bytes`` (``[batch, *item_shape]``), a bytes output such an array or
+nested lists of ``bytes`` / ``str``. Each declared request parameter is one
+more keyword argument, one value per row: a 1-D int64 / float32 tensor on the
+device, or a list (bool, string); a model that declares none gets the
+features only.
 """
 
 from __future__ import annotations
@@ -44,7 +36,6 @@ import torch
 
 from tensorserve.errors import BatchOutOfMemory, DeviceLost, ModelFailure
 from tensorserve.repository.config import ModelConfig, OutputSpec
-from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
 from tensorserve.runtime.ragged import join_rows, rows_in, split_rows
 from tensorserve.tensors.bytes_tensor import bytes_output
@@ -115,8 +106,7 @@ class ThreadExecutor:
         self._contexts = [DeviceContext(device, intra_op_threads) for _ in range(instance_count)]
         # On CUDA, launch returns once the work is queued: the scheduler pads and
         # hands over the next full batch while this one runs.
-        self.overlaps = device.type == "cuda"
-        self.pin_memory = device.type == "cuda"
+        self.overlaps = self.pin_memory = device.type == "cuda"
         self.restarts = 0  # a thread is never replaced
         self.restart_seconds: float | None = None
         self.label = name  # for messages
@@ -227,7 +217,7 @@ class ThreadExecutor:
         tensor on the device, booleans and strings as the list."""
         arguments: dict[str, Any] = {}
         for name, values in columns.items():
-            spec: RequestParameterSpec = self.parameter_specs[name]
+            spec = self.parameter_specs[name]
             if spec.numeric:
                 dtype = torch.int64 if spec.type == "int" else torch.float32
                 # Pinned on CUDA: the copy to the device is queued, not made
@@ -236,8 +226,7 @@ class ThreadExecutor:
                 arguments[name] = torch.tensor(values, dtype=dtype, pin_memory=pinned)
             else:
                 arguments[name] = list(values)
-        tensors = context.to_device({k: v for k, v in arguments.items() if torch.is_tensor(v)})
-        return {**arguments, **tensors}
+        return context.to_device(arguments)  # the lists stay as they are
 
     def collect(self, launched: Launched) -> Executed:
         """Wait for the device (one synchronisation per batch); host arrays.
@@ -250,9 +239,8 @@ class ThreadExecutor:
                 launched.done.synchronize()
                 if launched.started is not None:
                     seconds = launched.started.elapsed_time(launched.done) / 1000.0
-            parameters = None
-            if launched.parameters is not None:
-                parameters = output_parameters(launched.parameters)
+            returned = launched.parameters
+            parameters = None if returned is None else output_parameters(returned)
             if launched.per_item is not None:
                 items = [self._item_result(entry) for entry in launched.per_item]
                 return Executed(None, items, seconds, parameters)

@@ -7,21 +7,18 @@ encodes requests; on a busy server the forward runs measurably slower
 pool. The price is one copy of the padded inputs and of the outputs
 through a socketpair per batch.
 
-``ProcessExecutor`` is a ``LoopExecutor``: the model's scheduler sends each
-padded batch to the instance's worker (``tensorserve/runtime/worker_main.py``)
-from its event loop and reads the reply as it arrives, never blocking on
-the worker (``worker_channel.py``); like CUDA, it ``overlaps``, so a full
-next batch is sent while the worker runs this one. Padding and un-padding
-stay in the server, so the worker only ever sees whole padded batches.
+``ProcessExecutor`` is a ``LoopExecutor``: the scheduler's loop sends each
+padded batch to the instance's worker (``worker_main.py``, which sees only
+whole padded batches) and reads the reply as it arrives, never blocking
+(``worker_channel.py``); like CUDA, it ``overlaps``.
 
 A worker that dies (a segfault in a native extension, the OOM killer, an
 ``os._exit`` in model code, the watchdog) fails the batch it was running
 with ``WorkerCrashed`` saying how it died, and a batch queued behind it with
-``WorkerCrashed(ran=False)``; the scheduler retries them (batching.recovery).
-The instance gets a new worker at once (``repair``, off the scheduler's
-loop, while it sends the instance nothing): the standby, a spare worker kept
-loaded (``[faults] standby_worker``), takes over in milliseconds, and a new
-standby loads in the background; without one, a new worker loads.
+``WorkerCrashed(ran=False)``; the scheduler retries them (batching.recovery)
+and has the instance ``repair``ed at once: the standby, a spare worker kept
+loaded (``[faults] standby_worker``), takes over in milliseconds; without
+one, a new worker loads.
 """
 
 from __future__ import annotations
@@ -47,8 +44,6 @@ from tensorserve.runtime.worker_process import WorkerProcess
 from tensorserve.tensors.dtypes import Feature, host_array
 
 log = logging.getLogger(__name__)
-
-Done = Callable[[Executed | None, BaseException | None], None]
 
 # The weight of the newest restart in ``restart_seconds``.
 RESTART_ALPHA = 0.3
@@ -82,17 +77,16 @@ class ProcessExecutor:
         self.instance_count = config.instance_count
         self.outputs = config.output
         self.label = f"model {source.name!r}"
+        on_cpu = resolve_device(config.device).type == "cpu"
         self.hello = {
             "name": source.name,
             "path": str(source.path),
             "version": version,
             "config": config.model_dump(mode="json"),
             "intra_op_threads": intra_op_threads,
-            # The worker template loads the weights before forking only on the
-            # CPU, and only a model that starts no threads of its own as it
-            # loads; it must never touch CUDA (runtime/template.py).
-            "template_loads": resolve_device(config.device).type == "cpu"
-            and PLATFORMS[config.platform].loads_before_fork,
+            # The template loads the weights only on the CPU, of a model that
+            # starts no threads as it loads: it never touches CUDA (template.py).
+            "template_loads": on_cpu and PLATFORMS[config.platform].loads_before_fork,
             "log_level": logging.getLevelName(logging.getLogger("tensorserve").getEffectiveLevel()),
         }
         faults = config.faults
@@ -103,7 +97,6 @@ class ProcessExecutor:
         ]
         # A spare on a GPU would hold a CUDA context and a copy of the weights
         # there for a crash that may never come: by default, only on the CPU.
-        on_cpu = resolve_device(config.device).type == "cpu"
         standby = on_cpu if faults.standby_worker == "auto" else faults.standby_worker
         self.standby = Standby(self.hello, self.label, self.template) if standby else None
         self.loop: asyncio.AbstractEventLoop | None = None  # the scheduler's (attach)
@@ -136,10 +129,8 @@ class ProcessExecutor:
         return None  # the device is the workers'
 
     def health(self) -> str | None:
-        """Why no batch can run now (None: one can)."""
-        if any(worker.alive for worker in self.workers):
-            return None
-        return "its worker process is being replaced"
+        alive = any(worker.alive for worker in self.workers)
+        return None if alive else "its worker process is being replaced"
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -149,7 +140,7 @@ class ProcessExecutor:
         features: dict[str, Feature],
         instance: int,
         parameters: Mapping[str, list[Any]] | None,
-        done: Done,
+        done: Callable[[Executed | None, BaseException | None], None],
     ) -> Sent:
         """On the scheduler's loop: send the batch to the instance's worker
         without blocking; ``done`` once its reply is in. A dead worker fails it
@@ -158,15 +149,13 @@ class ProcessExecutor:
         worker = self.workers[instance]
 
         def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
-            if message is None:
-                done(None, error)
-                return
-            try:
-                executed = self._executed(message)
-            except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
-                done(None, exc)
-            else:
-                done(executed, None)
+            executed = None
+            if message is not None:
+                try:
+                    executed = self._executed(message)
+                except BaseException as exc:  # noqa: BLE001 - the batch's callers get it
+                    error = exc
+            done(executed, error)
 
         host = {name: host_array(t) for name, t in features.items()}
         return Sent(worker, worker.dispatch(host, parameters, on_reply, self.loop))
@@ -175,29 +164,21 @@ class ProcessExecutor:
         for worker in self.workers:
             worker.detach()
 
-    def repair(self, instance: int) -> None:
-        """After a worker died: replace it at once (not at the next batch), so
-        the model is ready again without waiting for traffic. On a thread of
-        the scheduler's, which sends the instance nothing meanwhile."""
-        try:
-            self._replace(instance)
-        except ModelFailure as exc:  # the next batch tries again, and says why
-            log.error("%s", exc)
-
     def abort(self, sent: Sent, because: str) -> bool:
         """The watchdog: kill the worker running this batch, so it fails as a
-        crash (a worker already replaced, or being replaced, is left alone).
-        From the watchdog's thread: ``kill`` is safe from any thread."""
+        crash (a worker already replaced, or being replaced, is left alone)."""
         sent.worker.kill(because, ticket=sent.ticket)
         return True
 
-    def _replace(self, instance: int) -> WorkerProcess:
-        """An up worker for the instance: the standby if one is loaded (a
-        swap), else a new one (a full model load); what it cost goes into
-        ``restart_seconds``."""
+    def repair(self, instance: int) -> None:
+        """After a worker died: replace it at once (not at the next batch), so
+        the model is ready again without waiting for traffic. On a thread of
+        the scheduler's, which sends the instance nothing meanwhile. The
+        standby takes over if one is loaded (a swap), else a new worker loads;
+        what it cost goes into ``restart_seconds``."""
         old = self.workers[instance]
         if old.alive:
-            return old  # replaced already (a batch behind the dead one)
+            return  # replaced already (a batch behind the dead one)
         started = time.perf_counter()
         old.stop()
         spare = self.standby.take() if self.standby is not None else None
@@ -209,14 +190,12 @@ class ProcessExecutor:
             log.warning("%s: starting a new worker process", old.label)
             try:
                 old.start()
-            except ConfigError as exc:
-                raise ModelFailure(
-                    f"{old.label}: the worker process could not restart: {exc}"
-                ) from None
+            except ConfigError as exc:  # the next batch tries again, and says why
+                log.error("%s: the worker process could not restart: %s", old.label, exc)
+                return
         self.restarts += 1
         seconds, last = time.perf_counter() - started, self.restart_seconds
         self.restart_seconds = seconds if last is None else last + RESTART_ALPHA * (seconds - last)
-        return self.workers[instance]
 
     def _executed(self, message: ipc.Message) -> Executed:
         header, tensors = message

@@ -6,11 +6,8 @@
     gpus = [0, 1]
 
 ``place`` turns the groups into one ``Placement`` per device (the counts of
-groups that name the same device add up). A model on one device runs as
-before: ``resolve_placement`` hands back the config with that ``device`` and
-``instance_count``. A model on several devices gets a ``PlacedExecutor``:
-a ``ThreadExecutor`` whose instances run on each device with that device's
-own copy of the model, as one flat list, so one server keeps every GPU busy.
+groups that name the same device add up). A model on several devices gets a
+``PlacedExecutor``, so one server keeps every GPU busy.
 """
 
 from __future__ import annotations
@@ -36,35 +33,32 @@ class Placement:
     count: int
 
 
-def visible_gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def place(config: ModelConfig, gpu_count: int | None = None) -> list[Placement]:
     """One placement per device, in the order the groups name them. Without
     instance groups: the config's own ``device`` and ``instance_count``."""
     if not config.instance_group:
         return [Placement(config.device, config.instance_count)]
-    gpus_here = visible_gpus() if gpu_count is None else gpu_count
+    if gpu_count is None:
+        gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     counts: dict[str, int] = {}
     for index, group in enumerate(config.instance_group):
         kind = group.kind
         if kind == "KIND_AUTO":
-            kind = "KIND_GPU" if group.gpus is not None or gpus_here else "KIND_CPU"
+            kind = "KIND_GPU" if group.gpus is not None or gpu_count else "KIND_CPU"
         if kind == "KIND_CPU":
             devices = ["cpu"]
         else:
-            if gpus_here == 0:
+            if gpu_count == 0:
                 raise ConfigError(
                     f"instance_group[{index}]: KIND_GPU needs a GPU, and CUDA sees none: "
                     f"{cuda_missing()}"
                 )
-            gpus = list(range(gpus_here)) if group.gpus is None else group.gpus
-            missing = [g for g in gpus if g >= gpus_here]
+            gpus = list(range(gpu_count)) if group.gpus is None else group.gpus
+            missing = [g for g in gpus if g >= gpu_count]
             if missing:
                 raise ConfigError(
                     f"instance_group[{index}]: gpus {missing} do not exist "
-                    f"({gpus_here} GPU(s) visible: 0..{gpus_here - 1})"
+                    f"({gpu_count} GPU(s) visible: 0..{gpu_count - 1})"
                 )
             devices = [f"cuda:{g}" for g in gpus]
         for device in devices:

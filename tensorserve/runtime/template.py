@@ -5,9 +5,8 @@ model (and, on the CPU, loaded its weights) but never runs a batch, and that
 Why: a worker started from scratch pays for Python, torch and the model
 before it can run a batch (3-4 s of a core on a small VM,
 ``benchmarks/worker_crash.py``); a worker forked from the template is ready
-in milliseconds and shares the template's weights copy-on-write. That makes
-a crash cheap for the machine, not only for the callers (the standby worker
-already makes it cheap for the callers).
+in milliseconds and shares the template's weights copy-on-write: a crash
+is cheap for the machine too, not only for the callers (the standby's work).
 
 Safe to fork because the template never runs a batch: it holds torch's
 intra-op pool at one thread (no OpenMP threads exist to be lost in the
@@ -22,6 +21,7 @@ status of a worker that has exited (the template is its parent and reaps it).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -56,16 +56,7 @@ class Template:
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
-            self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tensorserve.runtime.worker_main",
-                    "--template",
-                    str(theirs.fileno()),
-                ],
-                pass_fds=(theirs.fileno(),),
-            )
+            self.process = spawn(["--template"], theirs)
         self._control = ours
         try:
             reply = self._ask(self.hello, timeout=START_TIMEOUT_S)
@@ -120,6 +111,15 @@ class Template:
             reap(self.label, process)
 
 
+def spawn(args: list[str], theirs: socket.socket) -> subprocess.Popen[bytes]:
+    """``python -m tensorserve.runtime.worker_main [ARGS] FD``, which inherits
+    the socket ``theirs`` as FD."""
+    fd = theirs.fileno()
+    return subprocess.Popen(
+        [sys.executable, "-m", "tensorserve.runtime.worker_main", *args, str(fd)], pass_fds=(fd,)
+    )
+
+
 def reap(label: str, process: subprocess.Popen[bytes] | ForkedProcess) -> int:
     """Wait for a process that was asked to exit; kill it if it does not."""
     try:
@@ -164,10 +164,8 @@ class ForkedProcess:
     def kill(self) -> None:
         if self.returncode is not None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def _exited(self, timeout: float | None) -> bool:
         try:

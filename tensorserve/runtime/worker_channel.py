@@ -33,15 +33,6 @@ class WorkerChannel:
     def sock(self) -> socket.socket:
         return self._link.sock
 
-    @property
-    def open(self) -> bool:
-        return self._link.open
-
-    @property
-    def waiting(self) -> int:
-        """Batches sent whose reply has not come back."""
-        return len(self._waiting)
-
     def send(self, buffers: list[bytes | memoryview], on_reply: OnReply) -> None:
         """Queue one message; what the socket takes now is written now."""
         self._waiting.append(on_reply)

@@ -11,6 +11,7 @@ whether the server stopped or died.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -48,14 +49,9 @@ def _load(hello: dict[str, Any]) -> tuple[ModelConfig, ThreadExecutor]:
     source = ModelSource(name, Path(hello["path"]), (version,))
     loaded = load_model(source, version, config, hello["intra_op_threads"])
     device = resolve_device(config.device)
-    executor = ThreadExecutor(
-        on_device(loaded.module, config, device),
-        config,
-        device,
-        intra_op_threads=hello["intra_op_threads"],
-        name=name,
-    )
-    return config, executor
+    module = on_device(loaded.module, config, device)
+    threads = hello["intra_op_threads"]
+    return config, ThreadExecutor(module, config, device, intra_op_threads=threads, name=name)
 
 
 def _run_batch(
@@ -97,12 +93,6 @@ def _run_batch(
         return {"error": as_model_failure(exc, name).message}, {}
 
 
-def serve(sock: socket.socket) -> int:
-    hello, _ = ipc.recv(sock)
-    _log_as(hello)
-    return _load_and_run(sock, hello, None)
-
-
 def _load_and_run(
     sock: socket.socket, hello: dict[str, Any], loaded: tuple[ModelConfig, ThreadExecutor] | None
 ) -> int:
@@ -115,7 +105,17 @@ def _load_and_run(
         ipc.send(sock, {"error": _reason(exc)})
         return 1
     ipc.send(sock, {"ready": True, "pid": os.getpid()})
-    return _run(sock, hello, config, executor)
+    while True:
+        try:
+            header, features = ipc.recv(sock)
+        except (EOFError, ConnectionError):
+            return 0  # the server closed its end: stopped or gone
+        if header.get("stop"):
+            return 0
+        reply, tensors = _run_batch(
+            hello["name"], config, executor, features, header.get("parameters")
+        )
+        ipc.send(sock, reply, tensors)
 
 
 def _log_as(hello: dict[str, Any]) -> None:
@@ -130,26 +130,9 @@ def _reason(exc: Exception) -> str:
     return str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}"
 
 
-def _run(
-    sock: socket.socket, hello: dict[str, Any], config: ModelConfig, executor: ThreadExecutor
-) -> int:
-    while True:
-        try:
-            header, features = ipc.recv(sock)
-        except (EOFError, ConnectionError):
-            return 0  # the server closed its end: stopped or gone
-        if header.get("stop"):
-            return 0
-        reply, tensors = _run_batch(
-            hello["name"], config, executor, features, header.get("parameters")
-        )
-        ipc.send(sock, reply, tensors)
-
-
 def template(control: socket.socket) -> int:
-    """The worker template (runtime/template.py): load once, then fork a
-    worker per request. It never runs a batch, holds torch at one intra-op
-    thread, and never touches CUDA, so that every fork is safe."""
+    """The worker template (runtime/template.py, which says why each fork is
+    safe): load once, then fork a worker per request."""
     import msgpack
     import torch
 
@@ -158,9 +141,7 @@ def template(control: socket.socket) -> int:
     _log_as(hello)
     loaded: tuple[ModelConfig, ThreadExecutor] | None = None
     try:
-        # On a GPU (or "auto") each worker loads the model after the fork:
-        # the template never touches CUDA. torch is imported either way.
-        if hello.get("template_loads"):
+        if hello.get("template_loads"):  # else each worker loads it after the fork
             loaded = _load(hello)
     except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
         socket.send_fds(control, [msgpack.packb({"error": _reason(exc)})], [])
@@ -168,14 +149,12 @@ def template(control: socket.socket) -> int:
     exited: dict[int, int] = {}
 
     def reap(*_: object) -> None:
-        while True:
-            try:
+        with contextlib.suppress(ChildProcessError):  # no child is left
+            while True:
                 pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            exited[pid] = os.waitstatus_to_exitcode(status)
+                if pid == 0:
+                    return  # none more has exited
+                exited[pid] = os.waitstatus_to_exitcode(status)
 
     signal.signal(signal.SIGCHLD, reap)
     socket.send_fds(control, [msgpack.packb({"ready": True, "pid": os.getpid()})], [])
@@ -221,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with socket.socket(fileno=int(args[1])) as control:
             return template(control)
     with socket.socket(fileno=int(args[0])) as sock:
-        return serve(sock)
+        hello, _ = ipc.recv(sock)
+        _log_as(hello)
+        return _load_and_run(sock, hello, None)
 
 
 if __name__ == "__main__":

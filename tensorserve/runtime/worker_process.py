@@ -15,13 +15,13 @@ it is ``alive`` and its ``pid`` (readiness), or ``stop`` it; they take
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -31,7 +31,7 @@ import numpy as np
 
 from tensorserve.errors import ConfigError, WorkerCrashed
 from tensorserve.ipc import messages as ipc
-from tensorserve.runtime.template import STOP_TIMEOUT_S, ForkedProcess, Template, reap
+from tensorserve.runtime.template import STOP_TIMEOUT_S, ForkedProcess, Template, reap, spawn
 from tensorserve.runtime.worker_channel import OnReply, WorkerChannel
 
 log = logging.getLogger("tensorserve.runtime.isolated")
@@ -89,10 +89,8 @@ class WorkerProcess:
                 return
             if process.poll() is None:
                 self.killed_because = because
-                try:
+                with contextlib.suppress(ProcessLookupError):  # it just exited
                     os.kill(process.pid, signal.SIGKILL)
-                except ProcessLookupError:  # pragma: no cover - it just exited
-                    pass
 
     # ------------------------------------------------------------------ the owner
     def start(self) -> None:
@@ -103,10 +101,7 @@ class WorkerProcess:
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         with theirs:
-            process = self._fork(theirs) or subprocess.Popen(
-                [sys.executable, "-m", "tensorserve.runtime.worker_main", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-            )
+            process = self._fork(theirs) or spawn([], theirs)
         with self._guard:
             self.process, self.sock = process, ours
             self.killed_because = None
@@ -147,9 +142,8 @@ class WorkerProcess:
         """On the scheduler's ``loop``: send one padded batch without blocking;
         ``on_reply(message, None)`` once its reply is in, or ``(None,
         WorkerCrashed)`` if the worker dies first (``ran`` for the batch it was
-        running, not for those sent behind it). ``parameters`` (the model's
-        declared request parameters, one value per row: plain scalars) travel
-        in the message's msgpack header. Returns the ticket ``kill`` takes."""
+        running, not for those sent behind it). ``parameters`` (plain scalars,
+        one per row) travel in the msgpack header. Returns the ticket ``kill`` takes."""
         if not self.alive or loop is None:
             raise self._never_ran()
         assert self.sock is not None
@@ -170,68 +164,56 @@ class WorkerProcess:
         """The connection broke: take the process off this handle, learn how
         it died off the loop, then fail what was sent to it."""
         self._channel = None
-        lost = self._detach()
-
-        def report() -> WorkerCrashed:
-            return lost.report("while running this batch", True)
+        lost = self._take()
 
         def fail(reported: asyncio.Future[WorkerCrashed]) -> None:
-            crashed = reported.result()
             for i, on_reply in enumerate(waiting):
-                if i == 0:
-                    on_reply(None, crashed)
-                else:  # sent behind the batch that was running: never ran
-                    on_reply(None, self._never_ran())
+                # The first was running; those sent behind it never ran.
+                on_reply(None, reported.result() if i == 0 else self._never_ran())
 
-        loop.run_in_executor(None, report).add_done_callback(fail)
+        loop.run_in_executor(None, lost.report).add_done_callback(fail)
 
     def _never_ran(self) -> WorkerCrashed:
         return WorkerCrashed(
             f"{self.label}: the worker process died before running this batch", ran=False
         )
 
-    def _detach(self) -> Lost:
-        """Take the (dead) process and its socket off this handle."""
+    def _take(self) -> Lost:
+        """Take the process and its socket off this handle."""
         with self._guard:
-            sock, self.sock = self.sock, None
-            process, self.process = self.process, None
-            return Lost(self.label, process, sock, self.killed_because)
+            lost = Lost(self.label, self.process, self.sock, self.killed_because)
+            self.process, self.sock = None, None
+            return lost
 
     def stop(self) -> None:
         """Ask the worker to exit (closing the socket does), kill it if it won't."""
-        with self._guard:
-            sock, self.sock = self.sock, None
-            process, self.process = self.process, None
-        if sock is not None:
-            try:
-                sock.settimeout(1.0)  # the loop had made it non-blocking
-                ipc.send(sock, {"stop": True})
-            except OSError:
-                pass
-            sock.close()
-        if process is not None:
-            reap(self.label, process)
+        lost = self._take()
+        if lost.sock is not None:
+            with contextlib.suppress(OSError):
+                lost.sock.settimeout(1.0)  # the loop had made it non-blocking
+                ipc.send(lost.sock, {"stop": True})
+            lost.sock.close()
+        if lost.process is not None:
+            reap(self.label, lost.process)
 
 
 @dataclass(frozen=True)
 class Lost:
-    """A worker process taken off its handle after its connection broke.
-    Nothing else holds it, so any thread may wait for it."""
+    """A worker process taken off its handle (its connection broke, or it
+    is stopping). Nothing else holds it, so any thread may wait for it."""
 
     label: str
     process: Process | None
     sock: socket.socket | None
     because: str | None  # why the watchdog killed it, if it did
 
-    def report(self, when: str, ran: bool) -> WorkerCrashed:
-        """How it died, once its exit status is in (waits up to
-        ``STOP_TIMEOUT_S``; one still running is killed)."""
+    def report(self) -> WorkerCrashed:
+        """How it died running its batch, once its exit status is in (waits up
+        to ``STOP_TIMEOUT_S``; one still running is killed)."""
         returncode: int | None = None
         if self.process is not None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 returncode = self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
         if self.sock is not None:
             self.sock.close()
         if returncode is None and self.process is not None:
@@ -239,6 +221,7 @@ class Lost:
         if self.because is not None:
             message = f"{self.label}: the watchdog killed the worker process: {self.because}"
         else:
-            message = f"{self.label}: the worker process died {when} ({_died(returncode)})"
+            died = _died(returncode)
+            message = f"{self.label}: the worker process died while running this batch ({died})"
         log.error("%s", message)
-        return WorkerCrashed(message, ran=ran, watchdog=self.because is not None)
+        return WorkerCrashed(message, ran=True, watchdog=self.because is not None)
