@@ -157,33 +157,6 @@ def test_the_grid_choice_is_the_run_by_run_choice(
     assert policy.select(waiting, max_batch_size) == _select_run_by_run(policy, waiting, max_batch_size)
 
 
-@given(
-    volumes=st.lists(st.integers(1, 6) | st.integers(1, 400), min_size=2, max_size=150),
-    max_batch_size=st.integers(1, 64),
-    overdue=st.booleans(),
-    budget=st.sampled_from([None, 16, 64, 500, 4000]),
-    learnt=st.sampled_from([(5e-3, 0.0, 0.0), (2e-3, 0.0, 1e-4), (0.0, 0.0, 1e-5), (1e-3, 0.0, 1e-9)]),
-)
-@settings(max_examples=400, deadline=None)
-def test_where_padding_is_free_the_left_runs_choose_as_the_grid(
-    volumes: list[int], max_batch_size: int, overdue: bool, budget: int | None,
-    learnt: tuple[float, float, float],
-) -> None:
-    """The shortcut for a cost with no per-element term (n runs, not the
-    n x size grid) picks exactly the grid's run, ties (equal volumes) included."""
-    policy = LengthAwarePolicy(budget)
-    policy.cost.coefficients = learnt
-    n = len(volumes)
-    array = np.array(volumes, dtype=np.int64)
-    order = np.argsort(array, kind="stable")
-    ranked = array[order]
-    prefix = np.concatenate(([0.0], np.cumsum(ranked, dtype=np.float64)))
-    forced = int(np.flatnonzero(order == 0)[0]) if overdue else None
-    most = min(max_batch_size, n)
-    grid = policy._best_run(ranked.astype(np.float64), prefix, most, forced, budget)
-    assert policy._best_left_run(ranked, prefix, most, forced, budget) == grid
-
-
 def test_a_flat_cost_takes_every_waiting_item_that_fits() -> None:
     policy = LengthAwarePolicy(cost=learnt(5e-3, 0.0, 0.0))
     volumes = [8, 120, 33, 64, 9, 100]

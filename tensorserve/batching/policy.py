@@ -115,12 +115,6 @@ class BatchCostModel:
     def fitted(self) -> bool:
         return self.coefficients is not None
 
-    @property
-    def per_element(self) -> float | None:
-        """What a padded element costs (None until fitted): 0 for a flat or
-        per-step cost, where padding is free."""
-        return None if self.coefficients is None else self.coefficients[1]
-
     def observe(self, size: int, longest: int, seconds: float) -> None:
         x = (1.0, float(size * longest), float(longest))
         decay = self.decay
@@ -218,29 +212,12 @@ class LengthAwarePolicy:
             return list(range(n))
         volumes = np.fromiter(waiting.volumes, dtype=np.int64, count=n)
         order = np.argsort(volumes, kind="stable")
-        ranked = volumes[order]
+        ranked = volumes[order].astype(np.float64)
         prefix = np.zeros(n + 1)  # prefix[i]: the volume of the i shortest
-        np.cumsum(ranked, dtype=np.float64, out=prefix[1:])
+        np.cumsum(ranked, out=prefix[1:])
         forced = int(np.flatnonzero(order == 0)[0]) if waiting.oldest_overdue else None
         limit = budget_for_next_batch(self)
         most = min(max_batch_size, n)
-        if self.cost.fitted and self.cost.per_element == 0.0 and ranked[0] > 0:
-            size, start = self._best_left_run(ranked, prefix, most, forced, limit)
-        else:
-            size, start = self._best_run(ranked.astype(np.float64), prefix, most, forced, limit)
-        return np.sort(order[start : start + size]).tolist()
-
-    def _best_run(
-        self,
-        ranked: np.ndarray,
-        prefix: np.ndarray,
-        most: int,
-        forced: int | None,
-        limit: int | None,
-    ) -> tuple[int, int]:
-        """(size, start) of the best run of ``ranked`` (the volumes, sorted),
-        searched over every size and start."""
-        n = len(ranked)
         # Every candidate run ranked[start : start + size] at once, as a
         # (size, start) grid, a block of sizes at a time so that each block
         # stays in cache: a few numpy passes over index grids cached per
@@ -270,37 +247,8 @@ class LengthAwarePolicy:
                 best = (float(scores[row, first]), low + row + 1, first)
             if limit and not valid[-1].any():
                 break  # longer runs only get bigger
-        return best[1], best[2]
-
-    def _best_left_run(
-        self,
-        ranked: np.ndarray,
-        prefix: np.ndarray,
-        most: int,
-        forced: int | None,
-        limit: int | None,
-    ) -> tuple[int, int]:
-        """``_best_run``'s choice where padding costs nothing per element (a
-        flat or per-step cost: most GPUs), found among n runs, not n x size:
-        a run's cost then depends only on its longest item, so the best run
-        that ends at an item reaches as far left as the caps allow (each item
-        it adds is real work for free; every volume is >= 1), and only those
-        n runs can win. Ties go as on the grid: fewest items, then first start.
-        ~10 us a batch where the grid takes ~60 (tests/test_policy.py checks
-        both choose alike)."""
-        n = len(ranked)
-        ends = np.arange(n)  # each run's last item
-        widest = np.full(n, most) if not limit else np.clip(limit // ranked, 1, most)
-        starts = np.maximum(ends - widest + 1, 0)
-        sizes = ends - starts + 1
-        longest = ranked.astype(np.float64)
-        real = prefix[ends + 1] - prefix[starts]
-        scores = real / np.maximum(self.cost.cost(sizes.astype(np.float64), longest), 1e-12)
-        if forced is not None:  # only runs that hold the oldest item
-            scores[(starts > forced) | (ends < forced)] = -np.inf
-        best = np.flatnonzero(scores == scores.max())
-        pick = best[np.lexsort((starts[best], sizes[best]))[0]]
-        return int(sizes[pick]), int(starts[pick])
+        _, size, start = best
+        return np.sort(order[start : start + size]).tolist()
 
 
 def budget_for_next_batch(policy: FifoPolicy | LengthAwarePolicy) -> int | None:
