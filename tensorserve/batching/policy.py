@@ -171,22 +171,16 @@ def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
 _GRID_CELLS = 8192
 
 
-_STARTS = np.arange(1024)
-
-
 @functools.lru_cache(maxsize=32)
-def _run_grid(n: int, low: int, high: int) -> tuple[np.ndarray, ...]:
-    """The index grids of the runs of sizes ``low + 1 .. high`` over ``n``
-    ranked items, rows by size and columns by start: each size (a float
-    column), one past each run's last item, the same clipped to the queue,
-    and whether the run lies inside the queue. They depend only on the
-    shape, and building them was most of a small grid's cost."""
-    sizes = np.arange(low + 1, high + 1)[:, None]
-    ends = np.arange(n) + sizes
-    grids = (sizes.astype(np.float64), ends, np.minimum(ends, n), ends <= n)
-    for grid in grids:
-        grid.flags.writeable = False  # shared by every call of this shape
-    return grids
+def _run_grid(n: int, low: int, high: int) -> tuple[np.ndarray, np.ndarray]:
+    """For the runs of sizes ``low + 1 .. high`` over ``n`` ranked items (rows
+    by size, columns by start): each size, a float column, and whether the
+    run lies inside the queue. They depend only on the shape, and building
+    them was much of a small grid's cost."""
+    sizes = np.arange(low + 1, high + 1, dtype=np.float64)[:, None]
+    inside = np.arange(n) + sizes <= n
+    sizes.flags.writeable = inside.flags.writeable = False  # shared by every call of this shape
+    return sizes, inside
 
 
 @dataclass(frozen=True)
@@ -219,22 +213,26 @@ class LengthAwarePolicy:
         limit = budget_for_next_batch(self)
         most = min(max_batch_size, n)
         # Every candidate run ranked[start : start + size] at once, as a
-        # (size, start) grid, a block of sizes at a time so that each block
-        # stays in cache: a few numpy passes over index grids cached per
-        # shape, instead of a Python loop of numpy calls per size (~0.3 ms a
-        # batch at 64 waiting, benchmarks/results/HISTORY.md). Row-major
-        # argmax, strict across blocks, keeps that loop's choice: the best
-        # score, then the fewest items, then the first start.
-        starts = _STARTS[:n] if n <= len(_STARTS) else np.arange(n)
+        # (size, start) grid of zero-copy strided views, a block of sizes at
+        # a time so that each block stays in cache: a few numpy passes
+        # instead of a Python loop of numpy calls per size (~0.3 ms a batch at
+        # 64 waiting, benchmarks/results/HISTORY.md). Runs that would reach
+        # past the queue's end read repeats of its last item, and are masked
+        # out. Row-major argmax, strict across blocks, keeps that loop's
+        # choice: the best score, then the fewest items, then the first start.
+        longest_all, ends_all = (  # ndarray(): as_strided's views, without its ~5 us a call
+            np.ndarray((most, n), np.float64, np.concatenate((a, np.full(most, a[-1]))), 0, (8, 8))
+            for a in (ranked, prefix[1:])
+        )
+        starts = np.arange(n)
         best = (-np.inf, 0, 0)  # (score, size, start)
         block = max(1, _GRID_CELLS // n)
         for low in range(0, most, block):
-            sizes, ends, stop, inside = _run_grid(n, low, min(most, low + block))
-            longest = ranked[stop - 1]  # a run past the queue's end reads its last item
-            real = prefix[stop] - prefix[:n]
-            valid = inside
+            sizes, valid = _run_grid(n, low, min(most, low + block))
+            longest = longest_all[low : low + len(sizes)]
+            real = ends_all[low : low + len(sizes)] - prefix[:n]
             if forced is not None:  # only runs that hold the oldest item
-                valid = valid & (starts <= forced) & (forced < ends)
+                valid = valid & (starts <= forced) & (forced < starts + sizes)
             if limit:
                 valid = valid & ((sizes * longest <= limit) | (sizes == 1))
             if self.cost.fitted:
