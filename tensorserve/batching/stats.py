@@ -154,8 +154,8 @@ class BatchStats:
         at submit) and ``dispatched`` (when the batch left the queue) give its
         size, its items' queue waits and the recent latency window.
         ``answered``: (item, result, failed) for each item whose answer is
-        final (not those of a failed batch that run again), for Triton's
-        request counters."""
+        final (not those of a failed batch that run again), for the failed
+        items and Triton's request counters."""
         now = time.monotonic()
         size = len(enqueued)
         durations_ns = (
@@ -173,6 +173,7 @@ class BatchStats:
                 row[column] += ns
             self.last_inference_ms = max(self.last_inference_ms, finished_ms)
             if answered:
+                self.failed_items += sum(failed for _, _, failed in answered)
                 self._record_requests(answered, now, dispatched, durations_ns)
             self.batch_items += size
             self.batch_seconds += seconds
@@ -278,10 +279,6 @@ class BatchStats:
     def record_recovery(self, kind: str) -> None:
         with self._lock:
             self.recoveries[kind] = self.recoveries.get(kind, 0) + 1
-
-    def record_failures(self, items: int) -> None:
-        with self._lock:
-            self.failed_items += items
 
     def histogram_snapshot(self) -> dict[str, Buckets]:
         """Copies of the histograms (for the Prometheus collector)."""
