@@ -30,7 +30,6 @@ from tensorserve.errors import (
     DeadlineExceeded,
     RequestTooLarge,
     ServerBusy,
-    TensorServeError,
     WouldMissTarget,
 )
 
@@ -318,9 +317,7 @@ class AdmissionQueue:
             if entry.caller_left():
                 continue
             if entry.deadline is not None and now > entry.deadline:
-                error: TensorServeError = DeadlineExceeded(
-                    f"model {self.name!r}: item waited past its deadline"
-                )
+                error = DeadlineExceeded(f"model {self.name!r}: item waited past its deadline")
                 expired.append((entry, error, True))
                 continue
             live.append(entry)

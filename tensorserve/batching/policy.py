@@ -39,28 +39,20 @@ class Waiting:
 
 
 class BatchPolicy(Protocol):
+    """``select``: indices (into ``waiting.volumes``) of the next batch, never
+    empty if something waits. The batcher teaches the ``cost`` model and a
+    learnt ``budget`` after every batch (None: the policy has none);
+    ``max_batch_tokens`` is the fixed budget, if one was set."""
+
     @property
     def name(self) -> str: ...
-
     @property
-    def cost(self) -> BatchCostModel | None:
-        """The cost model the batcher teaches after every batch, if any."""
-        ...
-
+    def cost(self) -> BatchCostModel | None: ...
     @property
-    def max_batch_tokens(self) -> int | None:
-        """The fixed budget, if one was set."""
-        ...
-
+    def max_batch_tokens(self) -> int | None: ...
     @property
-    def budget(self) -> LearntBudget | None:
-        """The budget the batcher teaches after every batch, if it is learnt."""
-        ...
-
-    def select(self, waiting: Waiting, max_batch_size: int) -> list[int]:
-        """Indices (into ``waiting.volumes``) of the next batch; never empty
-        if something waits."""
-        ...
+    def budget(self) -> LearntBudget | None: ...
+    def select(self, waiting: Waiting, max_batch_size: int) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -169,9 +161,7 @@ def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
 # Cells of one block of the length-aware grid (sizes x starts): 64 KB of
 # float64, so a block's passes stay in cache.
 _GRID_CELLS = 8192
-
-
-_STARTS = np.arange(1024)
+_STARTS = np.arange(1024)  # the runs' starts in a queue of up to 1024, made once
 
 
 @functools.lru_cache(maxsize=32)

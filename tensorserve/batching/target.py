@@ -74,9 +74,6 @@ class LatencyTarget:
     ADJUST_EVERY = 100  # served items between two safety updates
     MIN_BATCHES = 4  # measured batches before anything is refused
     ALPHA = 0.2  # weight of the newest batch in the moving average of its seconds
-    # Weight kept by the older batches at each new one in the model's own
-    # rate, as in the queue's drain rate (batching.drain).
-    RATE_DECAY = DrainRate.DECAY
     SAFETY = (0.5, 4.0)
     AIM_LOW, AIM_HIGH = 0.55, 0.8  # the band of the target the achieved p99 is kept in
 
@@ -111,13 +108,11 @@ class LatencyTarget:
         if items < 1 or seconds <= 0:
             return
         with self._lock:
-            first = self._batches == 0
+            # A moving average of a batch's seconds, from the first batch's own.
+            self._batch_s += self.ALPHA * (seconds - self._batch_s) if self._batches else seconds
             self._batches += 1
-            self._batch_s = (
-                seconds if first else self._batch_s + self.ALPHA * (seconds - self._batch_s)
-            )
-            served, served_s = self._every
-            self._every = (self.RATE_DECAY * served + items, self.RATE_DECAY * served_s + seconds)
+            served, served_s = self._every  # decayed as the queue's drain rate (batching.drain)
+            self._every = (DrainRate.DECAY * served + items, DrainRate.DECAY * served_s + seconds)
             self._latencies.extend(latencies)
             self._since_adjust += len(latencies)
             self._resize_batches()
