@@ -26,12 +26,7 @@ from tensorserve.batching.drain import DrainRate
 from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
 from tensorserve.batching.stats import RequestTally
 from tensorserve.batching.target import LatencyTarget
-from tensorserve.errors import (
-    DeadlineExceeded,
-    RequestTooLarge,
-    ServerBusy,
-    WouldMissTarget,
-)
+from tensorserve.errors import DeadlineExceeded, RequestTooLarge, ServerBusy, WouldMissTarget
 
 # How far into the queue a policy looks (a multiple of max_batch_size): enough
 # to find items of similar length, bounded so selection stays cheap.

@@ -115,30 +115,18 @@ class LatencyTarget:
             self._every = (DrainRate.DECAY * served + items, DrainRate.DECAY * served_s + seconds)
             self._latencies.extend(latencies)
             self._since_adjust += len(latencies)
-            self._resize_batches()
-            if self._since_adjust >= self.ADJUST_EVERY:
+            # Rule 2, the batch size; then rule 3, feedback (the module's docstring).
+            if self._batch_s > self.target_s / 4 and self.batch_cap > 1:
+                self.batch_cap = max(1, int(self.batch_cap * 0.8))
+            elif self._batch_s < self.target_s / 8 and self.batch_cap < self.max_batch_size:
+                self.batch_cap += 1
+            if self._since_adjust >= self.ADJUST_EVERY:  # so _latencies is not empty
                 self._since_adjust = 0
-                self._correct(self._p99())
-
-    def _resize_batches(self) -> None:
-        if self._batch_s > self.target_s / 4 and self.batch_cap > 1:
-            self.batch_cap = max(1, int(self.batch_cap * 0.8))
-        elif self._batch_s < self.target_s / 8 and self.batch_cap < self.max_batch_size:
-            self.batch_cap += 1
-
-    def _correct(self, p99: float | None) -> None:
-        low, high = self.SAFETY
-        if p99 is None:
-            return
-        if p99 > self.AIM_HIGH * self.target_s:
-            self.safety = min(high, self.safety * 1.2)
-        elif p99 < self.AIM_LOW * self.target_s:
-            self.safety = max(low, self.safety * 0.95)
-
-    def _p99(self) -> float | None:
-        if not self._latencies:
-            return None
-        return percentile(self._latencies, 99)
+                p99, (low, high) = percentile(self._latencies, 99), self.SAFETY
+                if p99 > self.AIM_HIGH * self.target_s:
+                    self.safety = min(high, self.safety * 1.2)
+                elif p99 < self.AIM_LOW * self.target_s:
+                    self.safety = max(low, self.safety * 0.95)
 
     # ------------------------------------------------------------------ deciding
     def predicted_s(self, ahead: int, items: int) -> float | None:
@@ -189,7 +177,7 @@ class LatencyTarget:
     def report(self) -> dict[str, Any]:
         """For the stats and the metrics: the target, what is achieved, the settings."""
         with self._lock:
-            p99 = self._p99()
+            p99 = percentile(self._latencies, 99) if self._latencies else None
             return {
                 "target_p99_ms": round(1000 * self.target_s, 3),
                 "achieved_p99_ms": None if p99 is None else round(1000 * p99, 3),
