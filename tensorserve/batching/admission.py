@@ -221,17 +221,15 @@ class AdmissionQueue:
         ``ahead``: the asking instance still has a batch on the device, so a
         batch that could still grow would only wait for the device (``take``
         still forms one the policy cut short of what is waiting)."""
-        opts = self.options
         if not self._waiting:
             return math.inf
         if len(self._waiting) >= self.batch_cap() or closing:
             return 0.0
         if ahead:
             return math.inf
-        if opts.dispatch == "eager":
+        if self.options.dispatch == "eager":
             return 0.0
-        overdue_in = self._waiting[0].enqueued + self._queue_delay_s() - now
-        return max(0.0, overdue_in)
+        return max(0.0, self._waiting[0].enqueued + self._queue_delay_s() - now)
 
     def take(self, now: float, *, leave_growing: bool = False) -> list[Pending]:
         """Remove the policy's choice from the queue (empty if nothing waits).
@@ -239,7 +237,6 @@ class AdmissionQueue:
         everything waiting: a batch that could still grow."""
         if not self._waiting:
             return []
-        opts = self.options
         positions = self._window(now)  # indices into the queue, in the order to prefer
         window = (
             self._waiting[: len(positions)]
@@ -249,7 +246,7 @@ class AdmissionQueue:
         waiting = Waiting(
             [p.volume for p in window], window[0].enqueued <= now - self._queue_delay_s()
         )
-        chosen = sorted(opts.policy.select(waiting, self.batch_cap()))
+        chosen = sorted(self.options.policy.select(waiting, self.batch_cap()))
         chosen = self._within_element_cap(window, chosen)
         if leave_growing and len(chosen) == len(self._waiting):
             return []

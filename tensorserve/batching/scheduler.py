@@ -268,10 +268,9 @@ class Scheduler:
         done = self._done(batch)
         try:
             pad_started = time.perf_counter()
-            batch.padded = self.collator.pad([e.item for e in live], [e.parameters for e in live])
-            batch.pad_seconds = time.perf_counter() - pad_started
-            batch.started = time.perf_counter()
-            padded = batch.padded
+            padded = self.collator.pad([e.item for e in live], [e.parameters for e in live])
+            batch.padded, batch.started = padded, time.perf_counter()
+            batch.pad_seconds = batch.started - pad_started
             batch.launched = self.instances.dispatch(
                 padded.features, instance, padded.parameters, done
             )

@@ -155,8 +155,10 @@ class ThreadExecutor:
                 raise
             reason = f"{type(exc).__name__}: {exc}"
         # Outside the handler: the exception's frames (and the tensors they
-        # hold) are gone before the caches are emptied.
-        free_memory(self._contexts[instance].device)
+        # hold) are gone before the garbage, then the CUDA cache, are freed.
+        gc.collect()
+        if self._contexts[instance].device.type == "cuda":
+            torch.cuda.empty_cache()
         raise BatchOutOfMemory(reason)
 
     def _launch(
@@ -323,13 +325,6 @@ def free_device_bytes(device: torch.device) -> int | None:
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(free + cached)
-
-
-def free_memory(device: torch.device) -> None:
-    """Give back what a failed batch left: garbage, then the CUDA cache."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def named_outputs(result: Any, outputs: list[OutputSpec]) -> Mapping[str, Any]:
