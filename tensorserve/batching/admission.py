@@ -1,14 +1,8 @@
 """Admission and selection: the queue of one model, as plain data.
 
-No threads, no locks, no clocks of its own: the batcher holds its lock
+No threads, no locks, no clocks of its own: the scheduler holds its lock
 around every call and passes ``now`` in, so all of it is unit-tested with
 made-up times (tests/test_admission.py).
-
-    admit      a request's entries join the queue, or ServerBusy
-    due_in     how long until the next batch should be formed
-    take       remove the next batch: the policy's choice within the caps
-    expire     split entries into live ones and those past their deadline
-               (or whose caller left)
 """
 
 from __future__ import annotations

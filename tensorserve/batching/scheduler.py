@@ -209,14 +209,10 @@ class Scheduler:
 
     def _free_instance(self) -> int | None:
         """The least busy instance that can take a batch (None: none can)."""
-        best = None
+        best, fewest = None, self.depth  # room: fewer than depth batches; hung: a Batch
         for instance, running in enumerate(self.running):
-            if instance in self.repairing or self.hung[instance] is not None:
-                continue
-            if len(running) < self.depth and (
-                best is None or len(running) < len(self.running[best])
-            ):
-                best = instance
+            if len(running) < fewest and not (instance in self.repairing or self.hung[instance]):
+                best, fewest = instance, len(running)
         return best
 
     def _next_entries(self, instance: int, cut_short: bool) -> list[Pending]:
