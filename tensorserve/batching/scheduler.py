@@ -359,11 +359,10 @@ class Scheduler:
         self.hung[batch.instance] = batch
         with self.lock:
             stranded = self.queue.drain() if all(self.hung) else []
-        settle([(entry, error, True) for entry in batch.entries])
         stuck = ModelNotReady(
             f"model {self.name!r} is not ready: every instance is stuck in a batch"
         )
-        settle([(entry, stuck, True) for entry in stranded])
+        settle([(e, error, True) for e in batch.entries] + [(e, stuck, True) for e in stranded])
 
     def _fatal(self, exc: BaseException, holding: list[Pending] | None = None) -> None:
         """A bug in the scheduler: answer every caller, queued, running, to be
