@@ -70,7 +70,6 @@ class Scheduler:
         )  # fmt: skip
         self.collator = collator
         self.name = name
-        self.stats = stats
         self._on_fatal = on_fatal
         count = executor.instance_count
         self.target = (
