@@ -1,14 +1,8 @@
 """Admission and selection: the queue of one model, as plain data.
 
-No threads, no locks, no clocks of its own: the batcher holds its lock
+No threads, no locks, no clocks of its own: the scheduler holds its lock
 around every call and passes ``now`` in, so all of it is unit-tested with
 made-up times (tests/test_admission.py).
-
-    admit      a request's entries join the queue, or ServerBusy
-    due_in     how long until the next batch should be formed
-    take       remove the next batch: the policy's choice within the caps
-    expire     split entries into live ones and those past their deadline
-               (or whose caller left)
 """
 
 from __future__ import annotations
@@ -26,13 +20,7 @@ from tensorserve.batching.drain import DrainRate
 from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
 from tensorserve.batching.stats import RequestTally
 from tensorserve.batching.target import LatencyTarget
-from tensorserve.errors import (
-    DeadlineExceeded,
-    RequestTooLarge,
-    ServerBusy,
-    TensorServeError,
-    WouldMissTarget,
-)
+from tensorserve.errors import DeadlineExceeded, RequestTooLarge, ServerBusy, WouldMissTarget
 
 # How far into the queue a policy looks (a multiple of max_batch_size): enough
 # to find items of similar length, bounded so selection stays cheap.
@@ -227,17 +215,15 @@ class AdmissionQueue:
         ``ahead``: the asking instance still has a batch on the device, so a
         batch that could still grow would only wait for the device (``take``
         still forms one the policy cut short of what is waiting)."""
-        opts = self.options
         if not self._waiting:
             return math.inf
         if len(self._waiting) >= self.batch_cap() or closing:
             return 0.0
         if ahead:
             return math.inf
-        if opts.dispatch == "eager":
+        if self.options.dispatch == "eager":
             return 0.0
-        overdue_in = self._waiting[0].enqueued + self._queue_delay_s() - now
-        return max(0.0, overdue_in)
+        return max(0.0, self._waiting[0].enqueued + self._queue_delay_s() - now)
 
     def take(self, now: float, *, leave_growing: bool = False) -> list[Pending]:
         """Remove the policy's choice from the queue (empty if nothing waits).
@@ -245,7 +231,6 @@ class AdmissionQueue:
         everything waiting: a batch that could still grow."""
         if not self._waiting:
             return []
-        opts = self.options
         positions = self._window(now)  # indices into the queue, in the order to prefer
         window = (
             self._waiting[: len(positions)]
@@ -255,7 +240,7 @@ class AdmissionQueue:
         waiting = Waiting(
             [p.volume for p in window], window[0].enqueued <= now - self._queue_delay_s()
         )
-        chosen = sorted(opts.policy.select(waiting, self.batch_cap()))
+        chosen = sorted(self.options.policy.select(waiting, self.batch_cap()))
         chosen = self._within_element_cap(window, chosen)
         if leave_growing and len(chosen) == len(self._waiting):
             return []
@@ -318,9 +303,7 @@ class AdmissionQueue:
             if entry.caller_left():
                 continue
             if entry.deadline is not None and now > entry.deadline:
-                error: TensorServeError = DeadlineExceeded(
-                    f"model {self.name!r}: item waited past its deadline"
-                )
+                error = DeadlineExceeded(f"model {self.name!r}: item waited past its deadline")
                 expired.append((entry, error, True))
                 continue
             live.append(entry)

@@ -70,16 +70,11 @@ class LearntBudget:
         self._limit: int | None = None  # the learnt budget
         self._next: int | None = None  # the next batch's: the learnt one, or exploring
 
-    @staticmethod
-    def bucket(padded_volume: int) -> int:
-        """The power of two a volume rounds up to: 2**(b-1) < volume <= 2**b."""
-        return max(0, padded_volume - 1).bit_length()
-
     def observe(self, padded_volume: int, real_volume: int, seconds: float) -> None:
         """What one batch that ran cost."""
         if padded_volume < 1 or real_volume < 1 or seconds <= 0:
             return
-        bucket = self.bucket(padded_volume)
+        bucket = max(0, padded_volume - 1).bit_length()  # 2**(b-1) < volume <= 2**b
         cost = seconds / real_volume
         with self._lock:
             self._observed += 1
@@ -92,11 +87,8 @@ class LearntBudget:
             self._next = self._next_limit(self._limit)
 
     def _next_limit(self, limit: int | None) -> int | None:
-        """The next batch's budget: the learnt one, but after every
-        ``EXPLORE_EVERY``-th batch, by turns, one bucket over it, one bucket
-        under it (under the biggest bucket known, while there is no budget:
-        a server whose batches are always full would never measure a second
-        bucket), one over again, and none."""
+        """The learnt budget, or after every ``EXPLORE_EVERY``-th batch, by turns,
+        one bucket over it, one under, one over, and none (why: the module's docstring)."""
         if self._observed % self.EXPLORE_EVERY:
             return limit
         turn = self._observed // self.EXPLORE_EVERY % 4

@@ -84,14 +84,6 @@ def _round_up(value: int, multiple: int | None, limit: int) -> int:
     return max(value, min(-(-value // multiple) * multiple, limit))
 
 
-def _pad_bits(value: float | bool, dt: DType) -> np.generic:
-    """The pad value as the host array's scalar (bfloat16 as its bit pattern)."""
-    if dt.name == "bfloat16":
-        bits = torch.tensor(value, dtype=torch.bfloat16).view(torch.uint16).item()
-        return np.uint16(bits)
-    return dt.numpy.type(value)
-
-
 def _batch_buffer(
     batch: int, row_shape: list[int], dt: DType, pin_memory: bool
 ) -> tuple[Feature, np.ndarray]:
@@ -189,7 +181,13 @@ class _Rows:
 
 
 def _pad_fill(spec: InputSpec) -> Any:
-    return b"" if spec.dt.is_bytes else _pad_bits(spec.pad_value, spec.dt)
+    """The pad value as the host array's scalar (bfloat16 as its bit pattern)."""
+    if spec.dt.is_bytes:
+        return b""
+    if spec.dt.name == "bfloat16":
+        bits = torch.tensor(spec.pad_value, dtype=torch.bfloat16).view(torch.uint16).item()
+        return np.uint16(bits)
+    return spec.dt.numpy.type(spec.pad_value)
 
 
 def _single(item: Item, inputs: Sequence[InputSpec]) -> PaddedBatch:

@@ -88,8 +88,7 @@ class InstanceThreads:
                 jobs.put(None)
 
     def _launch_each(self, instance: int, collector: queue.SimpleQueue[Job | None] | None) -> None:
-        """Launch each batch handed over, in order; collect it here too, unless
-        a collector thread waits for the device (``overlaps``)."""
+        """Launch each batch handed over, in order (and collect it, without a collector)."""
         executor, jobs = self.executor, self._jobs[instance]
         try:
             executor.start_instance(instance)

@@ -59,19 +59,15 @@ class SchedulerLoop:
             finally:
                 ran.set()
 
-        try:
+        with contextlib.suppress(RuntimeError):  # closed: nothing runs there any more
             self.loop.call_soon_threadsafe(run_then_tell)
-        except RuntimeError:  # closed: nothing runs there any more
-            return
-        ran.wait()
+            ran.wait()
 
     def stop(self) -> None:
         """Stop a private loop once what is queued on it has run; join it."""
         if self._thread is None or self.loop.is_closed():
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing to stop
             self.loop.call_soon_threadsafe(self.loop.stop)
-        except RuntimeError:  # closed meanwhile
-            return
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+            if self._thread is not threading.current_thread():
+                self._thread.join()

@@ -39,28 +39,20 @@ class Waiting:
 
 
 class BatchPolicy(Protocol):
+    """``select``: indices (into ``waiting.volumes``) of the next batch, never
+    empty if something waits. The batcher teaches the ``cost`` model and a
+    learnt ``budget`` after every batch (None: the policy has none);
+    ``max_batch_tokens`` is the fixed budget, if one was set."""
+
     @property
     def name(self) -> str: ...
-
     @property
-    def cost(self) -> BatchCostModel | None:
-        """The cost model the batcher teaches after every batch, if any."""
-        ...
-
+    def cost(self) -> BatchCostModel | None: ...
     @property
-    def max_batch_tokens(self) -> int | None:
-        """The fixed budget, if one was set."""
-        ...
-
+    def max_batch_tokens(self) -> int | None: ...
     @property
-    def budget(self) -> LearntBudget | None:
-        """The budget the batcher teaches after every batch, if it is learnt."""
-        ...
-
-    def select(self, waiting: Waiting, max_batch_size: int) -> list[int]:
-        """Indices (into ``waiting.volumes``) of the next batch; never empty
-        if something waits."""
-        ...
+    def budget(self) -> LearntBudget | None: ...
+    def select(self, waiting: Waiting, max_batch_size: int) -> list[int]: ...
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,9 @@ class BatchResults:
         entries = batch.entries
         if batch.error is None:
             try:
-                unpad_started = time.perf_counter()
+                started = time.perf_counter()
                 rows = self._rows(batch)
-                unpad_seconds: float | None = time.perf_counter() - unpad_started
-                batch.unpad_started, batch.unpad_seconds = unpad_started, unpad_seconds
+                batch.unpad_started, batch.unpad_seconds = started, time.perf_counter() - started
             except BaseException as exc:  # noqa: BLE001 - un-padding failed: this batch only
                 batch.error = exc
         if batch.error is not None:
@@ -85,7 +84,7 @@ class BatchResults:
                 else (entry, row, False)
                 for entry, row in zip(entries, rows)
             ]
-        self._record(batch, outcomes, unpad_seconds if batch.error is None else None)
+        self._record(batch, outcomes)
         return outcomes
 
     def conclude(
@@ -140,19 +139,17 @@ class BatchResults:
         parameters = outputs.parameters
         return rows if not parameters else _with_parameters(rows, parameters)
 
-    def _teach(self, entries: Sequence[Pending], seconds: float) -> None:
-        """Tell the policy what a batch of this padded volume cost."""
-        longest = max(e.volume for e in entries)
-        self.cost.observe(len(entries), longest, seconds)
-        if (budget := self.policy.budget) is not None:
-            budget.observe(len(entries) * longest, sum(e.volume for e in entries), seconds)
-
-    def _record(
-        self, batch: Batch, outcomes: list[Outcome], unpad_seconds: float | None = None
-    ) -> None:
+    def _record(self, batch: Batch, outcomes: list[Outcome]) -> None:
+        """Teach the policy what a batch of this padded volume cost (one that
+        ran), tell the latency target, and count the batch in the stats."""
         entries = batch.entries
         if batch.error is None:
-            self._teach(entries, batch.seconds)
+            longest = max(e.volume for e in entries)
+            self.cost.observe(len(entries), longest, batch.seconds)
+            if (budget := self.policy.budget) is not None:
+                budget.observe(
+                    len(entries) * longest, sum(e.volume for e in entries), batch.seconds
+                )
             if self.target is not None:
                 now = time.monotonic()
                 self.target.observe(
@@ -167,19 +164,10 @@ class BatchResults:
             enqueued=[e.enqueued for e in entries],
             dispatched=batch.dispatched,
             pad_seconds=batch.pad_seconds,
-            unpad_seconds=unpad_seconds,
-            padded_length=padded_length(padded),
+            unpad_seconds=batch.unpad_seconds,
+            padded_length=padded.longest if padded is not None else None,
             answered=outcomes,
         )
-        failures = sum(failed for _, _, failed in outcomes)
-        if failures:
-            self.stats.record_failures(failures)
-
-
-def padded_length(padded: PaddedBatch | None) -> int | None:
-    """The longest item's variable extent (product of its variable axes): the
-    length the batch is padded to. None for a batch with no variable axis."""
-    return padded.longest if padded is not None else None
 
 
 def _with_parameters(rows: Sequence[Any], columns: Mapping[str, Sequence[Any]]) -> list[Any]:

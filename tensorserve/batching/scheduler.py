@@ -70,7 +70,6 @@ class Scheduler:
         )  # fmt: skip
         self.collator = collator
         self.name = name
-        self.stats = stats
         self._on_fatal = on_fatal
         count = executor.instance_count
         self.target = (
@@ -209,14 +208,10 @@ class Scheduler:
 
     def _free_instance(self) -> int | None:
         """The least busy instance that can take a batch (None: none can)."""
-        best = None
+        best, fewest = None, self.depth  # room: fewer than depth batches; hung: a Batch
         for instance, running in enumerate(self.running):
-            if instance in self.repairing or self.hung[instance] is not None:
-                continue
-            if len(running) < self.depth and (
-                best is None or len(running) < len(self.running[best])
-            ):
-                best = instance
+            if len(running) < fewest and not (instance in self.repairing or self.hung[instance]):
+                best, fewest = instance, len(running)
         return best
 
     def _next_entries(self, instance: int, cut_short: bool) -> list[Pending]:
@@ -268,10 +263,9 @@ class Scheduler:
         done = self._done(batch)
         try:
             pad_started = time.perf_counter()
-            batch.padded = self.collator.pad([e.item for e in live], [e.parameters for e in live])
-            batch.pad_seconds = time.perf_counter() - pad_started
-            batch.started = time.perf_counter()
-            padded = batch.padded
+            padded = self.collator.pad([e.item for e in live], [e.parameters for e in live])
+            batch.padded, batch.started = padded, time.perf_counter()
+            batch.pad_seconds = batch.started - pad_started
             batch.launched = self.instances.dispatch(
                 padded.features, instance, padded.parameters, done
             )
@@ -364,11 +358,10 @@ class Scheduler:
         self.hung[batch.instance] = batch
         with self.lock:
             stranded = self.queue.drain() if all(self.hung) else []
-        settle([(entry, error, True) for entry in batch.entries])
         stuck = ModelNotReady(
             f"model {self.name!r} is not ready: every instance is stuck in a batch"
         )
-        settle([(entry, stuck, True) for entry in stranded])
+        settle([(e, error, True) for e in batch.entries] + [(e, stuck, True) for e in stranded])
 
     def _fatal(self, exc: BaseException, holding: list[Pending] | None = None) -> None:
         """A bug in the scheduler: answer every caller, queued, running, to be

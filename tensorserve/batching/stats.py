@@ -154,8 +154,8 @@ class BatchStats:
         at submit) and ``dispatched`` (when the batch left the queue) give its
         size, its items' queue waits and the recent latency window.
         ``answered``: (item, result, failed) for each item whose answer is
-        final (not those of a failed batch that run again), for Triton's
-        request counters."""
+        final (not those of a failed batch that run again), for the failed
+        items and Triton's request counters."""
         now = time.monotonic()
         size = len(enqueued)
         durations_ns = (
@@ -173,6 +173,7 @@ class BatchStats:
                 row[column] += ns
             self.last_inference_ms = max(self.last_inference_ms, finished_ms)
             if answered:
+                self.failed_items += sum(failed for _, _, failed in answered)
                 self._record_requests(answered, now, dispatched, durations_ns)
             self.batch_items += size
             self.batch_seconds += seconds
@@ -279,38 +280,19 @@ class BatchStats:
         with self._lock:
             self.recoveries[kind] = self.recoveries.get(kind, 0) + 1
 
-    def record_failures(self, items: int) -> None:
-        with self._lock:
-            self.failed_items += items
-
     def histogram_snapshot(self) -> dict[str, Buckets]:
         """Copies of the histograms (for the Prometheus collector)."""
         with self._lock:
             return {name: buckets.copy() for name, buckets in self.histograms.items()}
 
-    def _window(self, now: float, window: float) -> dict[str, Any]:
-        """p50/p99 latency and padding efficiency over the last ``window`` s
-        (the lock held)."""
-        since = now - window
-        latencies = [s for t, s in self.recent_items if t >= since]
-        real = padded = batches = 0
-        for t, r, p in self.recent_batches:
-            if t >= since:
-                real, padded, batches = real + r, padded + p, batches + 1
-        return {
-            "window_s": window,
-            "items": len(latencies),
-            "batches": batches,
-            # 0 when the window saw no item: the stats endpoint is JSON (no NaN).
-            "p50_ms": 1000 * percentile(latencies, 50) if latencies else 0.0,
-            "p99_ms": 1000 * percentile(latencies, 99) if latencies else 0.0,
-            "padding_efficiency": real / padded if padded else 1.0,
-        }
-
     def snapshot(self, queue_depth: int, window: float = WINDOW_S) -> dict[str, Any]:
         """The ``batching`` object of the stats endpoint."""
         with self._lock:
             batches = self.total_batches
+            since = time.monotonic() - window
+            latencies = [s for t, s in self.recent_items if t >= since]
+            recent = [(r, p) for t, r, p in self.recent_batches if t >= since]
+            real, padded = sum(r for r, _ in recent), sum(p for _, p in recent)
             return {
                 "total_batches": batches,
                 "total_requests": self.total_requests,
@@ -338,6 +320,14 @@ class BatchStats:
                     )
                     if count
                 },
-                # The last minute: what `tensorserve top` shows.
-                "recent": self._window(time.monotonic(), window),
+                # The last minute: what `tensorserve top` shows (0 ms when it saw
+                # no item: the stats endpoint is JSON, which has no NaN).
+                "recent": {
+                    "window_s": window,
+                    "items": len(latencies),
+                    "batches": len(recent),
+                    "p50_ms": 1000 * percentile(latencies, 50) if latencies else 0.0,
+                    "p99_ms": 1000 * percentile(latencies, 99) if latencies else 0.0,
+                    "padding_efficiency": real / padded if padded else 1.0,
+                },
             }

@@ -74,9 +74,6 @@ class LatencyTarget:
     ADJUST_EVERY = 100  # served items between two safety updates
     MIN_BATCHES = 4  # measured batches before anything is refused
     ALPHA = 0.2  # weight of the newest batch in the moving average of its seconds
-    # Weight kept by the older batches at each new one in the model's own
-    # rate, as in the queue's drain rate (batching.drain).
-    RATE_DECAY = DrainRate.DECAY
     SAFETY = (0.5, 4.0)
     AIM_LOW, AIM_HIGH = 0.55, 0.8  # the band of the target the achieved p99 is kept in
 
@@ -111,39 +108,25 @@ class LatencyTarget:
         if items < 1 or seconds <= 0:
             return
         with self._lock:
-            first = self._batches == 0
+            # A moving average of a batch's seconds, from the first batch's own.
+            self._batch_s += self.ALPHA * (seconds - self._batch_s) if self._batches else seconds
             self._batches += 1
-            self._batch_s = (
-                seconds if first else self._batch_s + self.ALPHA * (seconds - self._batch_s)
-            )
-            served, served_s = self._every
-            self._every = (self.RATE_DECAY * served + items, self.RATE_DECAY * served_s + seconds)
+            served, served_s = self._every  # decayed as the queue's drain rate (batching.drain)
+            self._every = (DrainRate.DECAY * served + items, DrainRate.DECAY * served_s + seconds)
             self._latencies.extend(latencies)
             self._since_adjust += len(latencies)
-            self._resize_batches()
-            if self._since_adjust >= self.ADJUST_EVERY:
+            # Rule 2, the batch size; then rule 3, feedback (the module's docstring).
+            if self._batch_s > self.target_s / 4 and self.batch_cap > 1:
+                self.batch_cap = max(1, int(self.batch_cap * 0.8))
+            elif self._batch_s < self.target_s / 8 and self.batch_cap < self.max_batch_size:
+                self.batch_cap += 1
+            if self._since_adjust >= self.ADJUST_EVERY:  # so _latencies is not empty
                 self._since_adjust = 0
-                self._correct(self._p99())
-
-    def _resize_batches(self) -> None:
-        if self._batch_s > self.target_s / 4 and self.batch_cap > 1:
-            self.batch_cap = max(1, int(self.batch_cap * 0.8))
-        elif self._batch_s < self.target_s / 8 and self.batch_cap < self.max_batch_size:
-            self.batch_cap += 1
-
-    def _correct(self, p99: float | None) -> None:
-        low, high = self.SAFETY
-        if p99 is None:
-            return
-        if p99 > self.AIM_HIGH * self.target_s:
-            self.safety = min(high, self.safety * 1.2)
-        elif p99 < self.AIM_LOW * self.target_s:
-            self.safety = max(low, self.safety * 0.95)
-
-    def _p99(self) -> float | None:
-        if not self._latencies:
-            return None
-        return percentile(self._latencies, 99)
+                p99, (low, high) = percentile(self._latencies, 99), self.SAFETY
+                if p99 > self.AIM_HIGH * self.target_s:
+                    self.safety = min(high, self.safety * 1.2)
+                elif p99 < self.AIM_LOW * self.target_s:
+                    self.safety = max(low, self.safety * 0.95)
 
     # ------------------------------------------------------------------ deciding
     def predicted_s(self, ahead: int, items: int) -> float | None:
@@ -194,7 +177,7 @@ class LatencyTarget:
     def report(self) -> dict[str, Any]:
         """For the stats and the metrics: the target, what is achieved, the settings."""
         with self._lock:
-            p99 = self._p99()
+            p99 = percentile(self._latencies, 99) if self._latencies else None
             return {
                 "target_p99_ms": round(1000 * self.target_s, 3),
                 "achieved_p99_ms": None if p99 is None else round(1000 * p99, 3),

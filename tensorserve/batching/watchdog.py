@@ -143,9 +143,8 @@ class Watchdog:
         ]
 
     def _expire(self, batch: Batch, ran_s: float, limit: float) -> None:
-        """On the loop: abort the batch (its worker killed: the batch fails as a
-        crash and comes back to the scheduler), or tell the scheduler to give
-        up on the instance, which answers the callers."""
+        """On the loop: abort the batch, or tell the scheduler to give up on
+        the instance, which answers the callers."""
         s = self.scheduler
         batch.overdue = True
         log.error(

@@ -37,7 +37,7 @@ import torch
 from tensorserve.errors import BatchOutOfMemory, DeviceLost, ModelFailure
 from tensorserve.repository.config import ModelConfig, OutputSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
-from tensorserve.runtime.ragged import join_rows, rows_in, split_rows
+from tensorserve.runtime.ragged import join_rows, split_rows
 from tensorserve.tensors.bytes_tensor import bytes_output
 from tensorserve.tensors.dtypes import Feature, host_array
 from tensorserve.tensors.results import WithParameters
@@ -155,8 +155,10 @@ class ThreadExecutor:
                 raise
             reason = f"{type(exc).__name__}: {exc}"
         # Outside the handler: the exception's frames (and the tensors they
-        # hold) are gone before the caches are emptied.
-        free_memory(self._contexts[instance].device)
+        # hold) are gone before the garbage, then the CUDA cache, are freed.
+        gc.collect()
+        if self._contexts[instance].device.type == "cuda":
+            torch.cuda.empty_cache()
         raise BatchOutOfMemory(reason)
 
     def _launch(
@@ -185,13 +187,10 @@ class ThreadExecutor:
                 seconds = None if on_cuda else time.perf_counter() - clock
                 return Launched(None, done, list(result), returned, started, seconds)
             named = named_outputs(result, self.outputs)
-            rows, string_rows = split_rows(named, self._ragged, rows_in(features))
-            tensors, done = context.to_host(
-                {
-                    **{s.name: named[s.name].to(s.dt.torch_dtype) for s in self._tensor_outputs},
-                    **rows,  # behind the same event as the batched outputs
-                }
-            )
+            size = len(next(iter(features.values())))  # every padded feature has the batch first
+            rows, string_rows = split_rows(named, self._ragged, size)
+            cast = {s.name: named[s.name].to(s.dt.torch_dtype) for s in self._tensor_outputs}
+            tensors, done = context.to_host({**cast, **rows})  # rows behind the same event
             host: dict[str, Feature] = {**tensors, **string_rows}
             for spec in self._bytes_outputs:
                 host[spec.name] = bytes_output(named[spec.name], spec.name)
@@ -323,13 +322,6 @@ def free_device_bytes(device: torch.device) -> int | None:
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(free + cached)
-
-
-def free_memory(device: torch.device) -> None:
-    """Give back what a failed batch left: garbage, then the CUDA cache."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def named_outputs(result: Any, outputs: list[OutputSpec]) -> Mapping[str, Any]:

@@ -142,10 +142,8 @@ class ProcessExecutor:
         parameters: Mapping[str, list[Any]] | None,
         done: Callable[[Executed | None, BaseException | None], None],
     ) -> Sent:
-        """On the scheduler's loop: send the batch to the instance's worker
-        without blocking; ``done`` once its reply is in. A dead worker fails it
-        unrun (``WorkerCrashed(ran=False)``): the scheduler runs it again once
-        ``repair`` has replaced the worker."""
+        """On the scheduler's loop (``LoopExecutor.dispatch``); a dead worker
+        fails the batch unrun, to run again once ``repair`` replaced it."""
         worker = self.workers[instance]
 
         def on_reply(message: ipc.Message | None, error: BaseException | None) -> None:
@@ -171,11 +169,9 @@ class ProcessExecutor:
         return True
 
     def repair(self, instance: int) -> None:
-        """After a worker died: replace it at once (not at the next batch), so
-        the model is ready again without waiting for traffic. On a thread of
-        the scheduler's, which sends the instance nothing meanwhile. The
-        standby takes over if one is loaded (a swap), else a new worker loads;
-        what it cost goes into ``restart_seconds``."""
+        """After a worker died: replace it at once, so the model is ready again
+        without waiting for traffic (on a thread of the scheduler's, which
+        sends the instance nothing meanwhile); what it cost: ``restart_seconds``."""
         old = self.workers[instance]
         if old.alive:
             return  # replaced already (a batch behind the dead one)

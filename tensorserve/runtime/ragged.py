@@ -60,11 +60,6 @@ def join_rows(
     return joined
 
 
-def rows_in(features: Mapping[str, Any]) -> int:
-    """The batch's size: every padded feature has it first."""
-    return int(next(iter(features.values())).shape[0])
-
-
 def flat_rows(outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """``join_rows`` undone: each ragged output's rows under ``"{row}/{name}"``
     again, to cross a worker's socket as plain tensors (never pickled)."""

@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode
 
-from tensorserve.batching.results import padded_length
-
 if TYPE_CHECKING:
     from tensorserve.batching.results import Batch
 
@@ -86,7 +84,7 @@ class ModelBatchTracer:
             )
         first = next(iter(requests.values()))[0]
         attributes: dict[str, Any] = {**model, "tensorserve.batch.size": len(batch.entries)}
-        length = padded_length(batch.padded)
+        length = batch.padded.longest if batch.padded is not None else None
         if length is not None:
             attributes["tensorserve.batch.padded_length"] = length
         if batch.pad_seconds is not None and batch.started:
