@@ -77,7 +77,7 @@ from tensorserve_bench.lengths import uniform
 from tensorserve_bench.proctree import FrontendsMissing, wait_for_frontends
 from tensorserve_bench.repositories import write_flat_model, write_zeros_model
 from tensorserve_bench.results import save
-from tensorserve_bench.server import ServerProcess
+from tensorserve_bench.server import ServerProcess, tree_path
 from tensorserve_bench.summaries import medians_by
 from tensorserve_bench.wrk import find_wrk, measure, write_model_scripts, wrk_version
 
@@ -138,7 +138,9 @@ def serve(
     flags += [flag for value in args.server_arg for flag in shlex.split(value)]
     # N = 1 is the one-process server even where this shell exports another
     # count (an older tree ignores the variable).
-    env = {"PYTHONPATH": str(tree)} | ({"TENSORSERVE_FRONTENDS": "1"} if frontends == 1 else {})
+    env = {"PYTHONPATH": tree_path(tree)} | (
+        {"TENSORSERVE_FRONTENDS": "1"} if frontends == 1 else {}
+    )
     server = ServerProcess(
         str(repository.resolve()), flags, env=env, cwd=tree,
         log=work / f"server-{case.name}-{frontends}.log",
@@ -164,7 +166,7 @@ def require_frontends_flag(trees: list[Path], frontends: list[int]) -> None:
     for tree in trees:
         done = subprocess.run(
             [sys.executable, "-m", "tensorserve", "serve", "--help"], cwd=tree,
-            env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": tree_path(tree)}, capture_output=True, text=True,
             check=False,
         )  # fmt: skip
         if done.returncode != 0 or "--frontends" not in done.stdout:
@@ -182,7 +184,7 @@ def offline_ceiling(tree: Path, model: str, seconds: float) -> float:
     done = subprocess.run(
         [sys.executable, str(script), "--model", model, "--seconds", str(seconds),
          "--repository", str(tree / "model_repository")],
-        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
+        cwd=tree, env={**os.environ, "PYTHONPATH": tree_path(tree)}, capture_output=True, text=True,
         check=True,
     )  # fmt: skip
     ceiling = float(json.loads(done.stdout.splitlines()[-1])["sorted_8_items_s"])

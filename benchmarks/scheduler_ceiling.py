@@ -152,7 +152,10 @@ def drive(
 # ---------------------------------------------------------------------- one run, many
 def one_run(tree: Path, repository: Path, args: argparse.Namespace) -> dict[str, Any]:
     ours, theirs = socket.socketpair()
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # The tree's tensorserve first; what this process's path adds after it
+    # (tensorserve_bench.server.tree_path: /tmp/site on the GPU machine).
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
     child = subprocess.Popen(
         [sys.executable, __file__, "--scheduler", str(repository), str(theirs.fileno()),
          str(os.getpid()), str(repository / "stats.json")],

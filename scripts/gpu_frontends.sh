@@ -8,7 +8,9 @@
 #   bash scripts/gpu_frontends.sh --prepare          # wrk and its libluajit, into .gpu-tools/
 # Then in the device call (carry [".whl", ".gpu-tools"]), after or instead of gpu_run.sh:
 #   GPU_RUN_COMMIT=<sha> bash scripts/gpu_run.sh; bash scripts/gpu_frontends.sh
-# It needs ~2 minutes. Lands in $OUT: frontends_many_cores.json, frontends_many_cores.log.
+# It needs ~2.5 minutes. Lands in $OUT: frontends_many_cores.json, frontends_many_cores.log,
+# and scheduler_ceiling_16.json: the scheduler process's CPU a request when a driver process
+# keeps it busy (benchmarks/scheduler_ceiling.py), on cores no front end shares.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TOOLS=.gpu-tools
@@ -41,4 +43,7 @@ echo "== $(nproc) CPUs; wrk: $(wrk -v 2>&1 | head -1)"
 timeout -k 5 240 python3 benchmarks/frontend.py --frontends 1 2 4 8 --cases flat --flat-c 512 \
   --isolation thread --repeats 1 --duration 8 --warmup 2 \
   --output "$OUT/frontends_many_cores.json" 2>&1 | tee "$OUT/frontends_many_cores.log"
-exit "${PIPESTATUS[0]}"
+status=${PIPESTATUS[0]}
+timeout -k 5 60 python3 benchmarks/scheduler_ceiling.py --repeats 2 --duration 8 --warmup 3 \
+  --output "$OUT/scheduler_ceiling_16.json" 2>&1 | tee -a "$OUT/frontends_many_cores.log"
+exit $(( status || PIPESTATUS[0] ))

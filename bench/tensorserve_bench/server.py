@@ -33,6 +33,13 @@ from tensorserve_bench.items import FeatureSpec, Item
 from tensorserve_bench.targets import Counters, HttpTarget
 
 
+def tree_path(tree: str | Path) -> str:
+    """A ``PYTHONPATH`` that serves ``tree``'s tensorserve first and keeps what
+    this process's path adds after it (packages installed beside the system's,
+    as on the lent GPU machine: scripts/gpu_run.sh puts them in /tmp/site)."""
+    return os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
