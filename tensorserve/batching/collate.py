@@ -34,7 +34,7 @@ from tensorserve.repository.config import (
     ModelConfig,
     OutputSpec,
 )
-from tensorserve.tensors.dtypes import DType, Feature, from_torch
+from tensorserve.tensors.dtypes import DType, Feature, bfloat16_bits, from_torch
 
 Item = Mapping[str, np.ndarray]
 Result = dict[str, np.ndarray]
@@ -185,8 +185,7 @@ def _pad_fill(spec: InputSpec) -> Any:
     if spec.dt.is_bytes:
         return b""
     if spec.dt.name == "bfloat16":
-        bits = torch.tensor(spec.pad_value, dtype=torch.bfloat16).view(torch.uint16).item()
-        return np.uint16(bits)
+        return bfloat16_bits(np.float32(spec.pad_value))[()]  # the wire's one rounding rule
     return spec.dt.numpy.type(spec.pad_value)
 
 
