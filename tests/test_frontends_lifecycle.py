@@ -34,6 +34,19 @@ def gated(tmp_path: Path) -> tuple[Path, FileGate]:
     return tmp_path, gate
 
 
+@contextlib.contextmanager
+def serving(gated: tuple[Path, FileGate], *flags: str) -> Iterator[ServerProcess]:
+    """A server of the gated model, its gate open, with two front ends; stopped
+    on the way out."""
+    repo, gate = gated
+    gate.open()
+    server = start(repo, *flags)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def pool() -> Iterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(8) as executor:
@@ -72,10 +85,7 @@ def test_sigterm_drains_every_front_end_and_exits_0(
 def test_a_model_unloaded_through_one_front_end_is_gone_from_all(
     gated: tuple[Path, FileGate],
 ) -> None:
-    repo, gate = gated
-    gate.open()
-    server = start(repo, "--model-control-mode", "explicit")
-    try:
+    with serving(gated, "--model-control-mode", "explicit") as server:
         unloaded = httpx.post(f"{server.url}/v2/repository/models/gated/unload", json={})
         assert unloaded.status_code == 200, unloaded.text
         # Every front end was told before the answer came back: any connection sees it.
@@ -87,17 +97,13 @@ def test_a_model_unloaded_through_one_front_end_is_gone_from_all(
         assert loaded.status_code == 200, loaded.text
         for _ in range(6):
             assert infer(server.url, 1.0)[0] == 200
-    finally:
-        server.stop()
 
 
 def test_a_model_reloaded_with_a_new_config_is_validated_by_it_in_every_front_end(
     gated: tuple[Path, FileGate],
 ) -> None:
     repo, gate = gated
-    gate.open()
-    server = start(repo, "--model-control-mode", "explicit")
-    try:
+    with serving(gated, "--model-control-mode", "explicit") as server:
         wide = {"dtype": "float32", "shape": [-1, 8]}
         write_toy_model(repo, "gated", gate.model(),
                         **{**ECHO, "max_batch_size": 8, "inputs": {"x": wide}, "outputs": {"y": wide}})
@@ -109,39 +115,31 @@ def test_a_model_reloaded_with_a_new_config_is_validated_by_it_in_every_front_en
             old = httpx.post(f"{server.url}/v2/models/gated/infer", headers=MSGPACK,
                              content=body([{"x": np.ones((2, 4), np.float32)}]), timeout=30)
             assert old.status_code == 400, old.content
-    finally:
-        server.stop()
 
 
 def test_a_front_end_that_stops_answering_is_killed_and_restarted(
     gated: tuple[Path, FileGate],
 ) -> None:
-    repo, gate = gated
-    gate.open()
-    server = start(repo)
     stuck = None
-    try:
-        # start() waited for both to report (one still starting gets longer to count as stuck).
-        stuck = front_ends(server)[0]
-        stuck.send_signal(signal.SIGSTOP)  # alive, its loop frozen: it reports nothing
-        stuck.wait(30)  # killed by the scheduler process (psutil.TimeoutExpired if not)
-        wait_until(lambda: len(front_ends(server)) == 2, "a new front end", timeout=60)
-        assert server.log is not None
-        assert f"(pid {stuck.pid}) has sent nothing for 5 s: killing it" in server.log.read_text()
-        for _ in range(4):
-            assert infer(server.url, 1.0)[0] == 200
-    finally:
-        server.stop()
-        if stuck is not None:
-            with contextlib.suppress(psutil.NoSuchProcess):  # stopped, it would outlive the test
-                stuck.kill()
+    with serving(gated) as server:
+        try:
+            # start() waited for both to report (one still starting gets longer to count as stuck).
+            stuck = front_ends(server)[0]
+            stuck.send_signal(signal.SIGSTOP)  # alive, its loop frozen: it reports nothing
+            stuck.wait(30)  # killed by the scheduler process (psutil.TimeoutExpired if not)
+            wait_until(lambda: len(front_ends(server)) == 2, "a new front end", timeout=60)
+            assert server.log is not None
+            assert f"(pid {stuck.pid}) has sent nothing for 5 s: killing it" in server.log.read_text()
+            for _ in range(4):
+                assert infer(server.url, 1.0)[0] == 200
+        finally:
+            if stuck is not None:
+                with contextlib.suppress(psutil.NoSuchProcess):  # stopped, it would outlive the test
+                    stuck.kill()
 
 
 def test_the_scheduler_process_dying_ends_every_front_end(gated: tuple[Path, FileGate]) -> None:
-    repo, gate = gated
-    gate.open()
-    server = start(repo)
-    try:
+    with serving(gated) as server:
         processes = front_ends(server)
         assert server.process is not None
         server.process.send_signal(signal.SIGKILL)
@@ -150,8 +148,6 @@ def test_the_scheduler_process_dying_ends_every_front_end(gated: tuple[Path, Fil
         assert server.log is not None
         gone = "the scheduler process has gone: this front end cannot serve, exiting"
         assert server.log.read_text().count(gone) == 2
-    finally:
-        server.stop()
 
 
 def test_a_port_in_use_is_one_line_and_nothing_starts(gated: tuple[Path, FileGate]) -> None:
