@@ -113,6 +113,34 @@ def test_a_stream_is_read_whole_however_the_reads_cut_it(
         reader.feed(right)
 
 
+def test_every_kind_of_array_crosses_as_itself_through_each_way_of_sending(
+    sockets: tuple[socket.socket, socket.socket],
+) -> None:
+    """A message's arrays are written as themselves (no memoryview each):
+    0-d, empty, non-contiguous, a row of a larger batch and bytes all
+    arrive equal, whether sent buffer by buffer or joined into one."""
+    left, right = sockets
+    batch = np.arange(4 * 5 * 3, dtype=np.float32).reshape(4, 5, 3)
+    tensors = {
+        "scalar": np.array(2.5, np.float64),
+        "empty": np.zeros((0, 7), np.int64),
+        "transposed": np.arange(12, dtype=np.int32).reshape(3, 4).T,
+        "row": batch[2, :3],
+        "bits": np.array([0x3F80, 0xC000], np.uint16),
+        "strings": np.array([b"ab", b"", "é".encode()], dtype=object),
+    }
+    messages.send(left, {"n": 1}, tensors)
+    left.sendall(b"".join(messages.frames({"n": 2}, tensors)))
+    for n in (1, 2):
+        header, got = messages.recv(right)
+        assert header["n"] == n
+        assert list(got) == list(tensors)
+        for name, array in tensors.items():
+            assert got[name].shape == array.shape, name
+            assert got[name].dtype == array.dtype, name
+            assert got[name].tolist() == array.tolist(), name
+
+
 async def test_a_large_message_never_blocks_the_loop_whatever_the_socket_buffer(
     sockets: tuple[socket.socket, socket.socket],
 ) -> None:
@@ -148,6 +176,7 @@ def test_requests_are_reported_grouped_by_outcome() -> None:
     report.refused("m")
     report.in_flight.inc()
     taken = report.take()
+
     def buckets(*seconds: float) -> list[int]:  # as the histogram counts them
         counts = [0] * (len(LATENCY_BUCKETS) + 1)
         for value in seconds:

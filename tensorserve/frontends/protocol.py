@@ -87,7 +87,7 @@ class Outbox:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        send: Callable[[list[bytes | memoryview]], None],
+        send: Callable[[list[messages.Buffer]], None],
         before_send: Callable[[Outbox], None] | None = None,
     ) -> None:
         self.loop = loop

@@ -77,6 +77,10 @@ class RemoteRequest:
         self.left -= 1
         if self.left == 0 and not self.finished:
             self.finished = True
+            # Nothing left to withdraw; and its entries hold its slots, which
+            # hold it: a cycle that would keep its results (views of the
+            # batch's outputs) alive until a full collection.
+            self.entries = []
             self.connection.reply(self.rid, self.results)
 
     def failed(self, exc: BaseException) -> None:
@@ -90,3 +94,4 @@ class RemoteRequest:
         self.finished = True
         if self.batcher is not None:
             self.batcher.withdraw(self.entries)
+        self.entries = []

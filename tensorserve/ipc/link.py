@@ -59,7 +59,7 @@ class Link:
     def unsent_bytes(self) -> int:
         return sum(len(b) for b in self._unsent)
 
-    def send(self, buffers: Sequence[bytes | memoryview]) -> None:
+    def send(self, buffers: Sequence[messages.Buffer]) -> None:
         """Queue one message's buffers (``messages.frames``); what the socket
         takes now is written now."""
         if not self.open:

@@ -33,7 +33,7 @@ class WorkerChannel:
     def sock(self) -> socket.socket:
         return self._link.sock
 
-    def send(self, buffers: list[bytes | memoryview], on_reply: OnReply) -> None:
+    def send(self, buffers: list[ipc.Buffer], on_reply: OnReply) -> None:
         """Queue one message; what the socket takes now is written now."""
         self._waiting.append(on_reply)
         self._link.send(buffers)
