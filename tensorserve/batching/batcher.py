@@ -112,14 +112,19 @@ class Batcher:
         priority: int,
         parameters: Mapping[str, Any],
         wake: bool,
+        one_per_request: bool = False,
     ) -> list[Pending]:
         """Queue a request's items, each answered through the given future-like
         object (what the scheduler calls on it: ``done``, ``cancelled``,
         ``cancel``, ``set_result``, ``set_exception``; resolved on ``loop``):
         the front ends' requests (``frontends/hub.py``). Without ``wake``
         the caller wakes the scheduler once after queueing several requests.
-        Returns the entries, for ``withdraw``."""
-        return self._enqueue(items, timeout, loop, priority, parameters, futures, wake)
+        ``one_per_request``: each item is a request of its own (several
+        requests queued at once, all or none). Returns the entries, for
+        ``withdraw``."""
+        return self._enqueue(
+            items, timeout, loop, priority, parameters, futures, wake, one_per_request
+        )
 
     def _enqueue(
         self,
@@ -130,10 +135,13 @@ class Batcher:
         parameters: Mapping[str, Any] = NO_PARAMETERS,
         futures: Sequence[Any] | None = None,
         wake: bool = True,
+        one_per_request: bool = False,
     ) -> list[Pending]:
         now = self.clock()
         deadline = None if timeout is None else now + timeout
-        tally = RequestTally(len(items)) if len(items) > 1 else None  # one request (stats.py)
+        one_request = not one_per_request and len(items) > 1
+        # A request of several items is counted once (stats.py).
+        tally = RequestTally(len(items)) if one_request else None
         if futures is None:
             futures = [loop.create_future() if loop is not None else Future() for _ in items]
         entries = [
@@ -156,7 +164,7 @@ class Batcher:
             for entry in entries:
                 entry.trace = trace
         self.scheduler.admit(entries, now, wake=wake)
-        self.stats.record_request(len(entries))
+        self.stats.record_requests(len(entries) if one_per_request else 1, len(entries))
         return entries
 
     def submit(self, item: Any, *, timeout: float | None = None) -> Future:

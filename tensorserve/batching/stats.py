@@ -132,9 +132,9 @@ class BatchStats:
                 if name != "_lock":
                     setattr(self, name, value)
 
-    def record_request(self, items: int) -> None:
+    def record_requests(self, requests: int, items: int) -> None:
         with self._lock:
-            self.total_requests += 1
+            self.total_requests += requests
             self.total_items += items
 
     def record_batch(

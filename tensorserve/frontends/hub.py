@@ -2,7 +2,7 @@
 
 Each front end is one ``Connection`` (a ``Link`` on the scheduler process's
 loop, the loop every model's scheduler runs on). What a front end sends in
-one message is admitted in one pass: each request's items, already decoded
+one message is admitted in one pass (``frontends/intake.py``): each request's items, already decoded
 and validated by the front end with the server's own codecs, go straight
 into their model's queue, and each model's scheduler is woken once for the
 whole message, so requests from every front end share batches. Each item
@@ -18,23 +18,20 @@ answered into nothing. The scheduler never waits on a front end.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import socket
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from tensorserve.batching.admission import NO_PARAMETERS
-from tensorserve.batching.batcher import Batcher
 from tensorserve.dataplane import models as answers
-from tensorserve.dataplane.logs import REQUEST_ID, logged_as
+from tensorserve.dataplane.logs import logged_as
 from tensorserve.dataplane.plane import DataPlane, is_server_fault
-from tensorserve.ensemble import Ensemble
-from tensorserve.errors import ModelNotReady, TensorServeError
-from tensorserve.frontends.protocol import Outbox, error_entry, split_items
-from tensorserve.frontends.requests import RemoteRequest, ReplySlot
+from tensorserve.errors import TensorServeError
+from tensorserve.frontends.intake import Intake
+from tensorserve.frontends.protocol import Outbox, error_entry
+from tensorserve.frontends.requests import RemoteRequest
 from tensorserve.frontends.table import (
     Generations,
     LatePublisher,
@@ -49,7 +46,6 @@ from tensorserve.serving.model import ServedModel
 from tensorserve.tensors.results import row_parameters
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # How often the hub looks for a changed model table (poll mode reloads,
 # failures): a load or unload asked through a front end publishes at once.
@@ -83,7 +79,7 @@ class Connection:
         for rid in header.get("cancel", ()):
             self._cancel(rid)
         if "infer" in header:
-            self.hub.admit(self, header["infer"], list(tensors.values()))
+            self.hub.intake.admit(self, header["infer"], list(tensors.values()))
         for aid, what, args in header.get("ask", ()):
             self.hub.ask(self, aid, what, args)
 
@@ -144,12 +140,6 @@ class Connection:
         self.link.sock.close()
 
 
-def _within(
-    context: contextvars.Context | None, fn: Callable[..., T], *args: Any, **kwargs: Any
-) -> T:
-    return fn(*args, **kwargs) if context is None else context.run(fn, *args, **kwargs)
-
-
 class FrontEndHub:
     """Every front end of this scheduler process (``frontends/supervisor.py``
     attaches and detaches them); runs on the process's one loop."""
@@ -158,6 +148,7 @@ class FrontEndHub:
         self.plane, self.loop = plane, loop
         self.connections: dict[int, Connection] = {}
         self._generations = Generations()
+        self.intake = Intake(plane, loop, self._generations, lambda: self._check_table(False))
         self._key: tuple[Any, ...] | None = None
         self._table: list[Any] = []
         self._asking: set[asyncio.Task[None]] = set()
@@ -189,119 +180,6 @@ class FrontEndHub:
             del self.connections[connection.pid]
         self.plane.local_metrics.processes.forget(connection.pid)
         self._count_in_flight()
-
-    # -- requests ----------------------------------------------------------------
-    def admit(self, connection: Connection, requests: list[Any], arrays: list[np.ndarray]) -> None:
-        start = 0
-        woken: dict[int, Batcher] = {}
-        tracer = self.plane.tracer
-        try:
-            for (
-                rid,
-                model,
-                version,
-                generation,
-                timeout,
-                priority,
-                parameters,
-                names,
-                count,
-                traced,
-                request_id,
-            ) in requests:
-                items, start = split_items(arrays, start, names, count)
-                # Its caller's id is current while it is admitted, as in one process:
-                # a line logged meanwhile, or by its ensemble's task, carries it.
-                token = REQUEST_ID.set(request_id)
-                try:
-                    # A traced request's span (in its front end) is current while its
-                    # items are queued: its batch's and steps' spans join its trace.
-                    context = (
-                        tracer.request_context(traced) if traced and tracer is not None else None
-                    )
-                    self._admit_one(
-                        connection, rid, model, version, generation, timeout, priority,
-                        parameters, items, context, woken, request_id,
-                    )  # fmt: skip
-                finally:
-                    REQUEST_ID.reset(token)
-        finally:
-            for batcher in woken.values():  # one pass per model for the whole message
-                batcher.scheduler.wake()
-
-    def _admit_one(
-        self,
-        connection: Connection,
-        rid: int,
-        model: str,
-        version: str,
-        generation: int,
-        timeout: float | None,
-        priority: Any,
-        parameters: Any,
-        items: list[dict[str, np.ndarray]],
-        context: contextvars.Context | None,
-        woken: dict[int, Batcher],
-        request_id: str,
-    ) -> None:
-        try:
-            served = self.plane.registry.ready_model(model, version)
-            if not self._generations.current(model, served, generation):
-                # Validated against another config than the one serving now
-                # (a reload the front end had not heard of): never batched.
-                self._check_table(reschedule=False)
-                raise ModelNotReady(
-                    f"model {model!r} was reloaded while this request was on its way; retry it"
-                )
-            if isinstance(served, Ensemble):
-                coroutine = served.infer_many(
-                    items,
-                    timeout=timeout,
-                    priority=priority,
-                    parameters=parameters,
-                    max_bytes_element_length=self.plane.settings.max_bytes_element_length,
-                )
-                self._answer_when_done(
-                    connection, rid, _within(context, self.loop.create_task, coroutine)
-                )
-                return
-            request = RemoteRequest(connection, rid, len(items), request_id)
-            request.batcher = batcher = served.batcher
-            request.entries = _within(
-                context,
-                batcher.submit_into,
-                items,
-                [ReplySlot(request, i) for i in range(len(items))],
-                self.loop,
-                timeout=timeout,
-                priority=priority,
-                parameters=parameters or NO_PARAMETERS,
-                wake=False,
-            )
-        except Exception as exc:  # noqa: BLE001 - its caller's answer; the next request goes on
-            # Unknown, not ready, queue full, too large; or a fault of the
-            # server, which must fail this request only (and is logged).
-            connection.fail(rid, exc, admitted=False)
-            return
-        connection.requests[rid] = request
-        woken[id(batcher)] = batcher
-
-    @staticmethod
-    def _answer_when_done(connection: Connection, rid: int, task: asyncio.Task[Any]) -> None:
-        """An ensemble's steps run here, each through its model's scheduler:
-        its request is answered when its task is done."""
-        connection.requests[rid] = task
-
-        def done(task: asyncio.Task[Any]) -> None:
-            if task.cancelled():
-                return
-            exc = task.exception()
-            if exc is None:
-                connection.reply(rid, task.result())
-            else:
-                connection.fail(rid, exc)
-
-        task.add_done_callback(done)
 
     # -- answers about the server and its models ---------------------------------
     def ask(self, connection: Connection, aid: int, what: str, args: list[Any]) -> None:

@@ -1,0 +1,255 @@
+"""What one front end's message admits into its models' queues: ``Intake``.
+
+A message carries the requests a front end received in one loop iteration,
+usually many one-item requests for one model with nothing of their own but
+their arrays. Those go in as one run: one lookup of the model, one check of
+its generation, one pass through its admission lock, one count in its
+statistics, instead of each request paying for all of it (the scheduler
+process's CPU per request is what caps one GPU, whatever the number of
+front ends). Everything else (ensembles, models with a latency target,
+requests of several items, with parameters or traced), and any run that
+admission refuses, goes one request at a time, exactly as before: a run is admitted whole or not at
+all, so a refused run leaves nothing queued and each of its requests then
+gets its own answer (queue full, too late, not ready) from its own
+admission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from tensorserve.batching.admission import NO_PARAMETERS
+from tensorserve.batching.batcher import Batcher
+from tensorserve.dataplane.logs import REQUEST_ID
+from tensorserve.dataplane.plane import DataPlane
+from tensorserve.ensemble import Ensemble
+from tensorserve.errors import ModelNotReady
+from tensorserve.frontends.protocol import split_items
+from tensorserve.frontends.requests import RemoteRequest, ReplySlot
+from tensorserve.frontends.table import Generations
+
+if TYPE_CHECKING:
+    from tensorserve.frontends.hub import Connection
+
+T = TypeVar("T")
+
+
+class Intake:
+    """Admits what the front ends send; the hub owns it (and the model
+    generations it checks requests against)."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        loop: asyncio.AbstractEventLoop,
+        generations: Generations,
+        table_changed: Callable[[], None],
+    ) -> None:
+        self.plane, self.loop = plane, loop
+        self.generations = generations
+        self._table_changed = table_changed  # publish the model table now (a reload)
+
+    def admit(self, connection: Connection, requests: list[Any], arrays: list[np.ndarray]) -> None:
+        """Queue every request of one message, in order; wake each model's
+        scheduler once, after the whole message."""
+        start, at = 0, 0
+        woken: dict[int, Batcher] = {}
+        try:
+            while at < len(requests):
+                run = _plain_run(requests, at)
+                if run > 1 and self._admit_run(
+                    connection, requests[at : at + run], arrays, start, woken
+                ):
+                    start += run * len(requests[at][7])
+                    at += run
+                    continue
+                for request in requests[at : at + max(run, 1)]:
+                    start = self._admit_each(connection, request, arrays, start, woken)
+                at += max(run, 1)
+        finally:
+            for batcher in woken.values():
+                batcher.scheduler.wake()
+
+    def _admit_run(
+        self,
+        connection: Connection,
+        run: list[Any],
+        arrays: list[np.ndarray],
+        start: int,
+        woken: dict[int, Batcher],
+    ) -> bool:
+        """Queue a run of plain one-item requests whole; False (nothing
+        queued) if anything stands in the way."""
+        _, model, version, generation, timeout, priority, _, names, _, _, _ = run[0]
+        try:
+            served = self.plane.registry.ready_model(model, version)
+        except Exception:  # noqa: BLE001 - each request is then answered on its own
+            return False
+        if (
+            isinstance(served, Ensemble)
+            # a refusal for the latency target is counted: once per request
+            or served.batcher.latency_target is not None
+            or not self.generations.current(model, served, generation)
+        ):
+            return False
+        width = len(names)
+        items = [
+            dict(zip(names, arrays[at : at + width]))
+            for at in range(start, start + width * len(run), width)
+        ]
+        remote = [RemoteRequest(connection, r[0], 1, r[10]) for r in run]
+        batcher = served.batcher
+        try:
+            entries = batcher.submit_into(
+                items,
+                [ReplySlot(request, 0) for request in remote],
+                self.loop,
+                timeout=timeout,
+                priority=priority,
+                parameters=NO_PARAMETERS,
+                wake=False,
+                one_per_request=True,
+            )
+        except Exception:  # noqa: BLE001 - refused whole, nothing queued: each on its own
+            return False
+        requests = connection.requests
+        for request, entry in zip(remote, entries):
+            request.batcher = batcher
+            request.entries = [entry]
+            requests[request.rid] = request
+        woken[id(batcher)] = batcher
+        return True
+
+    def _admit_each(
+        self,
+        connection: Connection,
+        request: list[Any],
+        arrays: list[np.ndarray],
+        start: int,
+        woken: dict[int, Batcher],
+    ) -> int:
+        """Queue one request (or start its ensemble); where the next
+        request's arrays begin."""
+        rid, model, version, generation, timeout, priority, parameters, names, count, traced, rq = (
+            request
+        )
+        items, start = split_items(arrays, start, names, count)
+        # Its caller's id is current while it is admitted, as in one process:
+        # a line logged meanwhile, or by its ensemble's task, carries it.
+        token = REQUEST_ID.set(rq)
+        try:
+            tracer = self.plane.tracer
+            # A traced request's span (in its front end) is current while its
+            # items are queued: its batch's and steps' spans join its trace.
+            context = tracer.request_context(traced) if traced and tracer is not None else None
+            self._admit_one(
+                connection, rid, model, version, generation, timeout, priority,
+                parameters, items, context, woken, rq,
+            )  # fmt: skip
+        finally:
+            REQUEST_ID.reset(token)
+        return start
+
+    def _admit_one(
+        self,
+        connection: Connection,
+        rid: int,
+        model: str,
+        version: str,
+        generation: int,
+        timeout: float | None,
+        priority: Any,
+        parameters: Any,
+        items: list[dict[str, np.ndarray]],
+        context: contextvars.Context | None,
+        woken: dict[int, Batcher],
+        request_id: str,
+    ) -> None:
+        try:
+            served = self.plane.registry.ready_model(model, version)
+            if not self.generations.current(model, served, generation):
+                # Validated against another config than the one serving now
+                # (a reload the front end had not heard of): never batched.
+                self._table_changed()
+                raise ModelNotReady(
+                    f"model {model!r} was reloaded while this request was on its way; retry it"
+                )
+            if isinstance(served, Ensemble):
+                coroutine = served.infer_many(
+                    items,
+                    timeout=timeout,
+                    priority=priority,
+                    parameters=parameters,
+                    max_bytes_element_length=self.plane.settings.max_bytes_element_length,
+                )
+                _answer_when_done(
+                    connection, rid, _within(context, self.loop.create_task, coroutine)
+                )
+                return
+            request = RemoteRequest(connection, rid, len(items), request_id)
+            request.batcher = batcher = served.batcher
+            request.entries = _within(
+                context,
+                batcher.submit_into,
+                items,
+                [ReplySlot(request, i) for i in range(len(items))],
+                self.loop,
+                timeout=timeout,
+                priority=priority,
+                parameters=parameters or NO_PARAMETERS,
+                wake=False,
+            )
+        except Exception as exc:  # noqa: BLE001 - its caller's answer; the next request goes on
+            # Unknown, not ready, queue full, too large; or a fault of the
+            # server, which must fail this request only (and is logged).
+            connection.fail(rid, exc, admitted=False)
+            return
+        connection.requests[rid] = request
+        woken[id(batcher)] = batcher
+
+
+def _plain_run(requests: list[Any], at: int) -> int:
+    """How many requests from ``at`` on form a run that can be admitted
+    whole: one item each, untraced, without parameters, all for the same
+    model, version, generation, timeout and priority, with the same feature
+    names (0: the request at ``at`` is not plain)."""
+    first = requests[at]
+    if first[8] != 1 or first[9] or first[6]:
+        return 0
+    key = first[1:6]
+    names = first[7]
+    end = at + 1
+    while end < len(requests):
+        r = requests[end]
+        if r[8] != 1 or r[9] or r[6] or r[1:6] != key or r[7] != names:
+            break
+        end += 1
+    return end - at
+
+
+def _answer_when_done(connection: Connection, rid: int, task: asyncio.Task[Any]) -> None:
+    """An ensemble's steps run here, each through its model's scheduler:
+    its request is answered when its task is done."""
+    connection.requests[rid] = task
+
+    def done(task: asyncio.Task[Any]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            connection.reply(rid, task.result())
+        else:
+            connection.fail(rid, exc)
+
+    task.add_done_callback(done)
+
+
+def _within(
+    context: contextvars.Context | None, fn: Callable[..., T], *args: Any, **kwargs: Any
+) -> T:
+    return fn(*args, **kwargs) if context is None else context.run(fn, *args, **kwargs)
