@@ -212,19 +212,29 @@ class LengthAwarePolicy:
         # past the queue's end read repeats of its last item, and are masked
         # out. Row-major argmax, strict across blocks, keeps that loop's
         # choice: the best score, then the fewest items, then the first start.
+        # With an overdue item only the starts of runs that can hold it, at
+        # most ``most`` of them, are columns (under load, the usual case: a
+        # grid 64 wide, not the whole queue).
+        lo, hi = (0, n) if forced is None else (max(0, forced - most + 1), forced + 1)
+        width = hi - lo
         longest_all, ends_all = (  # ndarray(): as_strided's views, without its ~5 us a call
-            np.ndarray((most, n), np.float64, np.concatenate((a, np.full(most, a[-1]))), 0, (8, 8))
+            np.ndarray(
+                (most, width), np.float64, np.concatenate((a[lo:], np.full(most, a[-1]))), 0, (8, 8)
+            )
             for a in (ranked, prefix[1:])
         )
-        starts = np.arange(n)
+        starts = np.arange(lo, hi)
         best = (-np.inf, 0, 0)  # (score, size, start)
-        block = max(1, _GRID_CELLS // n)
+        block = max(1, _GRID_CELLS // width)
         for low in range(0, most, block):
-            sizes, valid = _run_grid(n, low, min(most, low + block))
+            sizes, inside = _run_grid(n, low, min(most, low + block))
+            valid = inside[:, lo:hi]
             longest = longest_all[low : low + len(sizes)]
-            real = ends_all[low : low + len(sizes)] - prefix[:n]
-            if forced is not None:  # only runs that hold the oldest item
-                valid = valid & (starts <= forced) & (forced < starts + sizes)
+            real = ends_all[low : low + len(sizes)] - prefix[lo:hi]
+            if (
+                forced is not None
+            ):  # only runs that hold the oldest item (each starts at or before it)
+                valid = valid & (forced < starts + sizes)
             if limit:
                 valid = valid & ((sizes * longest <= limit) | (sizes == 1))
             if self.cost.fitted:
@@ -232,9 +242,9 @@ class LengthAwarePolicy:
             else:  # most items first, then least waste
                 scores = sizes * 1e18 - (sizes * longest - real)
             scores = np.where(valid, scores, -np.inf)
-            row, first = divmod(int(np.argmax(scores)), n)
+            row, first = divmod(int(np.argmax(scores)), width)
             if scores[row, first] > best[0]:
-                best = (float(scores[row, first]), low + row + 1, first)
+                best = (float(scores[row, first]), low + row + 1, lo + first)
             if limit and not valid[-1].any():
                 break  # longer runs only get bigger
         _, size, start = best
