@@ -89,6 +89,26 @@ def test_one_item_always_fits_the_element_cap() -> None:
     assert [e.volume for e in queue.take(0.0)] == [100]
 
 
+def test_batches_are_counted_against_the_cap_only_when_the_largest_could_pass_it() -> None:
+    counted: list[int] = []
+
+    def counting(items: list[int]) -> int:
+        counted.append(len(items))
+        return padded_elements(items)
+
+    # Batches of up to 8 items of at most 10: 80 elements at most.
+    queue = AdmissionQueue(BatcherOptions(max_batch_size=8, max_batch_elements=80), counting,
+                           name="toy", largest_batch=80)  # fmt: skip
+    items = [entry(10), entry(9), entry(10)]
+    queue.admit(items, 0.0)
+    assert queue.take(0.0) == items and counted == []  # under the cap whatever was chosen
+    # A memory ceiling learnt below it (an out-of-memory batch): counted, and cut.
+    queue.memory_limit = 20
+    queue.admit(items, 0.0)
+    assert queue.take(0.0) == items[:2] and counted
+    assert padded_elements([e.volume for e in items[:2]]) <= 20
+
+
 def test_the_length_aware_policy_groups_similar_lengths_and_an_overdue_item_goes_first() -> None:
     queue = make_queue(max_batch_size=2, max_queue_delay_ms=5, policy=make_policy("length_aware", None))
     old, a, b, c = entry(100, enqueued=0.0), entry(3, 0.001), entry(90, 0.002), entry(4, 0.003)

@@ -155,6 +155,18 @@ def test_the_counted_size_is_the_rounded_up_size() -> None:
     assert collator([{"name": "x", "dtype": "float32", "shape": [-1, 3]}]).volume(items[0]) == 5
 
 
+def test_the_largest_batch_is_every_item_at_its_limit_rounding_never_past_it() -> None:
+    limits = collator(
+        [{"name": "ids", "dtype": "int64", "shape": [-1], "max_length": 100},
+         {"name": "image", "dtype": "float32", "shape": [3, -1, -1], "max_length": 10}],
+        pad_to_multiple_of=64,
+    )  # fmt: skip
+    batch = ModelConfig.model_fields["max_batch_size"].default  # the collator's config's
+    assert limits.largest_batch_elements == batch * (100 + 3 * 10 * 10)
+    full = {"ids": np.ones(100, np.int64), "image": np.ones((3, 10, 10), np.float32)}
+    assert limits.padded_elements([full] * batch) == limits.largest_batch_elements
+
+
 @st.composite
 def batches(draw: st.DrawFn) -> tuple[list[dict], list[dict[str, np.ndarray]], int | None]:
     """Inputs of random ranks with fixed and variable axes, items of random

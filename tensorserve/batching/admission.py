@@ -116,8 +116,10 @@ class AdmissionQueue:
         padded_elements: Callable[[list[Any]], int],
         name: str = "model",
         target: LatencyTarget | None = None,
+        largest_batch: int | None = None,
     ) -> None:
         self.options = options
+        self._largest_batch = largest_batch  # padded elements any batch may reach (collate)
         self.target = target  # the latency target's controller, if the model has one
         self.name = name
         self._padded_elements = padded_elements  # of a batch of these items (collate)
@@ -281,7 +283,7 @@ class AdmissionQueue:
         (items of very different shapes could otherwise pad to a huge tensor).
         One item always fits: its own size is bounded by validation."""
         caps = [c for c in (self.options.max_batch_elements, self.memory_limit) if c is not None]
-        if not caps:
+        if not caps or (self._largest_batch or math.inf) <= min(caps):
             return chosen
         cap = min(caps)
         while len(chosen) > 1 and self._padded_elements([window[i].item for i in chosen]) > cap:

@@ -314,6 +314,12 @@ class Collator:
         self.pad_to_multiple_of = config.dynamic_batching.pad_to_multiple_of
         self.pin_memory = pin_memory
         self.parameter_names = [spec.name for spec in config.request_parameter]
+        # What the largest batch pads to (every item at its limit): while the
+        # element caps are above it, no batch needs counting.
+        self.largest_batch_elements = max(1, config.max_batch_size) * sum(
+            math.prod(padded_shape([s.max_length or DEFAULT_MAX_LENGTH] * len(s.shape), s))
+            for s in config.input
+        )
 
     def volume(self, item: Item) -> int:
         """An item's padded size in the first variable input: the product of

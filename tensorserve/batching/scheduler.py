@@ -77,7 +77,9 @@ class Scheduler:
             else LatencyTarget(options.target_p99_ms, options.max_batch_size,
                                options.max_queue_delay_ms, count)
         )  # fmt: skip
-        self.queue = AdmissionQueue(options, collator.padded_elements, name, self.target)
+        self.queue = AdmissionQueue(
+            options, collator.padded_elements, name, self.target, collator.largest_batch_elements
+        )
         # The cost model the policy learns, or one of its own for a policy
         # that needs none: recovery reads it to choose how to find a culprit.
         cost = options.policy.cost or BatchCostModel()
