@@ -205,17 +205,18 @@ def _header(raw: bytearray | memoryview) -> tuple[dict[str, Any], list[int]]:
 
 def _arrays(specs: list[Any], sizes: list[int], payload: Any) -> dict[str, np.ndarray]:
     """Zero-copy views of ``payload``, one per announced tensor (bytes
-    tensors: object arrays rebuilt from their framing)."""
+    tensors: object arrays rebuilt from their framing). A front end's
+    message announces a few tensors per request: this runs for each, so it
+    counts from the sizes ``_header`` already has rather than the shapes."""
     tensors, offset = {}, 0
-    view = memoryview(payload)
     for spec, size in zip(specs, sizes):
         key, name, shape = spec[0], spec[1], spec[2]
         if name == "bytes":
-            tensors[key] = unframe(view[offset : offset + size], shape, f"tensor {key!r}")
+            view = memoryview(payload)[offset : offset + size]
+            tensors[key] = unframe(view, shape, f"tensor {key!r}")
         else:
-            flat = np.frombuffer(
-                payload, dtype=_numpy(name)[0], count=math.prod(shape), offset=offset
-            )
+            dt, itemsize = _numpy(name)
+            flat = np.frombuffer(payload, dtype=dt, count=size // itemsize, offset=offset)
             # 1-D (a front end's token ids): already its shape, no reshape to pay for
             tensors[key] = flat if len(shape) == 1 else flat.reshape(shape)
         offset += size
