@@ -135,13 +135,12 @@ class Intake:
     ) -> int:
         """Queue one request (or start its ensemble); where the next
         request's arrays begin."""
-        rid, model, version, generation, timeout, priority, parameters, names, count, traced, rq = (
-            request
-        )
+        (rid, model, version, generation, timeout, priority, parameters, names, count, traced,
+         request_id) = request  # fmt: skip
         items, start = split_items(arrays, start, names, count)
         # Its caller's id is current while it is admitted, as in one process:
         # a line logged meanwhile, or by its ensemble's task, carries it.
-        token = REQUEST_ID.set(rq)
+        token = REQUEST_ID.set(request_id)
         try:
             tracer = self.plane.tracer
             # A traced request's span (in its front end) is current while its
@@ -149,7 +148,7 @@ class Intake:
             context = tracer.request_context(traced) if traced and tracer is not None else None
             self._admit_one(
                 connection, rid, model, version, generation, timeout, priority,
-                parameters, items, context, woken, rq,
+                parameters, items, context, woken, request_id,
             )  # fmt: skip
         finally:
             REQUEST_ID.reset(token)
