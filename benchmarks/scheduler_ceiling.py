@@ -85,7 +85,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def drive(
-    args: argparse.Namespace, sock: socket.socket, pid: int, request_ids: bool
+    args: argparse.Namespace, sock: socket.socket, pid: int, request_ids: bool, runs: bool
 ) -> dict[str, Any]:
     from tensorserve.ipc import messages
 
@@ -117,7 +117,11 @@ def drive(
             request = [next_id, name, str(version), generation, None, None, {}, names, 1, None]
             requests.append(request + [f"bench-{next_id}"] if request_ids else request)
             tensors += items[next_id % ITEMS]
-        buffers = messages.frames({"infer": requests}, {str(i): t for i, t in enumerate(tensors)})
+        buffers = (  # as the tree's front ends send them
+            messages.frames_in_order({"infer": requests}, tensors)
+            if runs
+            else messages.frames({"infer": requests}, {str(i): t for i, t in enumerate(tensors)})
+        )
         sock.sendall(b"".join(buffers))
 
     for start in range(0, args.outstanding, args.per_message):
@@ -165,7 +169,9 @@ def one_run(tree: Path, repository: Path, args: argparse.Namespace) -> dict[str,
     try:
         # A tree whose requests carry their caller's id (the 11th field) or not.
         protocol = (tree / "tensorserve" / "frontends" / "protocol.py").read_text()
-        result = drive(args, ours, child.pid, "traceparent, request_id]" in protocol)
+        # And whose messages announce runs of arrays (ipc/messages.py) or not.
+        runs = "def frames_in_order" in (tree / "tensorserve" / "ipc" / "messages.py").read_text()
+        result = drive(args, ours, child.pid, "traceparent, request_id]" in protocol, runs)
     finally:
         child.send_signal(signal.SIGTERM)
         try:

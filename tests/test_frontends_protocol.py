@@ -14,6 +14,8 @@ from collections.abc import Iterator
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensorserve import errors
 from tensorserve.frontends.protocol import Outbox, error_entry, error_from
@@ -139,6 +141,54 @@ def test_every_kind_of_array_crosses_as_itself_through_each_way_of_sending(
             assert got[name].shape == array.shape, name
             assert got[name].dtype == array.dtype, name
             assert got[name].tolist() == array.tolist(), name
+
+
+@st.composite
+def array_sequences(draw: st.DrawFn) -> list[np.ndarray]:
+    """What crosses between a front end and the scheduler process, in
+    order: runs of one dtype and trailing shape, broken anywhere."""
+    arrays: list[np.ndarray] = []
+    for _ in range(draw(st.integers(0, 12))):
+        kind = draw(st.sampled_from(["ids", "rows", "scalar", "bytes", "transposed"]))
+        n = draw(st.integers(0, 5))
+        if kind == "ids":
+            arrays.append(np.arange(n, dtype=draw(st.sampled_from([np.int64, np.int32]))))
+        elif kind == "rows":
+            width = draw(st.sampled_from([0, 1, 9]))
+            arrays.append(np.full((n, width), n, np.float32))
+        elif kind == "scalar":
+            arrays.append(np.array(float(n)))
+        elif kind == "bytes":
+            arrays.append(np.array([b"x" * i for i in range(n)], dtype=object))
+        else:
+            arrays.append(np.arange(n * 2, dtype=np.int16).reshape(n, 2).T)
+    return arrays
+
+
+@given(arrays=array_sequences(), cut=st.integers(1, 97))
+@settings(max_examples=200, deadline=None)
+def test_arrays_sent_in_order_arrive_in_order_as_themselves(
+    arrays: list[np.ndarray], cut: int
+) -> None:
+    """Runs of arrays are announced once (``frames_in_order``); each still
+    arrives with its own dtype, shape and values, however the reads cut
+    the stream."""
+    left, right = socket.socketpair()
+    with left, right:
+        stream = b"".join(bytes(b) for b in messages.frames_in_order({"n": 1}, arrays))
+        reader, got = messages.StreamReader(), []
+        right.setblocking(False)
+        for start in range(0, len(stream), cut):
+            left.sendall(stream[start : start + cut])
+            while (read := reader.feed(right)) is not None:
+                got.extend(read)
+    [(header, tensors)] = got
+    assert header == {"n": 1}
+    received = list(tensors.values())
+    assert len(received) == len(arrays)
+    for sent, back in zip(arrays, received):
+        assert (back.dtype, back.shape) == (sent.dtype, sent.shape)
+        assert back.tolist() == sent.tolist()
 
 
 async def test_a_large_message_never_blocks_the_loop_whatever_the_socket_buffer(

@@ -122,7 +122,7 @@ class Outbox:
             return
         sections, tensors = self.sections, self.tensors
         self.sections, self.tensors = {}, []
-        buffers = messages.frames(sections, {str(i): t for i, t in enumerate(tensors)})
+        buffers = messages.frames_in_order(sections, tensors)
         # Many small tensors: one copy into one buffer costs less than a
         # buffer each through the socket.
         self._send([buffers[0], b"".join(buffers[1:])] if len(buffers) > 2 else buffers)

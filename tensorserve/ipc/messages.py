@@ -5,7 +5,9 @@ One message on a stream socket (a ``socketpair``, never a network socket):
     u32 little-endian   length of the header
     header              msgpack map; its "tensors" entry lists
                         [name, dtype, shape] of each tensor that follows
-                        ([name, "bytes", shape, size] for a bytes tensor)
+                        ([name, "bytes", shape, size] for a bytes tensor;
+                        [name, dtype, shape past axis 0, [axis 0 of each]]
+                        for a run of tensors read back in order)
     tensor bytes        each tensor's raw bytes, in that order, back to back
 
 Tensors travel as raw bytes (no pickle, no copy into the header) and are
@@ -22,7 +24,7 @@ import functools
 import math
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import msgpack
@@ -55,25 +57,61 @@ def frames(
     then each tensor's bytes: the array itself (any buffer-protocol consumer
     takes a C-contiguous array as its raw bytes; no copy, and no memoryview
     to build per tensor, which a reply of many rows pays once a row)."""
-    specs: list[list[Any]] = []
     payloads: list[Buffer] = []
-    for name, array in (tensors or {}).items():
-        if array.dtype.kind == "O":  # bytes: never pickled, framed
-            framed = frame(array)
-            specs.append([name, "bytes", list(array.shape), len(framed)])
-            if len(framed):
-                payloads.append(framed)
-            continue
-        # bfloat16 arrays are uint16 here; the receiver's config says
-        # which features are bfloat16, exactly as on the wire.
-        specs.append([name, _name(array.dtype), array.shape])
-        if array.size:  # none to send: the shape says it all
-            # (not ascontiguousarray: it turns a 0-d array into a 1-d one)
-            contiguous = array if array.flags.c_contiguous else array.copy()
-            # An ndarray is a buffer (numpy's stubs do not say so).
-            payloads.append(cast(memoryview, contiguous))
+    specs = [_announce(name, array, payloads) for name, array in (tensors or {}).items()]
     head = msgpack.packb({**header, "tensors": specs})
     return [_LENGTH.pack(len(head)) + head, *payloads]
+
+
+def frames_in_order(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> list[Buffer]:
+    """``frames`` for arrays read back in order (named "0", "1", ...), as
+    the front ends and the scheduler process exchange them: consecutive
+    arrays of one dtype and one shape past their first axis are announced
+    as one run, ``[key, dtype, rest of the shape, [first axis of each]]``.
+    The bytes are the same; the receiver reads a run with one
+    ``frombuffer`` and a slice per array, not a spec and a ``frombuffer``
+    each (a message of many one-item requests announces two tensors a
+    request, a reply of many rows one a row)."""
+    specs: list[list[Any]] = []
+    payloads: list[Buffer] = []
+    run: list[Any] | None = None  # the run being announced; its arrays' shape past axis 0:
+    rest: tuple[int, ...] = ()
+    for i, array in enumerate(arrays):
+        if array.dtype.kind == "O" or not array.ndim:  # bytes, or no axis to run along
+            run = None
+            specs.append(_announce(str(i), array, payloads))
+            continue
+        name = _name(array.dtype)
+        if run is not None and run[1] == name and array.shape[1:] == rest:
+            run[3].append(array.shape[0])
+        else:
+            rest = array.shape[1:]
+            run = [str(i), name, list(rest), [array.shape[0]]]
+            specs.append(run)
+        if array.size:
+            payloads.append(_contiguous(array))
+    head = msgpack.packb({**header, "tensors": specs})
+    return [_LENGTH.pack(len(head)) + head, *payloads]
+
+
+def _announce(name: str, array: np.ndarray, payloads: list[Buffer]) -> list[Any]:
+    """One tensor's spec; its bytes appended to ``payloads``."""
+    if array.dtype.kind == "O":  # bytes: never pickled, framed
+        framed = frame(array)
+        if len(framed):
+            payloads.append(framed)
+        return [name, "bytes", list(array.shape), len(framed)]
+    if array.size:  # none to send: the shape says it all
+        payloads.append(_contiguous(array))
+    # bfloat16 arrays are uint16 here; the receiver's config says which
+    # features are bfloat16, exactly as on the wire.
+    return [name, _name(array.dtype), array.shape]
+
+
+def _contiguous(array: np.ndarray) -> Buffer:
+    # (not ascontiguousarray: it turns a 0-d array into a 1-d one)
+    contiguous = array if array.flags.c_contiguous else array.copy()
+    return cast(memoryview, contiguous)  # an ndarray is a buffer (numpy's stubs do not say so)
 
 
 def send(
@@ -194,20 +232,25 @@ def _numpy(name: str) -> tuple[np.dtype[Any], int]:
 
 
 def _header(raw: bytearray | memoryview) -> tuple[dict[str, Any], list[int]]:
-    """The decoded header and the byte size of each tensor it announces."""
+    """The decoded header and the byte size of each tensor (or run) it announces."""
     header = msgpack.unpackb(raw)
-    sizes = [
-        spec[3] if spec[1] == "bytes" else math.prod(spec[2]) * _numpy(spec[1])[1]
-        for spec in header["tensors"]
-    ]
+    sizes = []
+    for spec in header["tensors"]:
+        if spec[1] == "bytes":
+            sizes.append(spec[3])
+        elif len(spec) == 4:  # a run: its first axes, then the shape they share
+            sizes.append(sum(spec[3]) * math.prod(spec[2]) * _numpy(spec[1])[1])
+        else:
+            sizes.append(math.prod(spec[2]) * _numpy(spec[1])[1])
     return header, sizes
 
 
 def _arrays(specs: list[Any], sizes: list[int], payload: Any) -> dict[str, np.ndarray]:
     """Zero-copy views of ``payload``, one per announced tensor (bytes
-    tensors: object arrays rebuilt from their framing). A front end's
-    message announces a few tensors per request: this runs for each, so it
-    counts from the sizes ``_header`` already has rather than the shapes."""
+    tensors: object arrays rebuilt from their framing; a run: a view of
+    each array, named on from its first's name). A front end's message
+    announces a few tensors per request: this runs for each, so it counts
+    from the sizes ``_header`` already has rather than the shapes."""
     tensors, offset = {}, 0
     for spec, size in zip(specs, sizes):
         key, name, shape = spec[0], spec[1], spec[2]
@@ -217,8 +260,15 @@ def _arrays(specs: list[Any], sizes: list[int], payload: Any) -> dict[str, np.nd
         else:
             dt, itemsize = _numpy(name)
             flat = np.frombuffer(payload, dtype=dt, count=size // itemsize, offset=offset)
-            # 1-D (a front end's token ids): already its shape, no reshape to pay for
-            tensors[key] = flat if len(shape) == 1 else flat.reshape(shape)
+            if len(spec) == 4:
+                block = flat.reshape(sum(spec[3]), *shape) if shape else flat
+                at, first = 0, int(key)
+                for i, length in enumerate(spec[3]):
+                    tensors[str(first + i)] = block[at : at + length]
+                    at += length
+            else:
+                # 1-D (a front end's token ids): already its shape, no reshape to pay for
+                tensors[key] = flat if len(shape) == 1 else flat.reshape(shape)
         offset += size
     return tensors
 
