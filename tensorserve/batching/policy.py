@@ -231,9 +231,7 @@ class LengthAwarePolicy:
             valid = inside[:, lo:hi]
             longest = longest_all[low : low + len(sizes)]
             real = ends_all[low : low + len(sizes)] - prefix[lo:hi]
-            if (
-                forced is not None
-            ):  # only runs that hold the oldest item (each starts at or before it)
+            if forced is not None:  # only runs that hold it (each column starts at or before it)
                 valid = valid & (forced < starts + sizes)
             if limit:
                 valid = valid & ((sizes * longest <= limit) | (sizes == 1))
