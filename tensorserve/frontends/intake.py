@@ -65,7 +65,7 @@ class Intake:
                 if run > 1 and self._admit_run(
                     connection, requests[at : at + run], arrays, start, woken
                 ):
-                    start += run * len(requests[at][7])
+                    start += run * len(requests[at][7])  # each one's names: its arrays
                     at += run
                     continue
                 for request in requests[at : at + max(run, 1)]:
@@ -216,7 +216,10 @@ def _plain_run(requests: list[Any], at: int) -> int:
     """How many requests from ``at`` on form a run that can be admitted
     whole: one item each, untraced, without parameters, all for the same
     model, version, generation, timeout and priority, with the same feature
-    names (0: the request at ``at`` is not plain)."""
+    names (0: the request at ``at`` is not plain). A request is [rid, model,
+    version, generation, timeout, priority, parameters, names, count,
+    traced, request_id] (``frontends/protocol.py``); read by index here, as
+    this runs for every request."""
     first = requests[at]
     if first[8] != 1 or first[9] or first[6]:
         return 0
