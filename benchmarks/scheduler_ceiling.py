@@ -79,8 +79,10 @@ def scheduler(repository: str, fd: int, driver_pid: int, stats_path: str) -> Non
 
 
 # ---------------------------------------------------------------------- the driver
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """A process's CPU seconds, or one of its threads' (``tid``)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -132,7 +134,11 @@ def drive(
     while len(marks) < 2:
         now = time.monotonic()
         if now >= windows[len(marks)]:
-            marks.append((now, answered, cpu_seconds(pid), time.process_time()))
+            # The loop's thread is the process's first (its tid is its pid): the
+            # rest is the model's thread and its wake-ups.
+            marks.append(
+                (now, answered, cpu_seconds(pid), time.process_time(), cpu_seconds(pid, pid))
+            )
             continue
         for header, _ in receive():
             replies = header.get("replies", ())
@@ -142,11 +148,12 @@ def drive(
                 raise SystemExit(f"a request failed: {next(r for r in replies if r[1] is None)}")
             for start in range(0, len(replies), args.per_message):
                 send(min(args.per_message, len(replies) - start))
-    (t0, n0, c0, d0), (t1, n1, c1, d1) = marks
+    (t0, n0, c0, d0, l0), (t1, n1, c1, d1, l1) = marks
     requests = n1 - n0
     return {
         "requests_per_s": requests / (t1 - t0),
         "scheduler_cpu_us_per_request": 1e6 * (c1 - c0) / max(1, requests),
+        "loop_thread_cpu_us_per_request": 1e6 * (l1 - l0) / max(1, requests),
         "scheduler_cpu_share": (c1 - c0) / (t1 - t0),
         "driver_cpu_share": (d1 - d0) / (t1 - t0),
         "failed": failed,
@@ -224,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(result)
             print(
                 f"{tree!s:24s} {result['requests_per_s']:9,.0f} req/s  scheduler "
-                f"{result['scheduler_cpu_us_per_request']:6.1f} us/req  "
+                f"{result['scheduler_cpu_us_per_request']:6.1f} us/req (its loop "
+                f"{result['loop_thread_cpu_us_per_request']:5.1f})  "
                 f"({100 * result['scheduler_cpu_share']:.0f}% of a core; driver "
                 f"{100 * result['driver_cpu_share']:.0f}%)  batch {result['mean_batch']:.1f} items "
                 f"{result['batch_ms']:.1f} ms  failed {result['failed']}",

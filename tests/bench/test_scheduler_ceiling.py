@@ -24,4 +24,5 @@ def test_the_driver_is_answered_in_shared_batches(tmp_path: Path) -> None:
     assert run["failed"] == 0
     assert run["requests_per_s"] > 100
     assert run["scheduler_cpu_us_per_request"] > 0
+    assert run["loop_thread_cpu_us_per_request"] > 0  # read from its /proc task
     assert run["mean_batch"] > 2, "64 requests in flight from one driver must share batches"
