@@ -373,3 +373,26 @@ def test_an_ensembles_steps_and_their_batches_join_the_requests_trace(
     by_name = {s["name"]: s for s in spans}
     assert by_name["step double"]["parent"] == by_name[INFER]["span_id"]
     assert by_name["compute"]["attributes"]["tensorserve.model"] == "double"
+
+
+def test_one_clock_is_read_against_another_at_one_instant_whatever_a_preemption_costs() -> None:
+    """A span's clocks are converted by offsets read as a bracket of reads,
+    the tightest of three: one stretched 51 us (a descheduled thread, seen
+    on a VM: the queue span ended after the pad span began) is not used."""
+    from tensorserve.tracing.batches import offset_ns
+
+    # Two clocks 1,000,000 ns apart; the first try's bracket is stretched.
+    reads = iter([100, 1_000_150, 51_100,  # 51,000 ns between the other clock's reads
+                  60_000, 1_060_002, 60_004,  # 4 ns
+                  70_000, 1_070_010, 70_020])  # 20 ns  # fmt: skip
+    readings = {"reference": 0, "other": 0}
+
+    def clock(name: str) -> Any:
+        def read() -> int:
+            readings[name] += 1
+            return next(reads)
+
+        return read
+
+    assert offset_ns(clock("reference"), clock("other")) == 1_000_000
+    assert readings == {"reference": 3, "other": 6}
