@@ -62,12 +62,13 @@ class Intake:
         try:
             while at < len(requests):
                 run = _plain_run(requests, at)
-                if run > 1 and self._admit_run(
-                    connection, requests[at : at + run], arrays, start, woken
-                ):
-                    start += run * len(requests[at][7])  # each one's names: its arrays
-                    at += run
-                    continue
+                if run > 1:
+                    after = self._admit_run(
+                        connection, requests[at : at + run], arrays, start, woken
+                    )
+                    if after is not None:
+                        start, at = after, at + run
+                        continue
                 for request in requests[at : at + max(run, 1)]:
                     start = self._admit_each(connection, request, arrays, start, woken)
                 at += max(run, 1)
@@ -82,26 +83,23 @@ class Intake:
         arrays: list[np.ndarray],
         start: int,
         woken: dict[int, Batcher],
-    ) -> bool:
-        """Queue a run of plain one-item requests whole; False (nothing
-        queued) if anything stands in the way."""
+    ) -> int | None:
+        """Queue a run of plain one-item requests whole; where the next
+        request's arrays begin, or None (nothing queued) if anything stands
+        in the way."""
         _, model, version, generation, timeout, priority, _, names, _, _, _ = run[0]
         try:
             served = self.plane.registry.ready_model(model, version)
         except Exception:  # noqa: BLE001 - each request is then answered on its own
-            return False
+            return None
         if (
             isinstance(served, Ensemble)
             # a refusal for the latency target is counted: once per request
             or served.batcher.latency_target is not None
             or not self.generations.current(model, served, generation)
         ):
-            return False
-        width = len(names)
-        items = [
-            dict(zip(names, arrays[at : at + width]))
-            for at in range(start, start + width * len(run), width)
-        ]
+            return None
+        items, after = split_items(arrays, start, names, len(run))  # one item each
         remote = [RemoteRequest(connection, r[0], 1, r[10]) for r in run]
         batcher = served.batcher
         try:
@@ -116,14 +114,14 @@ class Intake:
                 one_per_request=True,
             )
         except Exception:  # noqa: BLE001 - refused whole, nothing queued: each on its own
-            return False
+            return None
         requests = connection.requests
         for request, entry in zip(remote, entries):
             request.batcher = batcher
             request.entries = [entry]
             requests[request.rid] = request
         woken[id(batcher)] = batcher
-        return True
+        return after
 
     def _admit_each(
         self,
