@@ -4,12 +4,12 @@ Each front end is one ``Connection`` (a ``Link`` on the scheduler process's
 loop, the loop every model's scheduler runs on). What a front end sends in
 one message is admitted in one pass (``frontends/intake.py``): each
 request's items, already decoded and validated by the front end with the
-server's own codecs, go straight
-into their model's queue, and each model's scheduler is woken once for the
-whole message, so requests from every front end share batches. Each item
-is answered through a ``ReplySlot`` (what the scheduler resolves in place
-of a future); a request whose items are all answered joins its front end's
-outbox, which leaves once per loop iteration.
+server's own codecs, go straight into their model's queue, and each
+model's scheduler is woken once for the whole message, so requests from
+every front end share batches. Each item is answered through a
+``ReplySlot`` (what the scheduler resolves in place of a future); a
+request whose items are all answered joins its front end's outbox, which
+leaves once per loop iteration.
 
 A front end that dies (its socket closes) takes nothing with it: its
 requests' items still queued leave the queue, and what is running is

@@ -3,8 +3,9 @@
 Each message is one ``ipc`` message (a msgpack header, then raw tensor
 bytes: nothing is ever pickled; the tensors read back in order, announced
 in runs by ``messages.frames_in_order``) on a front end's socket to the
-scheduler process. Its header holds any of these sections, so what one loop iteration
-produced travels as one message, whatever the number of requests in it:
+scheduler process. Its header holds any of these sections, so what one
+loop iteration produced travels as one message, whatever the number of
+requests in it:
 
     front end -> scheduler process
     "infer"    [[rid, model, version, generation, timeout, priority, parameters, names,
