@@ -50,6 +50,14 @@ class Buckets:
         self.total += value
         self.count += 1
 
+    def observe_many(self, values: Sequence[float]) -> None:
+        """``observe`` each of ``values`` (a batch's items: one call, not one each)."""
+        counts, bounds = self.counts, self.bounds
+        for value in values:
+            counts[bisect.bisect_left(bounds, value)] += 1
+        self.total += sum(values)
+        self.count += len(values)
+
     def cumulative(self) -> list[tuple[str, int]]:
         """``[(upper bound, cumulative count), ..., ("+Inf", count)]``."""
         out, running = [], 0

@@ -7,9 +7,11 @@ import math
 from concurrent.futures import Future
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
-from tensorserve.batching.policy import make_policy
+from tensorserve.batching.policy import Waiting, make_policy
 from tensorserve.errors import DeadlineExceeded, ServerBusy
 
 
@@ -117,6 +119,31 @@ def test_the_length_aware_policy_groups_similar_lengths_and_an_overdue_item_goes
     assert queue.take(0.002) == [a, c]
     # Now the oldest is overdue: it must be in the batch.
     assert old in queue.take(0.010)
+
+
+@given(
+    volumes=st.lists(st.integers(1, 50), min_size=1, max_size=40),
+    withdrawn=st.sets(st.integers(0, 39)),
+    takes=st.integers(1, 6),
+)
+@settings(max_examples=150, deadline=None)
+def test_the_policy_reads_the_volumes_of_exactly_the_entries_still_waiting(
+    volumes: list[int], withdrawn: set[int], takes: int
+) -> None:
+    """The queue keeps each waiting entry's volume beside it; after
+    withdrawals and batches taken anywhere in the queue, each batch is what
+    the length-aware policy picks from the entries still waiting."""
+    policy = make_policy("length_aware", None)
+    queue = make_queue(max_batch_size=4, max_queue_delay_ms=1e6, policy=policy)
+    entries = [entry(v, enqueued=i * 1e-3) for i, v in enumerate(volumes)]
+    queue.admit(entries, 0.0)
+    queue.withdraw([e for i, e in enumerate(entries) if i in withdrawn])
+    waiting = [e for i, e in enumerate(entries) if i not in withdrawn]
+    for _ in range(takes):
+        expected = [waiting[i] for i in policy.select(Waiting([e.volume for e in waiting]), 4)]
+        assert queue.take(0.0) == expected
+        waiting = [e for e in waiting if e not in expected]
+        assert len(queue) == len(waiting)
 
 
 def test_expire_answers_late_items_and_drops_those_whose_caller_left() -> None:

@@ -6,6 +6,7 @@ outputs: pinned host memory on a GPU) until a full collection."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tensorserve.batching.admission import Pending
+from tensorserve.batching.admission import Outcome, Pending
+from tensorserve.batching.delivery import settle
 from tensorserve.errors import ModelFailure
 from tensorserve.frontends.requests import RemoteRequest, ReplySlot
 
@@ -24,9 +26,14 @@ class Answers:
     def __init__(self) -> None:
         self.replies: list[tuple[int, list[Any]]] = []
         self.failures: list[tuple[int, str]] = []
+        self.calls = 0  # of reply_many
 
     def reply(self, rid: int, results: list[Any]) -> None:
         self.replies.append((rid, results))
+
+    def reply_many(self, replies: list[tuple[int, list[Any]]]) -> None:
+        self.calls += 1
+        self.replies.extend(replies)
 
     def fail(self, rid: int, exc: BaseException, **_: Any) -> None:
         self.failures.append((rid, str(exc)))
@@ -52,11 +59,13 @@ def no_collector() -> Iterator[None]:
     gc.enable()
 
 
-def queued(answers: Answers, items: int) -> tuple[RemoteRequest, list[ReplySlot], Queue]:
-    request = RemoteRequest(answers, 7, items, "caller-7")  # type: ignore[arg-type]
+def queued(
+    answers: Answers, items: int, rid: int = 7, loop: asyncio.AbstractEventLoop | None = None
+) -> tuple[RemoteRequest, list[ReplySlot], Queue]:
+    request = RemoteRequest(answers, rid, items, f"caller-{rid}")  # type: ignore[arg-type]
     slots = [ReplySlot(request, i) for i in range(items)]
     request.entries = [
-        Pending(item=i, volume=1, future=slot, loop=None, enqueued=0.0, deadline=None)
+        Pending(item=i, volume=1, future=slot, loop=loop, enqueued=0.0, deadline=None)
         for i, slot in enumerate(slots)
     ]
     request.batcher = queue = Queue()  # type: ignore[assignment]
@@ -90,3 +99,40 @@ def test_a_failed_request_withdraws_the_rest_and_leaves_nothing_for_the_collecto
     assert queue.withdrawn == [0, 1, 2]
     del request, slots, queue
     assert gc.collect() == 0
+
+
+async def test_a_batch_answers_each_connection_once_and_only_the_callers_still_waiting() -> None:
+    """A batch's outcomes, settled on the loop its slots belong to, reach
+    each connection in one ``reply_many``: the finished requests in batch
+    order; a request with an item still to come, one whose caller left and
+    one whose row failed are not among them (the failure is answered on its
+    own, once)."""
+    loop = asyncio.get_running_loop()
+    first, second = Answers(), Answers()
+    one, _, _ = queued(first, 1, rid=1, loop=loop)
+    two, _, _ = queued(first, 2, rid=2, loop=loop)  # its second item is in a later batch
+    left, left_slots, _ = queued(first, 1, rid=3, loop=loop)
+    poisoned, _, _ = queued(first, 1, rid=4, loop=loop)
+    other, _, _ = queued(second, 1, rid=5, loop=loop)
+    last, _, _ = queued(first, 1, rid=6, loop=loop)
+    left_slots[0].cancel()
+    outcomes: list[Outcome] = [
+        (one.entries[0], {"out": np.full(2, 1)}, False),
+        (two.entries[0], {"out": np.full(2, 2)}, False),
+        (left.entries[0], {"out": np.full(2, 3)}, False),
+        (poisoned.entries[0], ModelFailure("row 3 is poisoned"), True),
+        (other.entries[0], {"out": np.full(2, 5)}, False),
+        (last.entries[0], {"out": np.full(2, 6)}, False),
+    ]
+    settle(outcomes)
+    assert [(rid, [r["out"].tolist() for r in rs]) for rid, rs in first.replies] == [
+        (1, [[1, 1]]),
+        (6, [[6, 6]]),
+    ]
+    assert first.calls == 1 and first.failures == [(4, "row 3 is poisoned")]
+    assert [(rid, [r["out"].tolist() for r in rs]) for rid, rs in second.replies] == [(5, [[5, 5]])]
+    assert second.calls == 1
+    settle([(two.entries[1], {"out": np.full(2, 7)}, False)])  # its last item: now it is whole
+    assert first.replies[-1][0] == 2 and [r["out"][0] for r in first.replies[-1][1]] == [2, 7]
+    settle(outcomes[:1])  # settled again (a race with a retry): nothing more is sent
+    assert len(first.replies) == 3 and first.calls == 2

@@ -305,3 +305,17 @@ def _dead(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_observing_many_values_at_once_counts_as_observing_each() -> None:
+    from tensorserve.histograms import Buckets
+
+    values = [0.0, 0.001, 0.0049, 0.005, 0.2, 7.0, 1e9]
+    each, many = Buckets((0.001, 0.005, 0.1, 10.0)), Buckets((0.001, 0.005, 0.1, 10.0))
+    for value in values:
+        each.observe(value)
+    many.observe_many(values)
+    assert many.cumulative() == each.cumulative() == [
+        ("0.001", 2), ("0.005", 4), ("0.1", 4), ("10.0", 6), ("+Inf", 7)
+    ]
+    assert (many.count, many.total) == (each.count, each.total)

@@ -124,6 +124,10 @@ class AdmissionQueue:
         self.name = name
         self._padded_elements = padded_elements  # of a batch of these items (collate)
         self._waiting: list[Pending] = []
+        # Each waiting entry's volume, in the same order: what the policy
+        # reads at every batch, kept here rather than read again from up to
+        # a window of entries each time.
+        self._volumes: list[int] = []
         # How fast this queue drains, for Retry-After; with a target, the
         # target's, which predicts from the same estimate. Written only here.
         self.drain_rate = target.drain if target is not None else DrainRate()
@@ -157,6 +161,7 @@ class AdmissionQueue:
         if self.target is not None:  # late: refused now, not queued (batching.target)
             self.refuse_if_late(entries[0].priority, len(entries))
         self._waiting.extend(entries)
+        self._volumes.extend([entry.volume for entry in entries])
 
     def refuse_if_late(self, level: int | None, items: int, count: bool = True) -> None:
         """``WouldMissTarget`` if ``items`` at priority ``level`` would miss the
@@ -207,6 +212,7 @@ class AdmissionQueue:
             return
         leaving = {id(p) for p in entries}
         self._waiting = [p for p in self._waiting if id(p) not in leaving]
+        self._volumes = [p.volume for p in self._waiting]
         if not self._waiting:
             self.drain_rate.emptied()
 
@@ -234,20 +240,20 @@ class AdmissionQueue:
         if not self._waiting:
             return []
         positions = self._window(now)  # indices into the queue, in the order to prefer
-        window = (
-            self._waiting[: len(positions)]
-            if isinstance(positions, range)
-            else [self._waiting[i] for i in positions]
-        )
-        waiting = Waiting(
-            [p.volume for p in window], window[0].enqueued <= now - self._queue_delay_s()
-        )
+        if isinstance(positions, range):
+            window, volumes = self._waiting[: len(positions)], self._volumes[: len(positions)]
+        else:
+            window = [self._waiting[i] for i in positions]
+            volumes = [self._volumes[i] for i in positions]
+        waiting = Waiting(volumes, window[0].enqueued <= now - self._queue_delay_s())
         chosen = sorted(self.options.policy.select(waiting, self.batch_cap()))
         chosen = self._within_element_cap(window, chosen)
         if leave_growing and len(chosen) == len(self._waiting):
             return []
-        taken = {positions[i] for i in chosen}
-        self._waiting = [p for i, p in enumerate(self._waiting) if i not in taken]
+        # Deleted from the back: each deletion a move of what follows, in C
+        # (not a new list of everything that stays, in Python).
+        for position in sorted((positions[i] for i in chosen), reverse=True):
+            del self._waiting[position], self._volumes[position]
         self.drain_rate.taken(len(chosen), now, len(self._waiting))
         return [window[i] for i in chosen]
 
@@ -292,7 +298,7 @@ class AdmissionQueue:
 
     def drain(self) -> list[Pending]:
         """Remove and return everything waiting."""
-        waiting, self._waiting = self._waiting, []
+        waiting, self._waiting, self._volumes = self._waiting, [], []
         self.drain_rate.emptied()
         return waiting
 

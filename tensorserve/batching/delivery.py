@@ -44,6 +44,14 @@ def running_loop() -> asyncio.AbstractEventLoop | None:
 
 
 def _deliver(outcomes: Sequence[Outcome]) -> None:
+    # Futures of a type that resolves many at once (``deliver_many``: the
+    # front ends' requests in the scheduler process) are handed over
+    # together: one call, not a few per caller.
+    kind = type(outcomes[0][0].future) if outcomes else None
+    many = getattr(kind, "deliver_many", None)
+    if many is not None and all(type(outcome[0].future) is kind for outcome in outcomes):
+        many(outcomes)
+        return
     for entry, value, failed in outcomes:
         future = entry.future
         # A caller that gave up (timeout, disconnect) may have cancelled meanwhile.

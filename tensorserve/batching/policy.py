@@ -135,7 +135,9 @@ class BatchCostModel:
         elementwise over arrays (the policy's grid), one number for numbers."""
         assert self.coefficients is not None
         fixed, per_element, per_step = self.coefficients
-        return fixed + per_element * size * longest + per_step * longest
+        # Grouped so the policy's grid reads it as one product per cell
+        # (``LengthAwarePolicy.select``), to the same bits.
+        return fixed + longest * (per_element * size + per_step)
 
 
 def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -225,6 +227,7 @@ class LengthAwarePolicy:
         )
         starts = np.arange(lo, hi)
         best = (-np.inf, 0, 0)  # (score, size, start)
+        coefficients = self.cost.coefficients
         block = max(1, _GRID_CELLS // width)
         for low in range(0, most, block):
             sizes, inside = _run_grid(n, low, min(most, low + block))
@@ -235,8 +238,13 @@ class LengthAwarePolicy:
                 valid = valid & (forced < starts + sizes)
             if limit:
                 valid = valid & ((sizes * longest <= limit) | (sizes == 1))
-            if self.cost.fitted:
-                scores = real / np.maximum(self.cost.cost(sizes, longest), 1e-12)
+            if coefficients is not None:  # real / cost, as BatchCostModel.cost reads, in place
+                fixed, per_element, per_step = coefficients
+                scores = longest * (per_element * sizes + per_step)  # a column, then the grid
+                scores += fixed
+                if fixed < 1e-12:  # else every cost is at least that already
+                    np.maximum(scores, 1e-12, out=scores)
+                np.divide(real, scores, out=scores)
             else:  # most items first, then least waste
                 scores = sizes * 1e18 - (sizes * longest - real)
             scores = np.where(valid, scores, -np.inf)

@@ -191,12 +191,10 @@ class BatchStats:
                 self.item_unpad_seconds += size * unpad_seconds
             if padded_length is not None:
                 h["padded_length"].observe(padded_length)
-            wait_histogram, recent = h["queue_wait_seconds"], self.recent_items
-            for submitted in enqueued:
-                wait = dispatched - submitted
-                self.queue_seconds += wait
-                wait_histogram.observe(wait)
-                recent.append((now, now - submitted))
+            waits = [dispatched - submitted for submitted in enqueued]
+            self.queue_seconds += sum(waits)
+            h["queue_wait_seconds"].observe_many(waits)
+            self.recent_items.extend([(now, now - submitted) for submitted in enqueued])
             self.recent_batches.append((now, real, padded))
 
     def _record_requests(

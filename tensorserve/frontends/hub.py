@@ -102,12 +102,26 @@ class Connection:
 
     # -- out --------------------------------------------------------------------
     def reply(self, rid: int, results: Sequence[Any]) -> None:
-        if self.requests.pop(rid, None) is None:
-            return  # cancelled meanwhile: nobody waits for it
-        names = [list(result) for result in results]
-        parameters = [row_parameters(result) for result in results]
-        tensors: list[np.ndarray] = [array for result in results for array in result.values()]
-        self.outbox.add("replies", [rid, names, parameters if any(parameters) else None], tensors)
+        self.reply_many([(rid, results)])
+
+    def reply_many(self, replies: Sequence[tuple[int, Sequence[Any]]]) -> None:
+        """Answer each (request id, its items' results) still waited for."""
+        requests, entries = self.requests, []
+        tensors: list[np.ndarray] = []
+        for rid, results in replies:
+            if requests.pop(rid, None) is None:
+                continue  # cancelled meanwhile: nobody waits for it
+            if len(results) == 1 and type(results[0]) is dict:  # one plain item: most replies
+                (result,) = results
+                entries.append([rid, [list(result)], None])
+                tensors.extend(result.values())
+                continue
+            names = [list(result) for result in results]
+            parameters = [row_parameters(result) for result in results]
+            entries.append([rid, names, parameters if any(parameters) else None])
+            tensors.extend(array for result in results for array in result.values())
+        if entries:
+            self.outbox.add_many("replies", entries, tensors)
 
     def fail(
         self,

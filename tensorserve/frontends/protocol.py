@@ -106,6 +106,12 @@ class Outbox:
             self.tensors.extend(tensors)
         self.schedule()
 
+    def add_many(self, section: str, entries: list[Any], tensors: Sequence[np.ndarray]) -> None:
+        """``add`` for each of ``entries``, their tensors in order."""
+        self.sections.setdefault(section, []).extend(entries)
+        self.tensors.extend(tensors)
+        self.schedule()
+
     def put(self, section: str, value: Any) -> None:
         """Set a section that is a value, not a list (the latest wins)."""
         self.sections[section] = value
@@ -125,8 +131,8 @@ class Outbox:
         sections, tensors = self.sections, self.tensors
         self.sections, self.tensors = {}, []
         buffers = messages.frames_in_order(sections, tensors)
-        # Many small tensors: one copy into one buffer costs less than a
-        # buffer each through the socket.
+        # Many tensors: one copy into one buffer costs less than a buffer
+        # each through the socket (and through ``Link``'s bookkeeping).
         self._send([buffers[0], b"".join(buffers[1:])] if len(buffers) > 2 else buffers)
 
 

@@ -71,25 +71,27 @@ def frames_in_order(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> 
     The bytes are the same; the receiver reads a run with one
     ``frombuffer`` and a slice per array, not a spec and a ``frombuffer``
     each (a message of many one-item requests announces two tensors a
-    request, a reply of many rows one a row)."""
+    request, a reply of many rows one a row). This runs for every array
+    the scheduler process sends or receives: an array that continues the
+    run costs a shape comparison and two appends."""
     specs: list[list[Any]] = []
     payloads: list[Buffer] = []
-    run: list[Any] | None = None  # the run being announced; its arrays' shape past axis 0:
-    rest: tuple[int, ...] = ()
+    lengths: list[int] = []  # the first axis of each array of the run being announced
+    run_dtype: np.dtype[Any] | None = None  # the run's (None: no run to continue)
+    rest: tuple[int, ...] = ()  # its arrays' shape past axis 0
     for i, array in enumerate(arrays):
-        if array.dtype.kind == "O" or not array.ndim:  # bytes, or no axis to run along
-            run = None
+        dt, shape = array.dtype, array.shape
+        if dt is run_dtype and shape and shape[1:] == rest:
+            lengths.append(shape[0])
+        elif dt.kind == "O" or not shape:  # bytes, or no axis to run along
+            run_dtype = None
             specs.append(_announce(str(i), array, payloads))
             continue
-        name = _name(array.dtype)
-        if run is not None and run[1] == name and array.shape[1:] == rest:
-            run[3].append(array.shape[0])
         else:
-            rest = array.shape[1:]
-            run = [str(i), name, list(rest), [array.shape[0]]]
-            specs.append(run)
-        if array.size:
-            payloads.append(_contiguous(array))
+            run_dtype, rest, lengths = dt, shape[1:], [shape[0]]
+            specs.append([str(i), _name(dt), list(rest), lengths])
+        if array.size:  # (an ndarray is a buffer; numpy's stubs do not say so)
+            payloads.append(cast(memoryview, array if array.flags.c_contiguous else array.copy()))
     head = msgpack.packb({**header, "tensors": specs})
     return [_LENGTH.pack(len(head)) + head, *payloads]
 
