@@ -87,7 +87,12 @@ def cpu_seconds(pid: int, tid: int | None = None) -> float:
 
 
 def drive(
-    args: argparse.Namespace, sock: socket.socket, pid: int, request_ids: bool, runs: bool
+    args: argparse.Namespace,
+    sock: socket.socket,
+    pid: int,
+    request_ids: bool,
+    runs: bool,
+    request_runs: bool = False,
 ) -> dict[str, Any]:
     from tensorserve.ipc import messages
 
@@ -119,7 +124,9 @@ def drive(
             request = [next_id, name, str(version), generation, None, None, {}, names, 1, None]
             requests.append(request + [f"bench-{next_id}"] if request_ids else request)
             tensors += items[next_id % ITEMS]
-        buffers = (  # as the tree's front ends send them
+        if request_runs:  # as the tree's front ends send them: plain requests as runs
+            requests = [[[r[0] for r in requests], *requests[0][1:6], names, [r[10] for r in requests]]]
+        buffers = (
             messages.frames_in_order({"infer": requests}, tensors)
             if runs
             else messages.frames({"infer": requests}, {str(i): t for i, t in enumerate(tensors)})
@@ -142,12 +149,14 @@ def drive(
             continue
         for header, _ in receive():
             replies = header.get("replies", ())
-            answered += len(replies)
+            # A run of rows ([[rid, ...], names]) answers each of its requests.
+            count = sum(len(r[0]) if type(r[0]) is list else 1 for r in replies)
+            answered += count
             failed += sum(1 for reply in replies if reply[1] is None)
             if failed and args.stop_on_error:
                 raise SystemExit(f"a request failed: {next(r for r in replies if r[1] is None)}")
-            for start in range(0, len(replies), args.per_message):
-                send(min(args.per_message, len(replies) - start))
+            for start in range(0, count, args.per_message):
+                send(min(args.per_message, count - start))
     (t0, n0, c0, d0, l0), (t1, n1, c1, d1, l1) = marks
     requests = n1 - n0
     return {
@@ -178,7 +187,11 @@ def one_run(tree: Path, repository: Path, args: argparse.Namespace) -> dict[str,
         protocol = (tree / "tensorserve" / "frontends" / "protocol.py").read_text()
         # And whose messages announce runs of arrays (ipc/messages.py) or not.
         runs = "def frames_in_order" in (tree / "tensorserve" / "ipc" / "messages.py").read_text()
-        result = drive(args, ours, child.pid, "traceparent, request_id]" in protocol, runs)
+        # And whose front ends send plain requests as runs (protocol.in_runs) or not.
+        request_runs = "def in_runs" in protocol
+        result = drive(
+            args, ours, child.pid, "traceparent, request_id]" in protocol, runs, request_runs
+        )
     finally:
         child.send_signal(signal.SIGTERM)
         try:

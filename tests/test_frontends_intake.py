@@ -20,7 +20,7 @@ import pytest
 from tensorserve.dataplane.assembly import build_plane, models_served
 from tensorserve.errors import RequestTooLarge, ServerBusy
 from tensorserve.frontends.hub import FrontEndHub
-from tensorserve.frontends.protocol import error_from
+from tensorserve.frontends.protocol import error_from, in_runs
 from tensorserve.ipc import messages
 from tensorserve.settings import Settings
 from tests.helpers import ECHO, write_toy_model
@@ -49,6 +49,7 @@ class FrontEnd:
         self.sock.setblocking(False)
         self.replies: dict[int, Any] = {}
         self.table: list[Any] = []
+        self.runs: list[list[int]] = []  # the request ids of each run of rows replied
 
     def read(self, until: Any, timeout: float = 30.0) -> None:
         """Read (in a thread) until ``until()`` holds."""
@@ -58,7 +59,15 @@ class FrontEnd:
             for header, tensors in self.reader.feed(self.sock) or []:
                 self.table = header.get("models", self.table)
                 arrays = list(tensors.values())
-                for rid, names, outcome in header.get("replies", ()):
+                for reply in header.get("replies", ()):
+                    if type(reply[0]) is list:  # a run of rows: [[rid, ...], names]
+                        rids, names = reply
+                        self.runs.append(rids)
+                        for rid in rids:
+                            self.replies[rid] = [dict(zip(names, arrays[: len(names)]))]
+                            del arrays[: len(names)]
+                        continue
+                    rid, names, outcome = reply
                     if names is None:
                         self.replies[rid] = error_from(outcome)
                         continue
@@ -73,7 +82,8 @@ class FrontEnd:
         requests: list[tuple[int, list[dict[str, np.ndarray]]]],
         timeouts: dict[int, float] | None = None,
     ) -> None:
-        """One message of ``(rid, items)``; ``timeouts`` in seconds by rid."""
+        """One message of ``(rid, items)``, its plain requests in runs as a
+        front end sends them; ``timeouts`` in seconds by rid."""
         name, version, *_, generation = next(e for e in self.table if e[0] == "echo")
         infer, arrays = [], []
         for rid, items in requests:
@@ -83,7 +93,7 @@ class FrontEnd:
                  f"caller-{rid}"]
             )  # fmt: skip
             arrays += [item[n] for item in items for n in names]
-        buffers = messages.frames({"infer": infer}, {str(i): a for i, a in enumerate(arrays)})
+        buffers = messages.frames_in_order({"infer": in_runs(infer)}, arrays)
         self.sock.setblocking(True)
         self.sock.sendall(b"".join(buffers))
         self.sock.setblocking(False)
@@ -127,6 +137,9 @@ async def test_a_run_of_one_item_requests_answers_each_caller_its_own_row(
         got = front_end.replies[rid]
         assert [r["y"].tolist() for r in got] == [np.full((2, 4), v).tolist() for v in values], rid
     assert (stats.total_requests, stats.total_items) == (before[0] + 7, before[1] + 8)
+    # The one-item requests answered by one batch come back as one run of rows.
+    assert any(len(rids) > 1 for rids in front_end.runs)
+    assert sorted(rid for rids in front_end.runs for rid in rids) == [1, 2, 4, 5, 6, 7]
 
 
 async def test_a_run_that_does_not_fit_is_answered_as_if_each_came_alone(

@@ -10,6 +10,7 @@ import asyncio
 import math
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -18,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorserve import errors
-from tensorserve.frontends.protocol import Outbox, error_entry, error_from
+from tensorserve.frontends.protocol import Outbox, each_of_run, error_entry, error_from, in_runs
 from tensorserve.frontends.remote import Scheduler
 from tensorserve.frontends.report import RequestReport
 from tensorserve.ipc import messages
@@ -274,3 +275,44 @@ def test_a_front_ends_table_answers_lookups_as_the_registry_does(
         model.refuse_if_late()
     assert refused.value.retry_after == 4.0
     assert scheduler.metrics.requests.take()["refused"] == [("m", 1)]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),  # model
+            st.sampled_from([None, 2.5]),  # timeout
+            st.sampled_from([0, 1]),  # priority
+            st.sampled_from([1, 1, 1, 2]),  # items
+            st.sampled_from([{}, {}, {}, {"k": 1}]),  # parameters
+            st.sampled_from([None, None, None, "00-trace"]),
+        ),
+        max_size=25,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_plain_requests_travel_as_runs_that_stand_for_exactly_them(
+    shapes: list[tuple[str, float | None, int, int, dict[str, int], str | None]],
+) -> None:
+    """``in_runs`` writes each stretch of consecutive plain requests (one
+    item, no parameters, no trace, the rest shared) as one run, and only
+    those: expanded again they are the requests, in order."""
+    requests = [
+        [rid, model, "1", 3, timeout, priority, parameters, ["x"], items, traced, f"id-{rid}"]
+        for rid, (model, timeout, priority, items, parameters, traced) in enumerate(shapes)
+    ]
+    sent = in_runs(requests)
+    expanded = [
+        one for entry in sent for one in (each_of_run(entry) if type(entry[0]) is list else [entry])
+    ]
+
+    def without_parameters(request: list[Any]) -> list[Any]:  # none: {} or None alike
+        return request[:6] + [request[6] or None] + request[7:]
+
+    assert [without_parameters(r) for r in expanded] == [without_parameters(r) for r in requests]
+    for entry in sent:
+        if type(entry[0]) is list:
+            assert len(entry[0]) > 1, "a run has two requests or more"
+    for before, after in zip(sent, sent[1:]):  # two runs side by side would have been one
+        if type(before[0]) is list and type(after[0]) is list:
+            assert before[1:7] != after[1:7]

@@ -26,7 +26,8 @@ class Answers:
     def __init__(self) -> None:
         self.replies: list[tuple[int, list[Any]]] = []
         self.failures: list[tuple[int, str]] = []
-        self.calls = 0  # of reply_many
+        self.calls = 0  # of reply_many and reply_rows
+        self.rows: list[list[int]] = []  # each reply_rows call's request ids
 
     def reply(self, rid: int, results: list[Any]) -> None:
         self.replies.append((rid, results))
@@ -34,6 +35,11 @@ class Answers:
     def reply_many(self, replies: list[tuple[int, list[Any]]]) -> None:
         self.calls += 1
         self.replies.extend(replies)
+
+    def reply_rows(self, rids: list[int], rows: list[Any]) -> None:
+        self.calls += 1
+        self.rows.append(rids)
+        self.replies.extend((rid, [row]) for rid, row in zip(rids, rows))
 
     def fail(self, rid: int, exc: BaseException, **_: Any) -> None:
         self.failures.append((rid, str(exc)))
@@ -103,10 +109,11 @@ def test_a_failed_request_withdraws_the_rest_and_leaves_nothing_for_the_collecto
 
 async def test_a_batch_answers_each_connection_once_and_only_the_callers_still_waiting() -> None:
     """A batch's outcomes, settled on the loop its slots belong to, reach
-    each connection in one ``reply_many``: the finished requests in batch
-    order; a request with an item still to come, one whose caller left and
-    one whose row failed are not among them (the failure is answered on its
-    own, once)."""
+    each connection in one call: the finished one-item requests as rows of
+    one run, in batch order; a request with an item still to come, one
+    whose caller left and one whose row failed are not among them (the
+    failure is answered on its own, once); a request of two items, once
+    whole, as a reply of its own."""
     loop = asyncio.get_running_loop()
     first, second = Answers(), Answers()
     one, _, _ = queued(first, 1, rid=1, loop=loop)
@@ -129,7 +136,8 @@ async def test_a_batch_answers_each_connection_once_and_only_the_callers_still_w
         (1, [[1, 1]]),
         (6, [[6, 6]]),
     ]
-    assert first.calls == 1 and first.failures == [(4, "row 3 is poisoned")]
+    assert first.calls == 1 and first.rows == [[1, 6]]
+    assert first.failures == [(4, "row 3 is poisoned")]
     assert [(rid, [r["out"].tolist() for r in rs]) for rid, rs in second.replies] == [(5, [[5, 5]])]
     assert second.calls == 1
     settle([(two.entries[1], {"out": np.full(2, 7)}, False)])  # its last item: now it is whole

@@ -104,6 +104,19 @@ class Connection:
     def reply(self, rid: int, results: Sequence[Any]) -> None:
         self.reply_many([(rid, results)])
 
+    def reply_rows(self, rids: Sequence[int], rows: Sequence[dict[str, np.ndarray]]) -> None:
+        """Answer one-item requests with their rows of one batch (plain
+        results, all with the same outputs), those still waited for, as one
+        run: [[rid, ...], names] (``protocol``)."""
+        requests, answered = self.requests, []
+        tensors: list[np.ndarray] = []
+        for rid, row in zip(rids, rows):
+            if requests.pop(rid, None) is not None:  # else cancelled meanwhile
+                answered.append(rid)
+                tensors.extend(row.values())
+        if answered:
+            self.outbox.add("replies", [answered, list(rows[0])], tensors)
+
     def reply_many(self, replies: Sequence[tuple[int, Sequence[Any]]]) -> None:
         """Answer each (request id, its items' results) still waited for."""
         requests, entries = self.requests, []
@@ -111,11 +124,6 @@ class Connection:
         for rid, results in replies:
             if requests.pop(rid, None) is None:
                 continue  # cancelled meanwhile: nobody waits for it
-            if len(results) == 1 and type(results[0]) is dict:  # one plain item: most replies
-                (result,) = results
-                entries.append([rid, [list(result)], None])
-                tensors.extend(result.values())
-                continue
             names = [list(result) for result in results]
             parameters = [row_parameters(result) for result in results]
             entries.append([rid, names, parameters if any(parameters) else None])

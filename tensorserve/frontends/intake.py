@@ -2,7 +2,8 @@
 
 A message carries the requests a front end received in one loop iteration,
 usually many one-item requests for one model with nothing of their own but
-their arrays. Those go in as one run: one lookup of the model, one check of
+their arrays, which the front end sends as runs (``protocol.in_runs``).
+A run goes in whole: one lookup of the model, one check of
 its generation, one pass through its admission lock, one count in its
 statistics, instead of each request paying for all of it (the scheduler
 process's CPU per request is what caps one GPU, whatever the number of
@@ -29,7 +30,7 @@ from tensorserve.dataplane.logs import REQUEST_ID
 from tensorserve.dataplane.plane import DataPlane
 from tensorserve.ensemble import Ensemble
 from tensorserve.errors import ModelNotReady
-from tensorserve.frontends.protocol import split_items
+from tensorserve.frontends.protocol import each_of_run, split_items
 from tensorserve.frontends.requests import RemoteRequest, ReplySlot
 from tensorserve.frontends.table import Generations
 
@@ -57,21 +58,20 @@ class Intake:
     def admit(self, connection: Connection, requests: list[Any], arrays: list[np.ndarray]) -> None:
         """Queue every request of one message, in order; wake each model's
         scheduler once, after the whole message."""
-        start, at = 0, 0
+        start = 0
         woken: dict[int, Batcher] = {}
         try:
-            while at < len(requests):
-                run = _plain_run(requests, at)
-                if run > 1:
-                    after = self._admit_run(
-                        connection, requests[at : at + run], arrays, start, woken
-                    )
-                    if after is not None:
-                        start, at = after, at + run
-                        continue
-                for request in requests[at : at + max(run, 1)]:
+            for request in requests:
+                if type(request[0]) is not list:
                     start = self._admit_each(connection, request, arrays, start, woken)
-                at += max(run, 1)
+                    continue
+                # A run of plain requests (protocol.in_runs): whole, or each on its own.
+                after = self._admit_run(connection, request, arrays, start, woken)
+                if after is not None:
+                    start = after
+                    continue
+                for one in each_of_run(request):
+                    start = self._admit_each(connection, one, arrays, start, woken)
         finally:
             for batcher in woken.values():
                 batcher.scheduler.wake()
@@ -87,7 +87,7 @@ class Intake:
         """Queue a run of plain one-item requests whole; where the next
         request's arrays begin, or None (nothing queued) if anything stands
         in the way."""
-        _, model, version, generation, timeout, priority, _, names, _, _, _ = run[0]
+        rids, model, version, generation, timeout, priority, names, request_ids = run
         try:
             served = self.plane.registry.ready_model(model, version)
         except Exception:  # noqa: BLE001 - each request is then answered on its own
@@ -99,8 +99,11 @@ class Intake:
             or not self.generations.current(model, served, generation)
         ):
             return None
-        items, after = split_items(arrays, start, names, len(run))  # one item each
-        remote = [RemoteRequest(connection, r[0], 1, r[10]) for r in run]
+        items, after = split_items(arrays, start, names, len(rids))  # one item each
+        remote = [
+            RemoteRequest(connection, rid, 1, request_id)
+            for rid, request_id in zip(rids, request_ids)
+        ]
         batcher = served.batcher
         try:
             entries = batcher.submit_into(
@@ -208,28 +211,6 @@ class Intake:
             return
         connection.requests[rid] = request
         woken[id(batcher)] = batcher
-
-
-def _plain_run(requests: list[Any], at: int) -> int:
-    """How many requests from ``at`` on form a run that can be admitted
-    whole: one item each, untraced, without parameters, all for the same
-    model, version, generation, timeout and priority, with the same feature
-    names (0: the request at ``at`` is not plain). A request is [rid, model,
-    version, generation, timeout, priority, parameters, names, count,
-    traced, request_id] (``frontends/protocol.py``); read by index here, as
-    this runs for every request."""
-    first = requests[at]
-    if first[8] != 1 or first[9] or first[6]:
-        return 0
-    key = first[1:6]
-    names = first[7]
-    end = at + 1
-    while end < len(requests):
-        r = requests[end]
-        if r[8] != 1 or r[9] or r[6] or r[1:6] != key or r[7] != names:
-            break
-        end += 1
-    return end - at
 
 
 def _answer_when_done(connection: Connection, rid: int, task: asyncio.Task[Any]) -> None:

@@ -13,7 +13,10 @@ requests in it:
                model whose config the front end validated against
                (``table.Generations``); ``request_id``: its caller's (X-Request-ID),
                on the scheduler process's log lines about it
-               the tensors: each request's items, each item's ``names`` in order
+               the tensors: each request's items, each item's ``names`` in order.
+               Or a run (``in_runs``): [[rid, ...], model, version, generation,
+               timeout, priority, names, [request_id, ...]], consecutive plain
+               requests (one item, no parameters, no trace) that share the rest
     "cancel"   [rid, ...]: callers that left or timed out; their items leave the queue
     "ask"      [[aid, what, args], ...]: the answers about the server and its models
                (``dataplane/models.py ANSWERS``: health, metadata, statistics,
@@ -30,7 +33,8 @@ requests in it:
                seconds) changes, not asked per request; the message names
                only those (``table.refusals``), so it holds until the next one
     "replies"  [[rid, [names per item], [parameters per item] | None], ...] or
-               [[rid, None, error], ...]; the tensors: each answered item's outputs
+               [[rid, None, error], ...]; the tensors: each answered item's outputs.
+               Or a run: [[rid, ...], names], one plain item each (no parameters)
     "answers"  [[aid, True, value] | [aid, False, error], ...]
 
 An error travels as [class name, message, retry_after | None] and is raised
@@ -134,6 +138,45 @@ class Outbox:
         # Many tensors: one copy into one buffer costs less than a buffer
         # each through the socket (and through ``Link``'s bookkeeping).
         self._send([buffers[0], b"".join(buffers[1:])] if len(buffers) > 2 else buffers)
+
+
+def in_runs(requests: list[Any]) -> list[Any]:
+    """``requests`` ("infer" entries) with each stretch of consecutive plain
+    requests (one item, no parameters, no trace) for the same model,
+    version, generation, timeout, priority and feature names written as
+    one run entry. A front end sends many such requests in one message;
+    the scheduler process admits a run whole (``frontends/intake.py``) and
+    unpacks two values a request, not eleven: its CPU per request is what
+    caps a GPU. The tensors are unchanged: a run's are its requests', in
+    order."""
+    out: list[Any] = []
+    at = 0
+    while at < len(requests):
+        first = requests[at]
+        end = at + 1
+        if first[8] == 1 and not first[9] and not first[6]:
+            key, names = first[1:6], first[7]
+            while end < len(requests):
+                r = requests[end]
+                if r[8] != 1 or r[9] or r[6] or r[1:6] != key or r[7] != names:
+                    break
+                end += 1
+        if end - at == 1:
+            out.append(first)
+        else:
+            run = requests[at:end]
+            out.append([[r[0] for r in run], *key, names, [r[10] for r in run]])
+        at = end
+    return out
+
+
+def each_of_run(run: list[Any]) -> list[list[Any]]:
+    """A run entry as the plain requests it stands for (``in_runs``)."""
+    rids, model, version, generation, timeout, priority, names, request_ids = run
+    return [
+        [rid, model, version, generation, timeout, priority, None, names, 1, None, request_id]
+        for rid, request_id in zip(rids, request_ids)
+    ]
 
 
 def split_items(

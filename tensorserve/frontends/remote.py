@@ -30,7 +30,7 @@ import numpy as np
 from tensorserve.dataplane.lag import LoopLag
 from tensorserve.dataplane.logs import REQUEST_ID
 from tensorserve.errors import DeadlineExceeded, ModelNotReady, WouldMissTarget
-from tensorserve.frontends.protocol import Outbox, error_from, split_items
+from tensorserve.frontends.protocol import Outbox, error_from, in_runs, split_items
 from tensorserve.frontends.report import REPORT_S, FrontEndMetrics
 from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
@@ -267,7 +267,16 @@ class Scheduler:
 
     def _replies(self, replies: list[Any], arrays: list[np.ndarray]) -> None:
         start = 0
-        for rid, names, parameters in replies:
+        for reply in replies:
+            if type(reply[0]) is list:  # a run: [[rid, ...], names], one plain item each
+                rids, names = reply
+                items, start = split_items(arrays, start, names, len(rids))
+                for rid, item in zip(rids, items):
+                    answer = self._waiting.pop(rid, None)
+                    if answer is not None and not answer.done():
+                        answer.set_result([item])
+                continue
+            rid, names, parameters = reply
             answer = self._waiting.pop(rid, None)
             if names is None:  # [rid, None, error]
                 if answer is not None and not answer.done():
@@ -282,8 +291,12 @@ class Scheduler:
 
     # -- reports -----------------------------------------------------------------
     def _add_report(self, outbox: Outbox) -> None:
-        """The calls observed since the last report ride with the periodic
+        """Before each message: its plain requests go as runs (``in_runs``).
+        The calls observed since the last report ride with the periodic
         report, and with any question (the metrics' text then counts them)."""
+        requests = outbox.sections.get("infer")
+        if requests is not None and len(requests) > 1:
+            outbox.sections["infer"] = in_runs(requests)
         report = outbox.sections.get("report")
         if report is not None or "ask" in outbox.sections:
             outbox.sections["report"] = {**(report or {}), **self.metrics.requests.take()}

@@ -5,7 +5,7 @@ items' results as they come, answered once all are in) and ``ReplySlot``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from tensorserve.batching.admission import Outcome, Pending
 from tensorserve.batching.batcher import Batcher
@@ -50,24 +50,35 @@ class ReplySlot:
     def deliver_many(outcomes: Sequence[Outcome]) -> None:
         """Resolve a batch's slots at once (``batching/delivery.py`` calls
         this for outcomes whose futures are all ``ReplySlot``): each
-        connection then gets every reply the batch finished in one call, not
-        one per request through three more calls."""
-        finished: dict[Connection, list[tuple[int, list[Any]]]] = {}
+        connection then gets the replies the batch finished in one call, not
+        one per request through three more. The one-item requests whose row
+        is a plain result go as rows of one run (``Connection.reply_rows``):
+        a batch's rows all hold the same outputs."""
+        finished: dict[Connection, tuple[list[int], list[Any], list[tuple[int, list[Any]]]]] = {}
         for entry, value, failed in outcomes:
-            slot = cast(ReplySlot, entry.future)
+            slot: ReplySlot = entry.future  # type: ignore[assignment]
             if slot._state:  # its caller left meanwhile
                 continue
             slot._state = 1
             request = slot._request
             if failed:
                 request.failed(value)
-            elif request.answered(slot._index, value):
-                replies = finished.get(request.connection)
-                if replies is None:
-                    finished[request.connection] = replies = []
-                replies.append((request.rid, request.results))
-        for connection, replies in finished.items():
-            connection.reply_many(replies)
+                continue
+            if not request.answered(slot._index, value):
+                continue  # items of it are still to come
+            replies = finished.get(request.connection)
+            if replies is None:
+                finished[request.connection] = replies = ([], [], [])
+            if len(request.results) == 1 and type(value) is dict:
+                replies[0].append(request.rid)
+                replies[1].append(value)
+            else:
+                replies[2].append((request.rid, request.results))
+        for connection, (rids, rows, others) in finished.items():
+            if rids:
+                connection.reply_rows(rids, rows)
+            if others:
+                connection.reply_many(others)
 
     def set_exception(self, exc: BaseException) -> None:
         self._state = 1
