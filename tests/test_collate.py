@@ -155,6 +155,22 @@ def test_the_counted_size_is_the_rounded_up_size() -> None:
     assert collator([{"name": "x", "dtype": "float32", "shape": [-1, 3]}]).volume(items[0]) == 5
 
 
+@pytest.mark.parametrize(
+    ("shape", "multiple"), [([-1], None), ([-1], 8), ([-1, 3], None), ([4, -1, -1], None)]
+)
+def test_the_volumes_of_many_items_are_each_items_volume(shape: list[int], multiple: int | None) -> None:
+    """``volumes`` (admission's one call for a request's items) counts as
+    ``volume`` does, on its shortcut (one variable axis, no rounding) and off it."""
+    counting = collator([{"name": "x", "dtype": "float32", "shape": shape}], pad_to_multiple_of=multiple)
+    rng = np.random.default_rng(0)
+    items = [
+        {"x": np.ones([int(rng.integers(1, 20)) if d == -1 else d for d in shape], np.float32)}
+        for _ in range(6)
+    ]
+    assert counting.volumes(items) == [counting.volume(item) for item in items]
+    assert len(set(counting.volumes(items))) > 1
+
+
 def test_the_largest_batch_is_every_item_at_its_limit_rounding_never_past_it() -> None:
     limits = collator(
         [{"name": "ids", "dtype": "int64", "shape": [-1], "max_length": 100},

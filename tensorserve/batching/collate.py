@@ -338,6 +338,15 @@ class Collator:
         padded = padded_shape(shape, self.primary, self.pad_to_multiple_of)
         return math.prod(padded[axis] for axis in self._primary_axes)
 
+    def volumes(self, items: Sequence[Item]) -> list[int]:
+        """``volume`` of each item; for the common one variable axis
+        without rounding, its length, read without a call per item (this
+        runs for every request the scheduler process admits)."""
+        if self.primary is not None and self._primary_axes == (0,) and not self.pad_to_multiple_of:
+            name = self.primary.name
+            return [len(item[name]) for item in items]
+        return [self.volume(item) for item in items]
+
     def padded_elements(self, items: Sequence[Item]) -> int:
         """Elements ``pad(items)`` allocates, all features (``padded_shape``)."""
         total = 0
