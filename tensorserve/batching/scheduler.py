@@ -110,6 +110,9 @@ class Scheduler:
         self.free_at = [0.0] * count  # perf_counter() when each last finished a batch
         self.slowest_s = 0.0  # the longest batch so far (the watchdog's "auto")
         self.home: SchedulerLoop | None = None  # the loop it runs on (start)
+        # Called on the loop as a batch ends, before the next forms (the
+        # scheduler process reads its front ends' sockets then: pacing.py).
+        self.before_forming: Callable[[], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 
@@ -207,6 +210,10 @@ class Scheduler:
         except BaseException as exc:  # noqa: BLE001 - a bug here must answer every caller
             self._fatal(exc)
         self._note_idle()
+
+    def has_room(self) -> bool:
+        """Whether an instance could take a batch now (on the loop)."""
+        return self._free_instance() is not None
 
     def _free_instance(self) -> int | None:
         """The least busy instance that can take a batch (None: none can)."""
@@ -314,6 +321,8 @@ class Scheduler:
             self._finish(batch)
         except BaseException as exc:  # noqa: BLE001 - a bug here must answer every caller
             self._fatal(exc, batch.entries)
+        if self.before_forming is not None:
+            self.before_forming()
         self._pump()
 
     def _repair(self, instance: int) -> None:

@@ -35,7 +35,8 @@ def build_plane(settings: Settings, role: str = "server") -> tuple[DataPlane, Lo
         step_tracer=tracer.ensemble_tracer if tracer is not None else None,
     )
     liveness = Liveness(registry, settings.liveness_stall_s)
-    loop_lag = LoopLag()  # the loop's (gRPC's calls run on it too); exported, dataplane/lag.py
+    # The loop's (gRPC's calls run on it too); exported, dataplane/lag.py.
+    loop_lag = LoopLag(LoopLag.SCHEDULER_INTERVAL_S if role == "scheduler" else LoopLag.INTERVAL_S)
     metrics = Metrics(registry, liveness, loop_lag=lambda: loop_lag.seconds, role=role)
     return DataPlane(settings, registry, metrics, liveness, tracer), loop_lag
 

@@ -31,6 +31,7 @@ from tensorserve.dataplane.logs import logged_as
 from tensorserve.dataplane.plane import DataPlane, is_server_fault
 from tensorserve.errors import TensorServeError
 from tensorserve.frontends.intake import Intake
+from tensorserve.frontends.pacing import ReadPacing
 from tensorserve.frontends.protocol import Outbox, error_entry
 from tensorserve.frontends.requests import RemoteRequest
 from tensorserve.frontends.table import (
@@ -83,6 +84,7 @@ class Connection:
             self.hub.intake.admit(self, header["infer"], list(tensors.values()))
         for aid, what, args in header.get("ask", ()):
             self.hub.ask(self, aid, what, args)
+        self.hub.pacing.after_message(self.link)
 
     def _cancel(self, rid: int) -> None:
         request = self.requests.pop(rid, None)
@@ -172,6 +174,7 @@ class FrontEndHub:
         self.connections: dict[int, Connection] = {}
         self._generations = Generations()
         self.intake = Intake(plane, loop, self._generations, lambda: self._check_table(False))
+        self.pacing = ReadPacing(plane, loop, self.intake.held_wakes)  # when sockets are read
         self._key: tuple[Any, ...] | None = None
         self._table: list[Any] = []
         self._asking: set[asyncio.Task[None]] = set()
@@ -187,6 +190,7 @@ class FrontEndHub:
         if self._checking is not None:
             self._checking.cancel()
         self._late.stop()
+        self.pacing.stop()
         for connection in list(self.connections.values()):
             connection.close()
         self.connections.clear()

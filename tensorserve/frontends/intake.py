@@ -18,8 +18,9 @@ admission.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -54,6 +55,9 @@ class Intake:
         self.plane, self.loop = plane, loop
         self.generations = generations
         self._table_changed = table_changed  # publish the model table now (a reload)
+        # While not None, the schedulers to wake once several messages are in
+        # (``held_wakes``), instead of after each.
+        self._held: dict[int, Batcher] | None = None
 
     def admit(self, connection: Connection, requests: list[Any], arrays: list[np.ndarray]) -> None:
         """Queue every request of one message, in order; wake each model's
@@ -73,6 +77,23 @@ class Intake:
                 for one in each_of_run(request):
                     start = self._admit_each(connection, one, arrays, start, woken)
         finally:
+            if self._held is not None:
+                self._held.update(woken)
+            else:
+                for batcher in woken.values():
+                    batcher.scheduler.wake()
+
+    @contextlib.contextmanager
+    def held_wakes(self) -> Iterator[None]:
+        """Admit every message read meanwhile before any model forms a batch
+        from them (then wake each once): what waited in the sockets while
+        the models were busy goes into the next batches together, not the
+        first message alone into a batch of its own (``pacing.py``)."""
+        self._held, held = {}, self._held
+        try:
+            yield
+        finally:
+            woken, self._held = self._held, held
             for batcher in woken.values():
                 batcher.scheduler.wake()
 

@@ -52,6 +52,7 @@ class Link:
         self._message_reader = messages.MessageReader()
         self._writing = False
         self.open = True
+        self.paused = False  # not reading (pause_reading)
         sock.setblocking(False)
         loop.add_reader(sock, self._readable)
 
@@ -101,12 +102,33 @@ class Link:
             self.loop.remove_writer(self.sock)
             self._writing = False
 
+    def pause_reading(self) -> None:
+        """Stop watching the socket: what arrives waits in it until
+        ``read_pending`` or ``resume_reading``."""
+        if self.open and not self.paused:
+            self.paused = True
+            self.loop.remove_reader(self.sock)
+
+    def resume_reading(self) -> None:
+        """Watch the socket again, and read what waits in it now."""
+        if self.open and self.paused:
+            self.paused = False
+            self.loop.add_reader(self.sock, self._readable)
+            self._readable()
+
+    def read_pending(self) -> None:
+        """Read what waits in the socket now, watched or not."""
+        self._read(paused_too=True)
+
     def _readable(self) -> None:
+        self._read(paused_too=False)
+
+    def _read(self, paused_too: bool) -> None:
         # A bounded number of reads per callback: a peer that writes as fast
         # as this end reads cannot hold the loop in one callback.
         for _ in range(MAX_READS):
-            if not self.open:
-                return
+            if not self.open or (self.paused and not paused_too):
+                return  # (what one read brought is still handed over)
             try:
                 if self._reader is not None:
                     read = self._reader.feed(self.sock)
@@ -127,6 +149,8 @@ class Link:
                     self._on_message(message)
                 except Exception:  # a bug handling one message costs that message only
                     log.exception("a message from the other process could not be handled")
+            if self._reader is not None and self._reader.drained:
+                return  # no second recv to learn it is empty (one a read, saved)
 
     def _broken(self) -> None:
         if self.open:

@@ -180,6 +180,7 @@ class StreamReader:
         self._scratch = bytearray(self.CHUNK)
         self._pending = bytearray()
         self._head: tuple[dict[str, Any], list[int], int, int] | None = None
+        self.drained = False  # the last read emptied the socket
 
     def feed(self, sock: socket.socket) -> list[Message] | None:
         """The messages completed by what the socket has now (None: nothing
@@ -190,6 +191,9 @@ class StreamReader:
             return None
         if received == 0:
             raise EOFError("the other end closed the connection")
+        # Less than a chunk: the socket was empty after this read (a reader
+        # need not ask again to find out: its loop says when more comes).
+        self.drained = received < self.CHUNK
         pending = self._pending
         pending += memoryview(self._scratch)[:received]
         done: list[Message] = []
