@@ -88,3 +88,41 @@ def test_an_unknown_executor_kind_is_refused_naming_the_known_ones() -> None:
     }))
     with pytest.raises(ConfigError, match="no executor of kind 'onnx'; known: thread, process"):
         build_executor("onnx", ExecutorRequest("m", config, placements, 1, fn=lambda x: x))
+
+
+def test_every_batch_runs_in_inference_mode_on_its_instance_thread_and_off_it() -> None:
+    """The instance's thread enters inference mode once, for good
+    (``DeviceContext.enter_thread``), not per batch; a launch on a thread
+    that never entered it still runs the forward in inference mode."""
+    import threading
+
+    import torch
+
+    from tensorserve.repository.config import ModelConfig
+
+    seen: list[bool] = []
+
+    class Model(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.is_inference_mode_enabled())
+            return x * 2
+
+    config = ModelConfig.model_validate({
+        "input": [{"name": "x", "dtype": "float32", "shape": [-1]}],
+        "output": [{"name": "y", "dtype": "float32", "shape": [-1]}],
+    })  # fmt: skip
+    executor = ThreadExecutor(Model(), config, torch.device("cpu"))
+
+    def on_instance_thread() -> None:
+        executor.start_instance(0)
+        for _ in range(2):
+            out = executor.collect(executor.launch({"x": torch.ones(2, 3)}, 0))
+            assert out.batched is not None and out.batched["y"].tolist() == [[2.0] * 3] * 2
+        assert torch.is_inference_mode_enabled()  # still on, between batches too
+
+    thread = threading.Thread(target=on_instance_thread)
+    thread.start()
+    thread.join()
+    executor.collect(executor.launch({"x": torch.ones(1, 3)}, 0))  # a thread that never entered
+    assert seen == [True, True, True]
+    assert not torch.is_inference_mode_enabled()  # this thread's mode was never left on

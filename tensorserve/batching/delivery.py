@@ -36,11 +36,10 @@ def settle(outcomes: Sequence[Outcome]) -> None:
 
 
 def running_loop() -> asyncio.AbstractEventLoop | None:
-    """The event loop running on this thread, if any."""
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:  # a thread without a loop
-        return None
+    """The event loop running on this thread, if any. (Asked without
+    ``get_running_loop``'s exception: a model's thread asks at every batch
+    it finishes, waking cold, where raising one cost ~20 us.)"""
+    return asyncio._get_running_loop()
 
 
 def _deliver(outcomes: Sequence[Outcome]) -> None:

@@ -187,9 +187,14 @@ class ThreadExecutor:
                 seconds = None if on_cuda else time.perf_counter() - clock
                 return Launched(None, done, list(result), returned, started, seconds)
             named = named_outputs(result, self.outputs)
-            size = len(next(iter(features.values())))  # every padded feature has the batch first
+            size = next(iter(features.values())).shape[0]  # every padded feature: batch first
             rows, string_rows = split_rows(named, self._ragged, size)
-            cast = {s.name: named[s.name].to(s.dt.torch_dtype) for s in self._tensor_outputs}
+            cast = {  # each torch call counts here: this thread wakes cold for every batch
+                s.name: t
+                if (t := named[s.name]).dtype == s.dt.torch_dtype
+                else t.to(s.dt.torch_dtype)
+                for s in self._tensor_outputs
+            }
             tensors, done = context.to_host({**cast, **rows})  # rows behind the same event
             host: dict[str, Feature] = {**tensors, **string_rows}
             for spec in self._bytes_outputs:
