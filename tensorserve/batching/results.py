@@ -77,7 +77,9 @@ class BatchResults:
         if batch.error is not None:
             error = as_model_failure(batch.error, self.name)
             outcomes: list[Outcome] = [(entry, error, True) for entry in entries]
-        else:
+        elif batch.outputs is not None and batch.outputs.per_item is None:
+            outcomes = [(entry, row, False) for entry, row in zip(entries, rows)]  # un-padded rows
+        else:  # the model's own per-item results: any may be an exception
             outcomes = [
                 (entry, as_model_failure(row, self.name), True)
                 if isinstance(row, BaseException)
@@ -144,12 +146,11 @@ class BatchResults:
         ran), tell the latency target, and count the batch in the stats."""
         entries = batch.entries
         if batch.error is None:
-            longest = max(e.volume for e in entries)
+            volumes = [e.volume for e in entries]
+            longest = max(volumes)
             self.cost.observe(len(entries), longest, batch.seconds)
             if (budget := self.policy.budget) is not None:
-                budget.observe(
-                    len(entries) * longest, sum(e.volume for e in entries), batch.seconds
-                )
+                budget.observe(len(entries) * longest, sum(volumes), batch.seconds)
             if self.target is not None:
                 now = time.monotonic()
                 self.target.observe(

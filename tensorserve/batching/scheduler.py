@@ -272,7 +272,8 @@ class Scheduler:
         done = self._done(batch)
         try:
             pad_started = time.perf_counter()
-            padded = self.collator.pad([e.item for e in live], [e.parameters for e in live])
+            parameters = [e.parameters for e in live] if self.collator.parameter_names else ()
+            padded = self.collator.pad([e.item for e in live], parameters)
             batch.padded, batch.started = padded, time.perf_counter()
             batch.pad_seconds = batch.started - pad_started
             batch.launched = self.instances.dispatch(
