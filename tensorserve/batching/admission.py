@@ -124,10 +124,7 @@ class AdmissionQueue:
         self.name = name
         self._padded_elements = padded_elements  # of a batch of these items (collate)
         self._waiting: list[Pending] = []
-        # Each waiting entry's volume, in the same order: what the policy
-        # reads at every batch, kept here rather than read again from up to
-        # a window of entries each time.
-        self._volumes: list[int] = []
+        self._volumes: list[int] = []  # each one's volume: what the policy reads every batch
         # How fast this queue drains, for Retry-After; with a target, the
         # target's, which predicts from the same estimate. Written only here.
         self.drain_rate = target.drain if target is not None else DrainRate()
@@ -240,18 +237,15 @@ class AdmissionQueue:
         if not self._waiting:
             return []
         positions = self._window(now)  # indices into the queue, in the order to prefer
-        if isinstance(positions, range):
-            window, volumes = self._waiting[: len(positions)], self._volumes[: len(positions)]
-        else:
-            window = [self._waiting[i] for i in positions]
-            volumes = [self._volumes[i] for i in positions]
+        head = isinstance(positions, range)  # the queue's head: slices
+        window = self._waiting[: len(positions)] if head else [self._waiting[i] for i in positions]
+        volumes = self._volumes[: len(positions)] if head else [self._volumes[i] for i in positions]
         waiting = Waiting(volumes, window[0].enqueued <= now - self._queue_delay_s())
         chosen = sorted(self.options.policy.select(waiting, self.batch_cap()))
         chosen = self._within_element_cap(window, chosen)
         if leave_growing and len(chosen) == len(self._waiting):
             return []
-        # Deleted from the back: each deletion a move of what follows, in C
-        # (not a new list of everything that stays, in Python).
+        # From the back, in place: not a new list of all that stays.
         for position in sorted((positions[i] for i in chosen), reverse=True):
             del self._waiting[position], self._volumes[position]
         self.drain_rate.taken(len(chosen), now, len(self._waiting))

@@ -144,16 +144,12 @@ class Batcher:
         tally = RequestTally(len(items)) if one_request else None
         if futures is None:
             futures = [loop.create_future() if loop is not None else Future() for _ in items]
-        # Positional (Pending's field order: item, volume, future, loop,
-        # enqueued, deadline, reruns, crashes, priority, parameters, trace,
-        # request): keywords cost a third more, for every item admitted.
-        entries = [
+        volumes = self.collator.volumes(items)
+        entries = [  # positional, in Pending's field order (tests/test_admission.py): a third cheaper
             Pending(
                 item, volume, future, loop, now, deadline, 0, 0, priority, parameters, None, tally
             )
-            for item, volume, future in zip(
-                items, self.collator.volumes(items), futures, strict=True
-            )
+            for item, volume, future in zip(items, volumes, futures, strict=True)
         ]
         tracer = self.scheduler.tracer
         if tracer is not None:  # the request's span, for its items' queue and batch spans

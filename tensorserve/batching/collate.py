@@ -321,31 +321,21 @@ class Collator:
             for s in config.input
         )
 
-    def volume(self, item: Item) -> int:
-        """An item's padded size in the first variable input: the product of
+    def volumes(self, items: Sequence[Item]) -> list[int]:
+        """Each item's padded size in the first variable input: the product of
         its variable extents, each rounded up to ``pad_to_multiple_of``
         (``padded_shape``), as it would be padded alone. The policies and the
         budget count a batch as its size times its largest volume, so the
-        rounding counts against ``max_batch_tokens`` as it costs the model."""
+        rounding counts against ``max_batch_tokens`` as it costs the model.
+        One variable axis, no rounding (for every request admitted): its length."""
         if self.primary is None:
-            return 1
-        shape = item[self.primary.name].shape
-        if not self.pad_to_multiple_of:  # padded_shape leaves the extents as they are
-            volume = 1
-            for axis in self._primary_axes:  # once per item: plain Python, no generator
-                volume *= shape[axis]
-            return volume
-        padded = padded_shape(shape, self.primary, self.pad_to_multiple_of)
-        return math.prod(padded[axis] for axis in self._primary_axes)
-
-    def volumes(self, items: Sequence[Item]) -> list[int]:
-        """``volume`` of each item; for the common one variable axis
-        without rounding, its length, read without a call per item (this
-        runs for every request the scheduler process admits)."""
-        if self.primary is not None and self._primary_axes == (0,) and not self.pad_to_multiple_of:
-            name = self.primary.name
-            return [len(item[name]) for item in items]
-        return [self.volume(item) for item in items]
+            return [1] * len(items)
+        spec, axes, multiple = self.primary, self._primary_axes, self.pad_to_multiple_of
+        if axes == (0,) and not multiple:
+            return [len(item[spec.name]) for item in items]
+        shapes = [item[spec.name].shape for item in items]
+        padded = [padded_shape(shape, spec, multiple) if multiple else shape for shape in shapes]
+        return [math.prod(shape[axis] for axis in axes) for shape in padded]
 
     def padded_elements(self, items: Sequence[Item]) -> int:
         """Elements ``pad(items)`` allocates, all features (``padded_shape``)."""

@@ -28,24 +28,15 @@ def settle(outcomes: Sequence[Outcome]) -> None:
         else:
             by_loop.setdefault(loop, []).append(outcome)
     for loop, batch in by_loop.items():
-        if running_loop() is loop:
+        if asyncio._get_running_loop() is loop:
             _deliver(batch)  # the scheduler runs on this loop: no self-pipe round
             continue
         with contextlib.suppress(RuntimeError):  # the loop is closed: its callers are gone
             loop.call_soon_threadsafe(_deliver, batch)
 
 
-def running_loop() -> asyncio.AbstractEventLoop | None:
-    """The event loop running on this thread, if any. (Asked without
-    ``get_running_loop``'s exception: a model's thread asks at every batch
-    it finishes, waking cold, where raising one cost ~20 us.)"""
-    return asyncio._get_running_loop()
-
-
 def _deliver(outcomes: Sequence[Outcome]) -> None:
-    # Futures of a type that resolves many at once (``deliver_many``: the
-    # front ends' requests in the scheduler process) are handed over
-    # together: one call, not a few per caller.
+    # A type that resolves many at once (front ends' requests): one call for all.
     kind = type(outcomes[0][0].future) if outcomes else None
     many = getattr(kind, "deliver_many", None)
     if many is not None and all(type(outcome[0].future) is kind for outcome in outcomes):

@@ -135,8 +135,7 @@ class BatchCostModel:
         elementwise over arrays (the policy's grid), one number for numbers."""
         assert self.coefficients is not None
         fixed, per_element, per_step = self.coefficients
-        # Grouped so the policy's grid reads it as one product per cell
-        # (``LengthAwarePolicy.select``), to the same bits.
+        # Grouped as the policy's grid reads it: one product per cell, the same bits.
         return fixed + longest * (per_element * size + per_step)
 
 

@@ -110,9 +110,7 @@ class Scheduler:
         self.free_at = [0.0] * count  # perf_counter() when each last finished a batch
         self.slowest_s = 0.0  # the longest batch so far (the watchdog's "auto")
         self.home: SchedulerLoop | None = None  # the loop it runs on (start)
-        # Called on the loop as a batch ends, before the next forms (the
-        # scheduler process reads its front ends' sockets then: pacing.py).
-        self.before_forming: Callable[[], None] | None = None
+        self.before_forming: Callable[[], None] | None = None  # as a batch ends (pacing.py)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 
@@ -201,7 +199,7 @@ class Scheduler:
         waits (a budget) to go behind a running one; that takes a policy
         selection, so an arriving item (False) only checks for a full one."""
         try:
-            while (instance := self._free_instance()) is not None:
+            while (instance := self.free_instance()) is not None:
                 entries = self._next_entries(instance, cut_short)
                 if not entries:
                     break
@@ -211,11 +209,7 @@ class Scheduler:
             self._fatal(exc)
         self._note_idle()
 
-    def has_room(self) -> bool:
-        """Whether an instance could take a batch now (on the loop)."""
-        return self._free_instance() is not None
-
-    def _free_instance(self) -> int | None:
+    def free_instance(self) -> int | None:
         """The least busy instance that can take a batch (None: none can)."""
         best, fewest = None, self.depth  # room: fewer than depth batches; hung: a Batch
         for instance, running in enumerate(self.running):

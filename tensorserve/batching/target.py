@@ -4,8 +4,8 @@ batches and admits to keep it (``[dynamic_batching] target_p99_ms``).
 Without a target a queue fills to ``max_queue_size`` under overload and every
 accepted item waits behind it: the p99 of what is served grows with the
 queue, not with what callers need. With one, three rules, all from what the
-model's batches were measured to cost (no clocks of its own: callers pass
-``now``, so it is unit-tested with made-up times, tests/test_target.py):
+model's batches were measured to cost (callers pass ``now``: unit-tested with
+made-up times, tests/test_target.py):
 
 1. **Admission by predicted wait.** A request is refused at once
    (``WouldMissTarget``: 503 + Retry-After) when
@@ -14,48 +14,43 @@ model's batches were measured to cost (no clocks of its own: callers pass
 
    ``ahead``: the items queued that would be served before it (at its
    priority or higher); ``rate``: the items per second the queue drains
-   while it has a backlog, by the clock (``batching.drain``, the same
-   estimate the Retry-After of a full queue uses). Not the model's own
-   seconds per item: on a fast model
-   the rest is the limit (the embedder at 1.5x: batches of 1.1 ms, 4,700
-   items/s by its seconds, 2,450 by the clock). Not the rate of every
-   recent batch: when few are admitted batches are small and slow per
-   item, and judging a long queue by them would admit fewer still
-   (measured: 17% of capacity served at 1.5x load). Nor the best rate seen
-   at each batch size: big batches form of short items, so per item they
-   look faster than a queue of every length drains (measured on the
-   tagger: 4x too fast, p99 500 ms for a 150 ms target). Until a backlog
-   was seen, the model's own rate (its items over its seconds, times the
-   instances) stands in: then nothing waits. ``batch_s``: a recent
-   batch's seconds, the one it may find running.
-   Until a few batches were measured nothing is refused, nor is a request
-   with nothing ahead of it (the model alone is slower than the target:
+   while it has a backlog, by the clock (``batching.drain``, as the
+   Retry-After of a full queue). Not the model's own seconds per item: on a
+   fast model the rest is the limit (the embedder at 1.5x: batches of
+   1.1 ms, 4,700 items/s by its seconds, 2,450 by the clock). Not the rate
+   of every recent batch: when few are admitted batches are small and slow
+   per item, and judging a long queue by them admits fewer still (17% of
+   capacity served at 1.5x load). Nor the best rate seen at each batch
+   size: big batches form of short items, so per item they look faster
+   than a queue of every length drains (the tagger: 4x too fast, p99 500 ms
+   for a 150 ms target). Until a backlog was seen, the model's own rate
+   (its items over its seconds, times the instances) stands in: then
+   nothing waits. ``batch_s``: a recent batch's seconds, the one it may find
+   running. Until a few batches were measured nothing is refused, nor is a
+   request with nothing ahead (the model alone slower than the target:
    refusing would turn every slow answer into none).
-2. **Batch size.** A batch that takes longer than a quarter of the target
-   leaves too little for the waits around it: the batch cap shrinks (x0.8)
-   while recent batches take more than ``target / 4`` and grows back (+1, up
-   to ``max_batch_size``) while they take less than ``target / 8``. Between
-   the two it stays: a bigger batch serves more items per second on every
-   model measured here, so the cap is the largest that fits the target.
-   The queue delay is at most a tenth of the target.
+2. **Batch size.** A batch longer than a quarter of the target leaves too
+   little for the waits around it: the batch cap shrinks (x0.8) while recent
+   batches take more than ``target / 4`` and grows back (+1, up to
+   ``max_batch_size``) while they take less than ``target / 8``; between the
+   two it stays (a bigger batch serves more items per second on every model
+   measured here). The queue delay is at most a tenth of the target.
 3. **Feedback.** The prediction is of a typical wait, and leaves out the
-   front end, un-padding and the machine's noise; a p99 is a tail. So it is
-   corrected by what callers got: every ``ADJUST_EVERY`` served items,
-   ``safety`` grows x1.2 (up to 4) while the achieved p99 of the last
-   ``WINDOW`` items is over ``AIM_HIGH`` of the target, and shrinks x0.95
-   (down to 0.5) while it is under ``AIM_LOW`` of it. The aim is below the
-   target because the controller sees the server's part only, and because
-   it corrects late: a window of items admitted under an older safety.
-   Measured on the tagger at 1.5x load: the wait at p99 was 1.5-2.5x the
-   prediction, so a bound of 2 left the server's own p99 at the target and
-   the callers' over it. Bounded: an unbounded factor would refuse nearly
-   everything once the model alone is slower than the target.
+   front end, un-padding and the machine's noise; a p99 is a tail. So every
+   ``ADJUST_EVERY`` served items ``safety`` grows x1.2 (up to 4) while the
+   achieved p99 of the last ``WINDOW`` items is over ``AIM_HIGH`` of the
+   target, and shrinks x0.95 (down to 0.5) while under ``AIM_LOW`` of it:
+   below the target, as the controller sees the server's part only and
+   corrects late (a window admitted under an older safety). The tagger at
+   1.5x load: the wait at p99 was 1.5-2.5x the prediction, so a bound of 2
+   left the server's p99 at the target and the callers' over it. Bounded:
+   an unbounded factor refuses nearly everything once the model alone is
+   slower than the target.
 
 Latency here is the server's: from the item's admission to its batch's end
-(queue wait + padding + forward + un-padding), what the server controls.
-Written by whichever thread finished a batch, read by whichever admits:
-``observe`` and ``report`` hold a lock; ``predicted_s`` and the caps read
-whole values.
+(queue wait + padding + forward + un-padding). Written by whichever thread
+finished a batch, read by whichever admits: ``observe`` and ``report`` hold
+a lock; ``predicted_s`` and the caps read whole values.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class ReadPacing:
             if not isinstance(served, ServedModel):
                 continue  # an ensemble: its steps are models of their own
             scheduler = served.batcher.scheduler
-            if scheduler.has_room():
+            if scheduler.free_instance() is not None:
                 return False
             scheduler.before_forming = self.read_now
             busy = True

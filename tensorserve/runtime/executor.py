@@ -189,11 +189,8 @@ class ThreadExecutor:
             named = named_outputs(result, self.outputs)
             size = next(iter(features.values())).shape[0]  # every padded feature: batch first
             rows, string_rows = split_rows(named, self._ragged, size)
-            cast = {  # each torch call counts here: this thread wakes cold for every batch
-                s.name: t
-                if (t := named[s.name]).dtype == s.dt.torch_dtype
-                else t.to(s.dt.torch_dtype)
-                for s in self._tensor_outputs
+            cast = {
+                s.name: _as_dtype(named[s.name], s.dt.torch_dtype) for s in self._tensor_outputs
             }
             tensors, done = context.to_host({**cast, **rows})  # rows behind the same event
             host: dict[str, Feature] = {**tensors, **string_rows}
@@ -327,6 +324,11 @@ def free_device_bytes(device: torch.device) -> int | None:
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(free + cached)
+
+
+def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """No ``.to`` call when it is one already: ~20 us on a thread that wakes cold."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def named_outputs(result: Any, outputs: list[OutputSpec]) -> Mapping[str, Any]:
