@@ -124,5 +124,9 @@ def test_every_batch_runs_in_inference_mode_on_its_instance_thread_and_off_it() 
     thread.start()
     thread.join()
     executor.collect(executor.launch({"x": torch.ones(1, 3)}, 0))  # a thread that never entered
-    assert seen == [True, True, True]
+    # A later thread that never entered it (often given the ended one's id): still on.
+    later = threading.Thread(target=lambda: executor.collect(executor.launch({"x": torch.ones(1, 3)}, 0)))
+    later.start()
+    later.join()
+    assert seen == [True, True, True, True]
     assert not torch.is_inference_mode_enabled()  # this thread's mode was never left on

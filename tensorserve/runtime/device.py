@@ -133,7 +133,7 @@ class DeviceContext:
         self.device = device
         self.intra_op_threads = intra_op_threads
         self.stream: torch.cuda.Stream | None = None
-        self._inference_threads: dict[int, torch.inference_mode] = {}  # in it for good
+        self._entered = threading.local()  # .mode: the inference mode a thread holds for good
 
     def enter_thread(self) -> None:
         """Run once on each thread that runs the instance's batches, before its first."""
@@ -145,13 +145,13 @@ class DeviceContext:
                 self.stream = torch.cuda.Stream(self.device)
         # Inference mode for the thread's life: per batch, on a thread that wakes
         # cold for each (its forward slept, or waited on the GPU), it cost ~35 us.
-        self._inference_threads[threading.get_ident()] = mode = torch.inference_mode()
+        self._entered.mode = mode = torch.inference_mode()  # per thread: gone with it
         mode.__enter__()
 
     def running(self) -> contextlib.ExitStack[bool | None]:
         """A batch's context, entered: inference mode (unless on for good) and the CUDA stream."""
         context = contextlib.ExitStack()
-        if threading.get_ident() not in self._inference_threads:
+        if getattr(self._entered, "mode", None) is None:
             context.enter_context(torch.inference_mode())
         if self.stream is not None:
             context.enter_context(torch.cuda.stream(self.stream))
