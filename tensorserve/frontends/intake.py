@@ -80,8 +80,7 @@ class Intake:
             if self._held is not None:
                 self._held.update(woken)
             else:
-                for batcher in woken.values():
-                    batcher.scheduler.wake()
+                _wake(woken)
 
     @contextlib.contextmanager
     def held_wakes(self) -> Iterator[None]:
@@ -94,8 +93,7 @@ class Intake:
             yield
         finally:
             woken, self._held = self._held, held
-            for batcher in woken.values():
-                batcher.scheduler.wake()
+            _wake(woken)
 
     def _admit_run(
         self,
@@ -232,6 +230,12 @@ class Intake:
             return
         connection.requests[rid] = request
         woken[id(batcher)] = batcher
+
+
+def _wake(woken: dict[int, Batcher]) -> None:
+    """Let each model form batches from what was just queued for it."""
+    for batcher in woken.values():
+        batcher.scheduler.wake()
 
 
 def _answer_when_done(connection: Connection, rid: int, task: asyncio.Task[Any]) -> None:
