@@ -17,7 +17,7 @@ import pytest
 from tensorserve.batching.admission import Outcome, Pending
 from tensorserve.batching.delivery import settle
 from tensorserve.errors import ModelFailure
-from tensorserve.frontends.requests import RemoteRequest, ReplySlot
+from tensorserve.frontends.requests import RemoteItem, RemoteRequest, ReplySlot
 
 
 class Answers:
@@ -53,6 +53,8 @@ class Queue:
         self.withdrawn: list[Any] = []
 
     def withdraw(self, entries: list[Pending]) -> None:
+        for entry in entries:  # as Batcher.withdraw: what is unanswered is cancelled
+            entry.future.cancel()
         self.withdrawn.extend(entry.item for entry in entries)
 
 
@@ -76,6 +78,47 @@ def queued(
     ]
     request.batcher = queue = Queue()  # type: ignore[assignment]
     return request, slots, queue
+
+
+def queued_item(
+    answers: Answers, rid: int, loop: asyncio.AbstractEventLoop | None = None
+) -> tuple[RemoteItem, Queue]:
+    """A one-item request as a run admits it: one object, its own future."""
+    queue = Queue()
+    item = RemoteItem(answers, rid, f"caller-{rid}", queue)  # type: ignore[arg-type]
+    future: Any = item  # the future-like object the scheduler resolves
+    item.entry = Pending(item=rid, volume=1, future=future, loop=loop, enqueued=0.0, deadline=None)
+    return item, queue
+
+
+def test_a_one_item_request_is_answered_once_and_leaves_nothing_for_the_collector(
+    no_collector: None,
+) -> None:
+    answers = Answers()
+    item, queue = queued_item(answers, 7)
+    item.set_result({"out": np.full(2, 3)})
+    assert [(rid, [r["out"].tolist() for r in rs]) for rid, rs in answers.replies] == [
+        (7, [[3, 3]])
+    ]
+    assert item.done() and not item.cancel()  # answered: a late cancel changes nothing
+    item.withdraw()
+    assert queue.withdrawn == []
+    del item
+    assert gc.collect() == 0
+
+
+def test_a_one_item_request_whose_caller_left_leaves_the_queue_once(no_collector: None) -> None:
+    answers = Answers()
+    item, queue = queued_item(answers, 8)
+    item.withdraw()  # what a cancel from its front end does
+    item.withdraw()
+    assert queue.withdrawn == [8]
+    assert item.cancelled() and item.entry is None
+    failed, _ = queued_item(answers, 9)
+    failed.set_exception(ModelFailure("row 0 is poisoned"))
+    assert answers.failures == [(9, "row 0 is poisoned")] and failed.entry is None
+    del item, failed
+    assert gc.collect() == 0
 
 
 def test_a_request_answered_whole_leaves_nothing_for_the_collector(no_collector: None) -> None:
@@ -122,25 +165,37 @@ async def test_a_batch_answers_each_connection_once_and_only_the_callers_still_w
     poisoned, _, _ = queued(first, 1, rid=4, loop=loop)
     other, _, _ = queued(second, 1, rid=5, loop=loop)
     last, _, _ = queued(first, 1, rid=6, loop=loop)
+    # One-item requests of a run are RemoteItems: the same batch mixes both kinds.
+    run_item, _ = queued_item(first, 8, loop)
+    run_left, _ = queued_item(first, 9, loop)
+    run_poisoned, _ = queued_item(first, 10, loop)
+    run_entries = [run_item.entry, run_left.entry, run_poisoned.entry]
     left_slots[0].cancel()
+    run_left.withdraw()
     outcomes: list[Outcome] = [
         (one.entries[0], {"out": np.full(2, 1)}, False),
         (two.entries[0], {"out": np.full(2, 2)}, False),
         (left.entries[0], {"out": np.full(2, 3)}, False),
         (poisoned.entries[0], ModelFailure("row 3 is poisoned"), True),
         (other.entries[0], {"out": np.full(2, 5)}, False),
+        (run_entries[0], {"out": np.full(2, 8)}, False),  # type: ignore[list-item]
+        (run_entries[1], {"out": np.full(2, 9)}, False),  # type: ignore[list-item]
+        (run_entries[2], ModelFailure("row 10 is poisoned"), True),  # type: ignore[list-item]
         (last.entries[0], {"out": np.full(2, 6)}, False),
     ]
     settle(outcomes)
     assert [(rid, [r["out"].tolist() for r in rs]) for rid, rs in first.replies] == [
         (1, [[1, 1]]),
+        (8, [[8, 8]]),
         (6, [[6, 6]]),
     ]
-    assert first.calls == 1 and first.rows == [[1, 6]]
-    assert first.failures == [(4, "row 3 is poisoned")]
+    assert first.calls == 1 and first.rows == [[1, 8, 6]]
+    assert first.failures == [(4, "row 3 is poisoned"), (10, "row 10 is poisoned")]
+    assert run_item.entry is None and run_poisoned.entry is None  # no cycle left
     assert [(rid, [r["out"].tolist() for r in rs]) for rid, rs in second.replies] == [(5, [[5, 5]])]
     assert second.calls == 1
     settle([(two.entries[1], {"out": np.full(2, 7)}, False)])  # its last item: now it is whole
     assert first.replies[-1][0] == 2 and [r["out"][0] for r in first.replies[-1][1]] == [2, 7]
     settle(outcomes[:1])  # settled again (a race with a retry): nothing more is sent
-    assert len(first.replies) == 3 and first.calls == 2
+    settle(outcomes[5:7])
+    assert len(first.replies) == 4 and first.calls == 2

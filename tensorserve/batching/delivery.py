@@ -37,9 +37,10 @@ def settle(outcomes: Sequence[Outcome]) -> None:
 
 def _deliver(outcomes: Sequence[Outcome]) -> None:
     # A type that resolves many at once (front ends' requests): one call for all.
-    kind = type(outcomes[0][0].future) if outcomes else None
-    many = getattr(kind, "deliver_many", None)
-    if many is not None and all(type(outcome[0].future) is kind for outcome in outcomes):
+    many = getattr(type(outcomes[0][0].future), "deliver_many", None) if outcomes else None
+    if many is not None and all(
+        getattr(type(outcome[0].future), "deliver_many", None) is many for outcome in outcomes
+    ):
         many(outcomes)
         return
     for entry, value, failed in outcomes:

@@ -7,9 +7,9 @@ request's items, already decoded and validated by the front end with the
 server's own codecs, go straight into their model's queue, and each
 model's scheduler is woken once for the whole message, so requests from
 every front end share batches. Each item is answered through a
-``ReplySlot`` (what the scheduler resolves in place of a future); a
-request whose items are all answered joins its front end's outbox, which
-leaves once per loop iteration.
+``RemoteItem`` or ``ReplySlot`` (what the scheduler resolves in place of a
+future); a request whose items are all answered joins its front end's
+outbox, which leaves once per loop iteration.
 
 A front end that dies (its socket closes) takes nothing with it: its
 requests' items still queued leave the queue, and what is running is
@@ -33,7 +33,7 @@ from tensorserve.errors import TensorServeError
 from tensorserve.frontends.intake import Intake
 from tensorserve.frontends.pacing import ReadPacing
 from tensorserve.frontends.protocol import Outbox, error_entry
-from tensorserve.frontends.requests import RemoteRequest
+from tensorserve.frontends.requests import RemoteItem, RemoteRequest
 from tensorserve.frontends.table import (
     Generations,
     LatePublisher,
@@ -65,7 +65,7 @@ class Connection:
         self.hub, self.pid = hub, pid
         self.link = Link(sock, hub.loop, self._message, self._lost, many=True)
         self.outbox = Outbox(hub.loop, self.link.send)
-        self.requests: dict[int, RemoteRequest | asyncio.Task[Any]] = {}
+        self.requests: dict[int, RemoteItem | RemoteRequest | asyncio.Task[Any]] = {}
         self.in_flight = 0  # as it last reported
         # When it last sent anything (it reports at least every 0.5 s); None
         # until its first message (it is still importing and starting).
@@ -88,7 +88,7 @@ class Connection:
 
     def _cancel(self, rid: int) -> None:
         request = self.requests.pop(rid, None)
-        if isinstance(request, RemoteRequest):
+        if isinstance(request, (RemoteItem, RemoteRequest)):
             request.withdraw()
         elif request is not None:
             request.cancel()

@@ -32,7 +32,7 @@ from tensorserve.dataplane.plane import DataPlane
 from tensorserve.ensemble import Ensemble
 from tensorserve.errors import ModelNotReady
 from tensorserve.frontends.protocol import each_of_run, split_items
-from tensorserve.frontends.requests import RemoteRequest, ReplySlot
+from tensorserve.frontends.requests import RemoteItem, RemoteRequest, ReplySlot
 from tensorserve.frontends.table import Generations
 
 if TYPE_CHECKING:
@@ -119,15 +119,15 @@ class Intake:
         ):
             return None
         items, after = split_items(arrays, start, names, len(rids))  # one item each
+        batcher = served.batcher
         remote = [
-            RemoteRequest(connection, rid, 1, request_id)
+            RemoteItem(connection, rid, request_id, batcher)
             for rid, request_id in zip(rids, request_ids)
         ]
-        batcher = served.batcher
         try:
             entries = batcher.submit_into(
                 items,
-                [ReplySlot(request, 0) for request in remote],
+                remote,
                 self.loop,
                 timeout=timeout,
                 priority=priority,
@@ -137,11 +137,9 @@ class Intake:
             )
         except Exception:  # noqa: BLE001 - refused whole, nothing queued: each on its own
             return None
-        requests = connection.requests
         for request, entry in zip(remote, entries):
-            request.batcher = batcher
-            request.entries = [entry]
-            requests[request.rid] = request
+            request.entry = entry
+        connection.requests.update(zip(rids, remote))
         woken[id(batcher)] = batcher
         return after
 

@@ -1,6 +1,8 @@
-"""A front end's request in the scheduler process: ``RemoteRequest`` (its
-items' results as they come, answered once all are in) and ``ReplySlot``
-(what the model's scheduler resolves, for each item, in place of a future)."""
+"""A front end's request in the scheduler process: ``RemoteItem`` (a
+request of one item, most of them: its own future and its own request),
+else ``RemoteRequest`` (its items' results as they come, answered once all
+are in) and a ``ReplySlot`` per item (what the model's scheduler resolves
+in place of a future)."""
 
 from __future__ import annotations
 
@@ -48,32 +50,42 @@ class ReplySlot:
 
     @staticmethod
     def deliver_many(outcomes: Sequence[Outcome]) -> None:
-        """Resolve a batch's slots at once (``batching/delivery.py`` calls
-        this for outcomes whose futures are all ``ReplySlot``): each
-        connection then gets the replies the batch finished in one call, not
-        one per request through three more. The one-item requests whose row
-        is a plain result go as rows of one run (``Connection.reply_rows``):
-        a batch's rows all hold the same outputs."""
+        """Resolve a batch's slots and ``RemoteItem``s at once
+        (``batching/delivery.py`` calls this for outcomes whose futures are
+        all of these two kinds): each connection then gets the replies the
+        batch finished in one call, not one per request through three more.
+        The one-item requests whose row is a plain result go as rows of one
+        run (``Connection.reply_rows``): a batch's rows all hold the same
+        outputs."""
         finished: dict[Connection, tuple[list[int], list[Any], list[tuple[int, list[Any]]]]] = {}
         for entry, value, failed in outcomes:
-            slot: ReplySlot = entry.future  # type: ignore[assignment]
-            if slot._state:  # its caller left meanwhile
+            future: RemoteItem | ReplySlot = entry.future  # type: ignore[assignment]
+            if future._state:  # its caller left meanwhile
                 continue
-            slot._state = 1
-            request = slot._request
-            if failed:
-                request.failed(value)
-                continue
-            if not request.answered(slot._index, value):
-                continue  # items of it are still to come
-            replies = finished.get(request.connection)
+            future._state = 1
+            if type(future) is RemoteItem:
+                future.entry = None
+                if failed:
+                    future.connection.fail(future.rid, value, request_id=future.request_id)
+                    continue
+                rid, connection, results = future.rid, future.connection, None
+            else:
+                request = future._request  # type: ignore[union-attr]
+                if failed:
+                    request.failed(value)
+                    continue
+                if not request.answered(future._index, value):  # type: ignore[union-attr]
+                    continue  # items of it are still to come
+                rid, connection = request.rid, request.connection
+                results = None if len(request.results) == 1 else request.results
+            replies = finished.get(connection)
             if replies is None:
-                finished[request.connection] = replies = ([], [], [])
-            if len(request.results) == 1 and type(value) is dict:
-                replies[0].append(request.rid)
+                finished[connection] = replies = ([], [], [])
+            if results is None and type(value) is dict:
+                replies[0].append(rid)
                 replies[1].append(value)
             else:
-                replies[2].append((request.rid, request.results))
+                replies[2].append((rid, results or [value]))
         for connection, (rids, rows, others) in finished.items():
             if rids:
                 connection.reply_rows(rids, rows)
@@ -135,3 +147,52 @@ class RemoteRequest:
         if self.batcher is not None:
             self.batcher.withdraw(self.entries)
         self.entries = []
+
+
+class RemoteItem:
+    """A front end's request of one item in this process: the future its
+    model's scheduler resolves (``ReplySlot``'s methods) and the request a
+    cancel withdraws (``RemoteRequest.withdraw``), as one object. Most
+    requests are one item, and each object a request needs here is paid
+    for on the one process that caps a GPU: a ``RemoteRequest``, its
+    results and entries lists and a ``ReplySlot`` would be four."""
+
+    __slots__ = ("_state", "batcher", "connection", "entry", "request_id", "rid")
+
+    def __init__(self, connection: Connection, rid: int, request_id: str, batcher: Batcher) -> None:
+        self.connection, self.rid, self.request_id, self.batcher = (
+            connection,
+            rid,
+            request_id,
+            batcher,
+        )
+        self.entry: Pending | None = None  # while queued or running
+        self._state = 0  # 0 waiting, 1 done, 2 cancelled
+
+    def done(self) -> bool:
+        return self._state != 0
+
+    def cancelled(self) -> bool:
+        return self._state == 2
+
+    def cancel(self) -> bool:
+        if self._state:
+            return False
+        self._state = 2
+        return True
+
+    def set_result(self, value: Any) -> None:
+        self._state, self.entry = 1, None  # its entry holds it: no cycle to collect
+        self.connection.reply(self.rid, [value])
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._state, self.entry = 1, None
+        self.connection.fail(self.rid, exc, request_id=self.request_id)
+
+    def withdraw(self) -> None:
+        """Leave the queue now, if still in it (its caller left)."""
+        entry, self.entry = self.entry, None
+        if entry is not None:
+            self.batcher.withdraw([entry])
+
+    deliver_many = ReplySlot.deliver_many  # the same function: batches mix the two
