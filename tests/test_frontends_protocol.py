@@ -19,7 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tensorserve import errors
-from tensorserve.frontends.protocol import Outbox, each_of_run, error_entry, error_from, in_runs
+from tensorserve.frontends.protocol import (
+    Outbox,
+    each_of_run,
+    error_entry,
+    error_from,
+    in_runs,
+    split_items,
+)
 from tensorserve.frontends.remote import Scheduler
 from tensorserve.frontends.report import RequestReport
 from tensorserve.ipc import messages
@@ -316,3 +323,20 @@ def test_plain_requests_travel_as_runs_that_stand_for_exactly_them(
     for before, after in zip(sent, sent[1:]):  # two runs side by side would have been one
         if type(before[0]) is list and type(after[0]) is list:
             assert before[1:7] != after[1:7]
+
+
+@given(st.integers(0, 3), st.integers(0, 5), st.integers(0, 4), st.integers(0, 3))
+def test_a_messages_arrays_split_into_each_requests_items_by_name(
+    width: int, items: int, before: int, after: int
+) -> None:
+    """``split_items`` reads ``items`` dicts of the names, in order, from
+    where the request's arrays start, and says where the next begin."""
+    names = [f"input_{k}" for k in range(width)]
+    arrays = [np.full(1, i) for i in range(before + width * items + after)]
+    split, end = split_items(arrays, before, names, items)
+    assert end == before + width * items
+    assert len(split) == items
+    for i, item in enumerate(split):
+        assert list(item) == names
+        for k, name in enumerate(names):
+            assert item[name] is arrays[before + i * width + k]
