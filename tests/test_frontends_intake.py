@@ -58,7 +58,7 @@ class FrontEnd:
             assert ready, "no message from the hub"
             for header, tensors in self.reader.feed(self.sock) or []:
                 self.table = header.get("models", self.table)
-                arrays = list(tensors.values())
+                arrays = list(tensors)  # taken from as the rows are read
                 for reply in header.get("replies", ()):
                     if type(reply[0]) is list:  # a run of rows: [[rid, ...], names]
                         rids, names = reply

@@ -93,7 +93,7 @@ async def test_one_loop_iterations_entries_travel_as_one_message_in_order(
     assert len(received) == 1
     header, tensors = received[0]
     assert header["infer"] == [[1, "m"], [2, "m"]] and header["late"] == {"m": ["slow", 2.0]}
-    got = list(tensors.values())
+    got = tensors  # in the order sent
     assert got[0].tolist() == a.tolist() and got[1].tolist() == b.tolist()
     sender.close()
     receiver.close()
@@ -109,15 +109,15 @@ def test_a_stream_is_read_whole_however_the_reads_cut_it(
     ]
     stream = b"".join(bytes(b) for h, t in sent for b in messages.frames(h, t))
     reader = messages.StreamReader()
-    got: list[messages.Message] = []
+    got: list[messages.InOrder] = []
     right.setblocking(False)
     for start in range(0, len(stream), 7919):  # cut anywhere, a message split or many in one
         left.sendall(stream[start : start + 7919])
         while (read := reader.feed(right)) is not None:
             got.extend(read)
     assert [h["n"] for h, _ in got] == [0, 1, 2, 3, 4, 5]
-    assert got[2][1]["t"].tolist() == [2, 2, 2]
-    assert np.array_equal(got[5][1]["t"], big)
+    assert got[2][1][0].tolist() == [2, 2, 2]
+    assert np.array_equal(got[5][1][0], big)
     left.close()
     with pytest.raises(EOFError):
         reader.feed(right)
@@ -190,13 +190,19 @@ def test_arrays_sent_in_order_arrive_in_order_as_themselves(
             left.sendall(stream[start : start + cut])
             while (read := reader.feed(right)) is not None:
                 got.extend(read)
-    [(header, tensors)] = got
+    [(header, received)] = got
     assert header == {"n": 1}
-    received = list(tensors.values())
-    assert len(received) == len(arrays)
-    for sent, back in zip(arrays, received):
-        assert (back.dtype, back.shape) == (sent.dtype, sent.shape)
-        assert back.tolist() == sent.tolist()
+    # Read as one message (a worker's way), the same arrays come named in order.
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(stream)
+        named_header, named = messages.recv(right)
+    assert named_header == {"n": 1} and list(named) == [str(i) for i in range(len(arrays))]
+    for back in (received, list(named.values())):
+        assert len(back) == len(arrays)
+        for sent, one in zip(arrays, back):
+            assert (one.dtype, one.shape) == (sent.dtype, sent.shape)
+            assert one.tolist() == sent.tolist()
 
 
 async def test_a_large_message_never_blocks_the_loop_whatever_the_socket_buffer(
@@ -210,7 +216,7 @@ async def test_a_large_message_never_blocks_the_loop_whatever_the_socket_buffer(
     sender.send(messages.frames({"n": 1}, {"t": big}))  # returns at once, far from all sent
     assert sender.unsent_bytes > 0
     ticks = 0
-    received: list[messages.Message] = []
+    received: list[messages.InOrder] = []
     right.setblocking(False)
     reader = messages.StreamReader()
     while not received:
@@ -221,7 +227,7 @@ async def test_a_large_message_never_blocks_the_loop_whatever_the_socket_buffer(
         except BlockingIOError:
             read = None
         received.extend(read or [])
-    assert ticks > 1 and np.array_equal(received[0][1]["t"], big)
+    assert ticks > 1 and np.array_equal(received[0][1][0], big)
     sender.close()
 
 

@@ -73,7 +73,7 @@ class Connection:
         self.attached = hub.loop.time()
 
     # -- in ---------------------------------------------------------------------
-    def _message(self, message: messages.Message) -> None:
+    def _message(self, message: messages.InOrder) -> None:
         self.heard = self.hub.loop.time()
         header, tensors = message
         if "report" in header:
@@ -81,7 +81,7 @@ class Connection:
         for rid in header.get("cancel", ()):
             self._cancel(rid)
         if "infer" in header:
-            self.hub.intake.admit(self, header["infer"], list(tensors.values()))
+            self.hub.intake.admit(self, header["infer"], tensors)
         for aid, what, args in header.get("ask", ()):
             self.hub.ask(self, aid, what, args)
         self.hub.pacing.after_message(self.link)

@@ -230,10 +230,10 @@ class Scheduler:
                 outbox.add("cancel", rid)
 
     # -- in ----------------------------------------------------------------------
-    def _message(self, message: messages.Message) -> None:
+    def _message(self, message: messages.InOrder) -> None:
         header, tensors = message
         if "replies" in header:  # first: a table that fails to parse must not cost them
-            self._replies(header["replies"], list(tensors.values()))
+            self._replies(header["replies"], tensors)
         if "models" in header:
             self._models(header["models"])
         if "late" in header:

@@ -18,6 +18,7 @@ import logging
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from tensorserve.ipc import messages
 
@@ -34,15 +35,16 @@ class Link:
         self,
         sock: socket.socket,
         loop: asyncio.AbstractEventLoop,
-        on_message: Callable[[messages.Message], None],
+        on_message: Callable[[Any], None],
         on_lost: Callable[[], None],
         *,
         many: bool = False,
     ) -> None:
         """``many``: the socket carries many small messages (a front end's),
-        read as many per ``recv`` as it brings (``messages.StreamReader``);
-        else one large message at a time, each read straight into its own
-        buffer (a worker's batches)."""
+        read as many per ``recv`` as it brings (``messages.StreamReader``),
+        each handed to ``on_message`` as a ``messages.InOrder``; else one
+        large message at a time, each read straight into its own buffer (a
+        worker's batches), handed over as a ``messages.Message``."""
         self.sock = sock
         self.loop = loop
         self._on_message = on_message
@@ -130,6 +132,7 @@ class Link:
             if not self.open or (self.paused and not paused_too):
                 return  # (what one read brought is still handed over)
             try:
+                read: list[messages.InOrder] | list[messages.Message] | None
                 if self._reader is not None:
                     read = self._reader.feed(self.sock)
                 else:

@@ -40,6 +40,10 @@ _LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 1 << 30
 
 Message = tuple[dict[str, Any], dict[str, np.ndarray]]
+# A message of a stream of many (``StreamReader``): its tensors in the order
+# they were sent, unnamed. Both ends of such a stream send them in order
+# (``frames_in_order``), and a name each cost its reader more than its array.
+InOrder = tuple[dict[str, Any], list[np.ndarray]]
 # What a message is written as: header bytes, then each tensor's bytes.
 Buffer = bytes | memoryview
 
@@ -182,9 +186,10 @@ class StreamReader:
         self._head: tuple[dict[str, Any], list[int], int, int] | None = None
         self.drained = False  # the last read emptied the socket
 
-    def feed(self, sock: socket.socket) -> list[Message] | None:
+    def feed(self, sock: socket.socket) -> list[InOrder] | None:
         """The messages completed by what the socket has now (None: nothing
-        to read); ``EOFError`` if the other end has gone."""
+        to read), each with its tensors in order; ``EOFError`` if the other
+        end has gone."""
         try:
             received = sock.recv_into(self._scratch, self.CHUNK, socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -196,7 +201,7 @@ class StreamReader:
         self.drained = received < self.CHUNK
         pending = self._pending
         pending += memoryview(self._scratch)[:received]
-        done: list[Message] = []
+        done: list[InOrder] = []
         while True:
             if self._head is None:
                 if len(pending) < _LENGTH.size:
@@ -211,7 +216,7 @@ class StreamReader:
             if len(pending) < end:
                 break
             payload = bytes(memoryview(pending)[start:end])
-            done.append((header, _arrays(header.pop("tensors"), sizes, payload)))
+            done.append((header, _in_order(header.pop("tensors"), sizes, payload)))
             del pending[:end]
             self._head = None
         return done
@@ -252,29 +257,42 @@ def _header(raw: bytearray | memoryview) -> tuple[dict[str, Any], list[int]]:
 
 
 def _arrays(specs: list[Any], sizes: list[int], payload: Any) -> dict[str, np.ndarray]:
-    """Zero-copy views of ``payload``, one per announced tensor (bytes
-    tensors: object arrays rebuilt from their framing; a run: a view of
-    each array, named on from its first's name). A front end's message
-    announces a few tensors per request: this runs for each, so it counts
-    from the sizes ``_header`` already has rather than the shapes."""
-    tensors, offset = {}, 0
+    """``_in_order``'s arrays by name (a run's named on from its first's)."""
+    names: list[str] = []
+    for spec in specs:
+        if len(spec) == 4 and spec[1] != "bytes":
+            first = int(spec[0])
+            names.extend(str(first + i) for i in range(len(spec[3])))
+        else:
+            names.append(spec[0])
+    return dict(zip(names, _in_order(specs, sizes, payload)))
+
+
+def _in_order(specs: list[Any], sizes: list[int], payload: Any) -> list[np.ndarray]:
+    """Zero-copy views of ``payload``, one per announced tensor, in order
+    (bytes tensors: object arrays rebuilt from their framing; a run: a view
+    of each array). A front end's message announces a few tensors per
+    request: this runs for each, so it counts from the sizes ``_header``
+    already has rather than the shapes."""
+    tensors: list[np.ndarray] = []
+    offset = 0
     for spec, size in zip(specs, sizes):
         key, name, shape = spec[0], spec[1], spec[2]
         if name == "bytes":
             view = memoryview(payload)[offset : offset + size]
-            tensors[key] = unframe(view, shape, f"tensor {key!r}")
+            tensors.append(unframe(view, shape, f"tensor {key!r}"))
         else:
             dt, itemsize = _numpy(name)
             flat = np.frombuffer(payload, dtype=dt, count=size // itemsize, offset=offset)
             if len(spec) == 4:
                 block = flat.reshape(sum(spec[3]), *shape) if shape else flat
-                at, first = 0, int(key)
-                for i, length in enumerate(spec[3]):
-                    tensors[str(first + i)] = block[at : at + length]
+                at = 0
+                for length in spec[3]:
+                    tensors.append(block[at : at + length])
                     at += length
             else:
                 # 1-D (a front end's token ids): already its shape, no reshape to pay for
-                tensors[key] = flat if len(shape) == 1 else flat.reshape(shape)
+                tensors.append(flat if len(shape) == 1 else flat.reshape(shape))
         offset += size
     return tensors
 
