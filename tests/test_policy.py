@@ -140,7 +140,7 @@ def _select_run_by_run(policy: LengthAwarePolicy, waiting: Waiting, max_batch_si
 
 
 @given(
-    volumes=st.lists(st.integers(1, 400), min_size=1, max_size=120),
+    volumes=st.lists(st.integers(1, 400), min_size=1, max_size=300),  # past one block
     max_batch_size=st.integers(1, 64),
     overdue=st.booleans(),
     budget=st.sampled_from([None, 64, 500, 4000]),

@@ -210,12 +210,13 @@ class LengthAwarePolicy:
         # a time so that each block stays in cache: a few numpy passes
         # instead of a Python loop of numpy calls per size (~0.3 ms a batch at
         # 64 waiting, benchmarks/results/HISTORY.md). Runs that would reach
-        # past the queue's end read repeats of its last item, and are masked
-        # out. Row-major argmax, strict across blocks, keeps that loop's
-        # choice: the best score, then the fewest items, then the first start.
-        # With an overdue item only the starts of runs that can hold it, at
-        # most ``most`` of them, are columns (under load, the usual case: a
-        # grid 64 wide, not the whole queue).
+        # past the queue's end read repeats of its last item: masked out, but
+        # for the learnt cost, where one holds no more than the run from its
+        # start to the end at a size as dear, so never comes first. Row-major
+        # argmax, strict across blocks, keeps that loop's choice: the best
+        # score, then the fewest items, then the first start. With an overdue
+        # item only the starts of runs that can hold it, at most ``most`` of
+        # them, are columns (under load, the usual case: a grid 64 wide).
         lo, hi = (0, n) if forced is None else (max(0, forced - most + 1), forced + 1)
         width = hi - lo
         longest_all, ends_all = (  # ndarray(): as_strided's views, without its ~5 us a call
@@ -227,6 +228,7 @@ class LengthAwarePolicy:
         starts = np.arange(lo, hi)
         best = (-np.inf, 0, 0)  # (score, size, start)
         coefficients = self.cost.coefficients
+        masked = forced is not None or bool(limit) or coefficients is None
         block = max(1, _GRID_CELLS // width)
         for low in range(0, most, block):
             sizes, inside = _run_grid(n, low, min(most, low + block))
@@ -246,7 +248,8 @@ class LengthAwarePolicy:
                 np.divide(real, scores, out=scores)
             else:  # most items first, then least waste
                 scores = sizes * 1e18 - (sizes * longest - real)
-            scores = np.where(valid, scores, -np.inf)
+            if masked:
+                scores = np.where(valid, scores, -np.inf)
             row, first = divmod(int(np.argmax(scores)), width)
             if scores[row, first] > best[0]:
                 best = (float(scores[row, first]), low + row + 1, lo + first)
