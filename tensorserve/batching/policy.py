@@ -159,9 +159,9 @@ def _solve3(a: list[list[float]], b: list[float]) -> list[float] | None:
     return x
 
 
-# Cells of one block of the length-aware grid (sizes x starts): 64 KB of
-# float64, so a block's passes stay in cache.
-_GRID_CELLS = 8192
+# Cells of one block of the length-aware grid (sizes x starts): 128 KB of float64, its
+# temporaries in a 1 MB L2 (vs 64 KB: 12-15% faster at 140-512 waiting; 256 KB: 3x slower).
+_GRID_CELLS = 16384
 
 
 @functools.lru_cache(maxsize=32)
