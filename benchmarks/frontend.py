@@ -312,6 +312,20 @@ def frontend_count(text: str) -> int:
     return int(text)
 
 
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """How each server runs and is loaded (``serve`` reads them; frontends_ab.py shares them)."""
+    parser.add_argument("--timeout", type=int, default=10, help="wrk's per-request timeout, s")
+    parser.add_argument(
+        "--isolation", choices=["auto", "thread", "process"], default=None,
+        help="the server's --isolation (default: pass nothing, the server's own)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--server-arg", action="append", default=[],
+        help="more serve flags, shell-split (repeatable): --server-arg='--max-queue-delay-ms 2'",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the items' seed")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cases = ["zeros", "flat", "tagger"]
@@ -328,11 +342,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration", type=int, default=10, help="measured seconds per run (whole)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up seconds per run (0: none)")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--timeout", type=int, default=10, help="wrk's per-request timeout, s")
-    parser.add_argument(
-        "--isolation", choices=["auto", "thread", "process"], default=None,
-        help="the server's --isolation (default: pass nothing, the server's own)",
-    )  # fmt: skip
+    add_server_arguments(parser)
     parser.add_argument(
         "--tree", nargs="+", type=Path, default=[ROOT],
         help="source trees to serve from, in turn (default: this one)",
@@ -342,11 +352,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve each tree with each count of front-end processes in turn "
         "(1: the one-process server, no flag passed; N >= 2: --frontends N)",
     )  # fmt: skip
-    parser.add_argument(
-        "--server-arg", action="append", default=[],
-        help="more serve flags, shell-split (repeatable): --server-arg='--max-queue-delay-ms 2'",
-    )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="the items' seed")
     parser.add_argument(
         "--output", type=Path, default=RESULTS, help="the JSON (smoke runs: somewhere in /tmp)"
     )

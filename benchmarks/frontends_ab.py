@@ -36,6 +36,7 @@ from frontend import (
     MAX_BATCH_SIZE,
     PROTOCOLS,
     Case,
+    add_server_arguments,
     frontend_count,
     require_frontends_flag,
     serve,
@@ -61,16 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--segments", type=int, default=10, help="pairs of runs per protocol")
     parser.add_argument("--seconds", type=int, default=4, help="one tree's run in a pair")
     parser.add_argument("--warmup", type=int, default=2, help="seconds, before each protocol")
-    parser.add_argument("--timeout", type=int, default=10, help="wrk's per-request timeout, s")
-    parser.add_argument(
-        "--isolation", choices=["auto", "thread", "process"], default=None,
-        help="the server's --isolation (default: pass nothing, the server's own)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--server-arg", action="append", default=[],
-        help="more serve flags, shell-split (repeatable)",
-    )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="the items' seed")
+    add_server_arguments(parser)
     parser.add_argument("--output", type=Path, default=RESULTS)
     return parser.parse_args(argv)
 

@@ -16,19 +16,13 @@ if TYPE_CHECKING:
     from tensorserve.frontends.hub import Connection
 
 
-class ReplySlot:
-    """One item's answer, resolved by its model's scheduler on this loop in
-    place of an ``asyncio.Future`` (the same methods the scheduler calls):
-    no future, no callback, no extra loop round per item."""
+class _Slot:
+    """What a model's scheduler calls on an item's future, for the two kinds
+    below, resolved on this loop in place of an ``asyncio.Future``: no
+    future, no callback, no extra loop round per item."""
 
-    __slots__ = ("_index", "_request", "_state")
-
-    def __init__(self, request: RemoteRequest, index: int) -> None:
-        self._request, self._index, self._state = (
-            request,
-            index,
-            0,
-        )  # 0 waiting, 1 done, 2 cancelled
+    __slots__ = ("_state",)
+    _state: int  # 0 waiting, 1 done, 2 cancelled: each kind sets it first
 
     def done(self) -> bool:
         return self._state != 0
@@ -41,12 +35,6 @@ class ReplySlot:
             return False
         self._state = 2
         return True
-
-    def set_result(self, value: Any) -> None:
-        self._state = 1
-        request = self._request
-        if request.answered(self._index, value):
-            request.connection.reply(request.rid, request.results)
 
     @staticmethod
     def deliver_many(outcomes: Sequence[Outcome]) -> None:
@@ -91,6 +79,21 @@ class ReplySlot:
                 connection.reply_rows(rids, rows)
             if others:
                 connection.reply_many(others)
+
+
+class ReplySlot(_Slot):
+    """One item's answer, of a request of several items (``RemoteRequest``)."""
+
+    __slots__ = ("_index", "_request")
+
+    def __init__(self, request: RemoteRequest, index: int) -> None:
+        self._request, self._index, self._state = request, index, 0
+
+    def set_result(self, value: Any) -> None:
+        self._state = 1
+        request = self._request
+        if request.answered(self._index, value):
+            request.connection.reply(request.rid, request.results)
 
     def set_exception(self, exc: BaseException) -> None:
         self._state = 1
@@ -149,37 +152,20 @@ class RemoteRequest:
         self.entries = []
 
 
-class RemoteItem:
+class RemoteItem(_Slot):
     """A front end's request of one item in this process: the future its
-    model's scheduler resolves (``ReplySlot``'s methods) and the request a
+    model's scheduler resolves (``_Slot``'s methods) and the request a
     cancel withdraws (``RemoteRequest.withdraw``), as one object. Most
     requests are one item, and each object a request needs here is paid
     for on the one process that caps a GPU: a ``RemoteRequest``, its
     results and entries lists and a ``ReplySlot`` would be four."""
 
-    __slots__ = ("_state", "batcher", "connection", "entry", "request_id", "rid")
+    __slots__ = ("batcher", "connection", "entry", "request_id", "rid")
 
     def __init__(self, connection: Connection, rid: int, request_id: str, batcher: Batcher) -> None:
-        self.connection, self.rid, self.request_id, self.batcher = (
-            connection,
-            rid,
-            request_id,
-            batcher,
-        )
+        self.connection, self.rid, self.request_id = connection, rid, request_id
+        self.batcher, self._state = batcher, 0
         self.entry: Pending | None = None  # while queued or running
-        self._state = 0  # 0 waiting, 1 done, 2 cancelled
-
-    def done(self) -> bool:
-        return self._state != 0
-
-    def cancelled(self) -> bool:
-        return self._state == 2
-
-    def cancel(self) -> bool:
-        if self._state:
-            return False
-        self._state = 2
-        return True
 
     def set_result(self, value: Any) -> None:
         self._state, self.entry = 1, None  # its entry holds it: no cycle to collect
@@ -194,5 +180,3 @@ class RemoteItem:
         entry, self.entry = self.entry, None
         if entry is not None:
             self.batcher.withdraw([entry])
-
-    deliver_many = ReplySlot.deliver_many  # the same function: batches mix the two
