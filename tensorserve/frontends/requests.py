@@ -50,18 +50,15 @@ class _Slot:
             future: RemoteItem | ReplySlot = entry.future  # type: ignore[assignment]
             if future._state:  # its caller left meanwhile
                 continue
+            if failed:  # answered on its own, as one failure alone would be
+                future.set_exception(value)
+                continue
             future._state = 1
             if type(future) is RemoteItem:
                 future.entry = None
-                if failed:
-                    future.connection.fail(future.rid, value, request_id=future.request_id)
-                    continue
                 rid, connection, results = future.rid, future.connection, None
             else:
                 request = future._request  # type: ignore[union-attr]
-                if failed:
-                    request.failed(value)
-                    continue
                 if not request.answered(future._index, value):  # type: ignore[union-attr]
                     continue  # items of it are still to come
                 rid, connection = request.rid, request.connection
