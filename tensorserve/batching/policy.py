@@ -225,7 +225,6 @@ class LengthAwarePolicy:
             )
             for a in (ranked, prefix[1:])
         )
-        starts = np.arange(lo, hi)
         best = (-np.inf, 0, 0)  # (score, size, start)
         coefficients = self.cost.coefficients
         masked = forced is not None or bool(limit) or coefficients is None
@@ -236,7 +235,7 @@ class LengthAwarePolicy:
             longest = longest_all[low : low + len(sizes)]
             real = ends_all[low : low + len(sizes)] - prefix[lo:hi]
             if forced is not None:  # only runs that hold it (each column starts at or before it)
-                valid = valid & (forced < starts + sizes)
+                valid = valid & (forced < np.arange(lo, hi) + sizes)  # (<= most columns)
             if limit:
                 valid = valid & ((sizes * longest <= limit) | (sizes == 1))
             if coefficients is not None:  # real / cost, as BatchCostModel.cost reads, in place

@@ -94,8 +94,9 @@ def frames_in_order(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> 
         else:
             run_dtype, rest, lengths = dt, shape[1:], [shape[0]]
             specs.append([str(i), _name(dt), list(rest), lengths])
-        if array.size:  # (an ndarray is a buffer; numpy's stubs do not say so)
-            payloads.append(cast(memoryview, array if array.flags.c_contiguous else array.copy()))
+        if array.size:  # an ndarray is a buffer (numpy's stubs do not say so; no cast() call)
+            whole = array if array.flags.c_contiguous else array.copy()
+            payloads.append(whole)  # type: ignore[arg-type]
     head = msgpack.packb({**header, "tensors": specs})
     return [_LENGTH.pack(len(head)) + head, *payloads]
 
