@@ -189,9 +189,7 @@ class AdmissionQueue:
 
     def _queue_delay_s(self) -> float:
         delay = self.options.max_queue_delay_ms
-        if self.target is not None:
-            delay = min(delay, self.target.queue_delay_ms)
-        return delay / 1000
+        return (min(delay, self.target.queue_delay_ms) if self.target is not None else delay) / 1000
 
     def gone(self, now: float) -> list[Pending]:
         """Waiting entries nobody waits for: cancelled, or past their deadline
