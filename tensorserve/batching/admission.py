@@ -31,8 +31,7 @@ WINDOW_BATCHES = 16
 # predicted wait (FIFO through the queue ahead) is off at the tail (measured
 # on the tagger at 1.5x: server p99 184 ms against a 150 ms target).
 TARGET_WINDOW_BATCHES = 1
-# The bounds of a refusal's Retry-After, in seconds.
-RETRY_AFTER_S = (1.0, 60.0)
+RETRY_AFTER_S = (1.0, 60.0)  # the bounds of a refusal's Retry-After, in seconds
 # The parameters of an item whose model declares none: one shared empty map.
 NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({})
 
