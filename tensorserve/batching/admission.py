@@ -31,8 +31,7 @@ WINDOW_BATCHES = 16
 # predicted wait (FIFO through the queue ahead) is off at the tail (measured
 # on the tagger at 1.5x: server p99 184 ms against a 150 ms target).
 TARGET_WINDOW_BATCHES = 1
-# The bounds of a refusal's Retry-After, in seconds.
-RETRY_AFTER_S = (1.0, 60.0)
+RETRY_AFTER_S = (1.0, 60.0)  # the bounds of a refusal's Retry-After, in seconds
 # The parameters of an item whose model declares none: one shared empty map.
 NO_PARAMETERS: Mapping[str, Any] = MappingProxyType({})
 
@@ -189,9 +188,7 @@ class AdmissionQueue:
 
     def _queue_delay_s(self) -> float:
         delay = self.options.max_queue_delay_ms
-        if self.target is not None:
-            delay = min(delay, self.target.queue_delay_ms)
-        return delay / 1000
+        return (min(delay, self.target.queue_delay_ms) if self.target is not None else delay) / 1000
 
     def gone(self, now: float) -> list[Pending]:
         """Waiting entries nobody waits for: cancelled, or past their deadline

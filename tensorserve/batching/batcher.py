@@ -139,23 +139,19 @@ class Batcher:
     ) -> list[Pending]:
         now = self.clock()
         deadline = None if timeout is None else now + timeout
-        one_request = not one_per_request and len(items) > 1
         # A request of several items is counted once (stats.py).
-        tally = RequestTally(len(items)) if one_request else None
+        tally = RequestTally(len(items)) if len(items) > 1 and not one_per_request else None
+        tracer = self.scheduler.tracer  # the request's span, for its items' queue and batch spans
+        trace = tracer.current_request() if tracer is not None else None
         if futures is None:
             futures = [loop.create_future() if loop is not None else Future() for _ in items]
         volumes = self.collator.volumes(items)
         entries = [  # positional, in Pending's field order (tests/test_admission.py): a third cheaper
             Pending(
-                item, volume, future, loop, now, deadline, 0, 0, priority, parameters, None, tally
+                item, volume, future, loop, now, deadline, 0, 0, priority, parameters, trace, tally
             )
             for item, volume, future in zip(items, volumes, futures, strict=True)
         ]
-        tracer = self.scheduler.tracer
-        if tracer is not None:  # the request's span, for its items' queue and batch spans
-            trace = tracer.current_request()
-            for entry in entries:
-                entry.trace = trace
         self.scheduler.admit(entries, now, wake=wake)
         self.stats.record_requests(len(entries) if one_per_request else 1, len(entries))
         return entries

@@ -32,27 +32,26 @@ from functools import cache
 from typing import Literal
 
 Search = Literal["halves", "singles"]
+ForwardSeconds = Callable[[int], float]  # F(k): the seconds a forward of k of the items costs
 
 
-def singles_seconds(n: int, forward_s: Callable[[int], float], restart_s: float) -> float:
+def singles_seconds(n: int, forward_s: ForwardSeconds, restart_s: float) -> float:
     """Expected seconds to run ``n`` crashed items one at a time."""
     return n * forward_s(1) + restart_s
 
 
-def choose(n: int, forward_s: Callable[[int], float], restart_s: float) -> Search:
+def choose(n: int, forward_s: ForwardSeconds, restart_s: float) -> Search:
     """The cheaper way to search a crashed batch of ``n`` items."""
     plans = _plans(forward_s, restart_s)
     return "halves" if plans(n)[1] < singles_seconds(n, forward_s, restart_s) else "singles"
 
 
-def best_seconds(n: int, forward_s: Callable[[int], float], restart_s: float) -> float:
+def best_seconds(n: int, forward_s: ForwardSeconds, restart_s: float) -> float:
     """Expected seconds of the cheaper search, choosing again at every level."""
     return _plans(forward_s, restart_s)(n)[0]
 
 
-def _plans(
-    forward_s: Callable[[int], float], restart_s: float
-) -> Callable[[int], tuple[float, float]]:
+def _plans(forward_s: ForwardSeconds, restart_s: float) -> Callable[[int], tuple[float, float]]:
     """``plans(n) -> (best(n), halves(n))`` for one cost model."""
 
     @cache

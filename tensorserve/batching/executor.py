@@ -28,26 +28,22 @@ class BatchOutputs(Protocol):
     def batched(self) -> Mapping[str, np.ndarray | Sequence[np.ndarray]] | None:
         """One array per output with the batch first (a ragged output: one
         array per row): un-padded by collate."""
-        ...
 
     @property
     def per_item(self) -> Sequence[Any] | None:
         """Or, when the model returned one result per item: each item's host
         arrays, or the Exception that fails that item alone."""
-        ...
 
     @property
     def parameters(self) -> Mapping[str, Sequence[Any]] | None:
         """The model's per-row output parameters (name -> one JSON scalar per
         row; ``tensorserve.WithParameters``), or None."""
-        ...
 
     @property
     def seconds(self) -> float | None:
         """The model's own time for the batch, when the executor knows it
         better than the batcher's launch-to-collect clock (a worker with a
         batch queued behind another); None otherwise."""
-        ...
 
 
 class Executor(Protocol):
@@ -76,26 +72,21 @@ class Executor(Protocol):
         """The watchdog's: stop a batch past its limit. True if it will end as
         a failure (its worker killed); False if it cannot be stopped (a
         forward in a thread of this process: its instance is then stuck)."""
-        ...
 
     def repair(self, instance: int) -> None:
         """After a batch failed on the instance: restore it now (a dead
         worker replaced), not at its next batch. Never raises."""
-        ...
 
     def health(self) -> str | None:
         """Why no batch can run now (every worker down), None if one can."""
-        ...
 
     def free_memory_bytes(self) -> int | None:
         """Device memory a batch could still use, in bytes: free on the device
         plus what torch's caching allocator holds unused (None: not known here,
         a CPU or a worker process). The memory ceiling grows only into it."""
-        ...
 
     def close(self) -> None:
         """Release what the executor holds (workers, device state)."""
-        ...
 
 
 class ThreadedExecutor(Executor, Protocol):
@@ -104,7 +95,6 @@ class ThreadedExecutor(Executor, Protocol):
 
     def start_instance(self, instance: int) -> None:
         """Called once on each instance's thread before its first batch."""
-        ...
 
     def launch(
         self,
@@ -116,11 +106,9 @@ class ThreadedExecutor(Executor, Protocol):
         ``parameters``: the model's declared request parameters, one value
         per row (empty or None: the model declares none, and its forward
         gets exactly the features)."""
-        ...
 
     def collect(self, launched: Any) -> BatchOutputs:
         """Wait for a launched batch and return its outputs."""
-        ...
 
 
 Done = Callable[[BatchOutputs | None, BaseException | None], None]
@@ -136,7 +124,6 @@ class LoopExecutor(Executor, Protocol):
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """The scheduler's loop: ``dispatch`` is called, and ``done`` runs, on it."""
-        ...
 
     def dispatch(
         self,
@@ -148,8 +135,6 @@ class LoopExecutor(Executor, Protocol):
         """Hand the padded batch to the instance without blocking, whatever
         the host's socket buffers; ``done(outputs, error)`` is called once,
         on the loop, when it is over. Returns what ``abort`` takes."""
-        ...
 
     def detach(self) -> None:
         """On the loop, before ``close``: stop watching the instances."""
-        ...

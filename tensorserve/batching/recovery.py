@@ -206,14 +206,10 @@ class Recovery:
         if entry.crashes < 2:
             self.stats.record_recovery("rerun")
             return Plan(retries=[[entry]])
-        if error.watchdog:
-            failure = ModelFailure(
-                f"model {self.name!r}: this item alone ran longer than the watchdog allows, "
-                f"so its worker process was killed ({error.message})"
-            )
-        else:
-            failure = ModelFailure(
-                f"model {self.name!r}: this item crashed the model's worker process "
-                f"({error.message}); it is not retried"
-            )
-        return Plan([(entry, failure, True)])
+        why = (
+            f"alone ran longer than the watchdog allows, so its worker process was killed "
+            f"({error.message})"
+            if error.watchdog
+            else f"crashed the model's worker process ({error.message}); it is not retried"
+        )
+        return Plan([(entry, ModelFailure(f"model {self.name!r}: this item {why}"), True)])

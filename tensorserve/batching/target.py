@@ -173,6 +173,7 @@ class LatencyTarget:
         """For the stats and the metrics: the target, what is achieved, the settings."""
         with self._lock:
             p99 = percentile(self._latencies, 99) if self._latencies else None
+            rate_known = self.drain.items_per_s() is not None or self._every[1]
             return {
                 "target_p99_ms": round(1000 * self.target_s, 3),
                 "achieved_p99_ms": None if p99 is None else round(1000 * p99, 3),
@@ -181,10 +182,6 @@ class LatencyTarget:
                 "queue_delay_ms": self.queue_delay_ms,
                 "safety": round(self.safety, 3),
                 "batch_ms": round(1000 * self._batch_s, 3),
-                "drain_items_per_s": (
-                    round(self.drain_rate(), 3)
-                    if self.drain.items_per_s() is not None or self._every[1]
-                    else None
-                ),
+                "drain_items_per_s": round(self.drain_rate(), 3) if rate_known else None,
                 "refused": self.refused,
             }

@@ -39,10 +39,8 @@ log = logging.getLogger(__name__)
 
 AUTO_MIN_S = 30.0
 AUTO_FACTOR = 50.0
-# Readiness: stalled once a batch has run this many times the slowest so far
-# (and at least STALL_MIN_S).
-STALL_FACTOR = 4.0
-STALL_MIN_S = 1.0
+STALL_FACTOR = 4.0  # readiness: stalled once a batch has run this many times the slowest so far,
+STALL_MIN_S = 1.0  # and at least this long
 CHECK_EVERY_S = 0.1
 
 

@@ -45,8 +45,7 @@ from tensorserve.tensors.dtypes import Feature, host_array
 
 log = logging.getLogger(__name__)
 
-# The weight of the newest restart in ``restart_seconds``.
-RESTART_ALPHA = 0.3
+RESTART_ALPHA = 0.3  # the weight of the newest restart in ``restart_seconds``
 
 
 @dataclass(frozen=True)

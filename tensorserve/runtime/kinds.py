@@ -49,14 +49,11 @@ class BuiltExecutor:
 
 
 def _thread(request: ExecutorRequest) -> BuiltExecutor:
-    fn, version = request.fn, request.version or 1
+    fn, version, config = request.fn, request.version or 1, request.config
     if fn is None:
         assert request.source is not None
-        loaded = load_model(
-            request.source, request.version, request.config, request.intra_op_threads
-        )
+        loaded = load_model(request.source, request.version, config, request.intra_op_threads)
         fn, version = loaded.module, loaded.version
-    config = request.config
     if len(request.placements) > 1:
         placed = PlacedExecutor(fn, config, request.placements, request.intra_op_threads)
         return BuiltExecutor(placed, version, placed.fn)

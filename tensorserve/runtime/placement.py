@@ -101,16 +101,13 @@ class PlacedExecutor(ThreadExecutor):
         copies = [fn] + [copy.deepcopy(fn) if is_module else fn for _ in placements[1:]]
         devices = [resolve_device(placement.device) for placement in placements]
         models = [on_device(model, config, device) for model, device in zip(copies, devices)]
-        count = sum(placement.count for placement in placements)
+        placement_of = [i for i, placement in enumerate(placements) for _ in range(placement.count)]
+        count = len(placement_of)
         super().__init__(
             models[0], config, devices[0], instance_count=count, intra_op_threads=intra_op_threads
         )
-        self.models = [m for m, p in zip(models, placements) for _ in range(p.count)]
-        self._contexts = [
-            DeviceContext(d, intra_op_threads)
-            for d, p in zip(devices, placements)
-            for _ in range(p.count)
-        ]
+        self.models = [models[i] for i in placement_of]
+        self._contexts = [DeviceContext(devices[i], intra_op_threads) for i in placement_of]
         # Any device that queues work makes launching ahead worth it; on a
         # CPU, launch simply runs the batch to the end.
         self.overlaps = self.pin_memory = any(device.type == "cuda" for device in devices)

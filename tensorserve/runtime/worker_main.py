@@ -42,24 +42,24 @@ from tensorserve.tensors.dtypes import as_feature
 
 log = logging.getLogger("tensorserve.worker")
 
+Loaded = tuple[ModelConfig, ThreadExecutor]  # a model's config, and the executor it runs in
 
-def _load(hello: dict[str, Any]) -> tuple[ModelConfig, ThreadExecutor]:
-    name, version = hello["name"], hello["version"]
+
+def _load(hello: dict[str, Any]) -> Loaded:
+    name, version, threads = hello["name"], hello["version"], hello["intra_op_threads"]
     config = parse_config(hello["config"], f"{name} (worker)")
     source = ModelSource(name, Path(hello["path"]), (version,))
-    loaded = load_model(source, version, config, hello["intra_op_threads"])
+    loaded = load_model(source, version, config, threads)
     device = resolve_device(config.device)
     module = on_device(loaded.module, config, device)
-    threads = hello["intra_op_threads"]
     return config, ThreadExecutor(module, config, device, intra_op_threads=threads, name=name)
 
 
 def _run_batch(
-    name: str,
     config: ModelConfig,
     executor: ThreadExecutor,
     features: dict[str, np.ndarray],
-    parameters: dict[str, list[Any]] | None = None,
+    parameters: dict[str, list[Any]] | None,
 ) -> ipc.Message:
     """Reply to one batch: its outputs, one result per item, or the error;
     per-row output parameters (plain scalars) ride in the reply's header."""
@@ -76,7 +76,7 @@ def _run_batch(
         tensors: dict[str, np.ndarray] = {}
         for i, result in enumerate(executed.per_item):
             if isinstance(result, BaseException):
-                failed.append((i, as_model_failure(result, name).message))
+                failed.append((i, as_model_failure(result, executor.label).message))
             else:
                 tensors.update({f"{i}/{key}": value for key, value in result.items()})
         header = {"items": len(executed.per_item), "failed": failed, "seconds": seconds}
@@ -90,12 +90,10 @@ def _run_batch(
         logging.shutdown()
         os._exit(ipc.EXIT_DEVICE_LOST)
     except Exception as exc:  # noqa: BLE001 - the model failed: this batch only
-        return {"error": as_model_failure(exc, name).message}, {}
+        return {"error": as_model_failure(exc, executor.label).message}, {}
 
 
-def _load_and_run(
-    sock: socket.socket, hello: dict[str, Any], loaded: tuple[ModelConfig, ThreadExecutor] | None
-) -> int:
+def _load_and_run(sock: socket.socket, hello: dict[str, Any], loaded: Loaded | None) -> int:
     """Load the model (unless the template had), answer ready or why not,
     then run batches until the server closes the socket."""
     try:
@@ -112,9 +110,7 @@ def _load_and_run(
             return 0  # the server closed its end: stopped or gone
         if header.get("stop"):
             return 0
-        reply, tensors = _run_batch(
-            hello["name"], config, executor, features, header.get("parameters")
-        )
+        reply, tensors = _run_batch(config, executor, features, header.get("parameters"))
         ipc.send(sock, reply, tensors)
 
 
@@ -139,7 +135,7 @@ def template(control: socket.socket) -> int:
     torch.set_num_threads(1)
     hello = msgpack.unpackb(socket.recv_fds(control, 1 << 16, 0)[0])
     _log_as(hello)
-    loaded: tuple[ModelConfig, ThreadExecutor] | None = None
+    loaded: Loaded | None = None
     try:
         if hello.get("template_loads"):  # else each worker loads it after the fork
             loaded = _load(hello)
@@ -172,10 +168,7 @@ def template(control: socket.socket) -> int:
 
 
 def _fork_worker(
-    control: socket.socket,
-    sock: socket.socket,
-    hello: dict[str, Any],
-    loaded: tuple[ModelConfig, ThreadExecutor] | None,
+    control: socket.socket, sock: socket.socket, hello: dict[str, Any], loaded: Loaded | None
 ) -> int:
     pid = os.fork()
     if pid:

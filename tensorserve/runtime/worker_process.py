@@ -37,8 +37,7 @@ from tensorserve.runtime.worker_channel import OnReply, WorkerChannel
 log = logging.getLogger("tensorserve.runtime.isolated")
 
 LOAD_TIMEOUT_S = 600.0  # import torch, load weights, maybe compile
-# Fewer, larger socket reads and writes for batches of a few MB.
-SOCKET_BUFFER_BYTES = 4 << 20
+SOCKET_BUFFER_BYTES = 4 << 20  # fewer, larger socket reads and writes for batches of a few MB
 
 Process = subprocess.Popen[bytes] | ForkedProcess
 
