@@ -274,29 +274,39 @@ def _longest_run_if_it_wins(
     ranked = [volumes[i] for i in order]
     prefix = [0, *itertools.accumulate(ranked)]
     forced = order.index(0) if waiting.oldest_overdue else None
-    fixed, per_element, per_step = coefficients or (0.0, 0.0, 0.0)
-
-    def score(real: int, longest: int, size: int) -> float:
-        if coefficients is None:  # most items first (1e18 a size outweighs any waste)
-            return size * 1e18 - (size * float(longest) - real)
-        cost = float(longest) * (per_element * size + per_step) + fixed
-        return real / (max(cost, 1e-12) if fixed < 1e-12 else cost)
-
-    starts = (
-        range(n - most + 1)
-        if forced is None
-        else range(max(0, forced - most + 1), min(forced, n - most) + 1)
+    first, last = (
+        (0, n - most) if forced is None else (max(0, forced - most + 1), min(forced, n - most))
     )
-    best, start = max(
-        (score(prefix[s + most] - prefix[s], ranked[s + most - 1], most), -s) for s in starts
-    )
-    for size in range(1, most if coefficients is not None else 1):  # (a tie goes to fewer items)
-        end, least = (
-            (n, size - 1) if forced is None else (min(n, forced + size), max(forced, size - 1))
-        )
-        if score(prefix[end] - prefix[end - size], ranked[least], size) >= best * (1 - 1e-9):
-            return None
-    return sorted(order[-start : -start + most])
+    ends = range(first + most, last + most + 1)  # each run's end, its longest at end - 1
+    if coefficients is None:  # most items first, then the least waste
+        scores = [
+            most * 1e18 - (most * float(ranked[e - 1]) - (prefix[e] - prefix[e - most]))
+            for e in ends
+        ]
+        return sorted(order[scores.index(max(scores)) + first :][:most])  # 1e18 outweighs any waste
+    fixed, per_element, per_step = coefficients
+    least = max(fixed, 1e-12)  # what any batch costs at least, as the grid counts
+    step = per_element * most + per_step
+    scores = [
+        (prefix[e] - prefix[e - most]) / max(float(ranked[e - 1]) * step + fixed, least)
+        for e in ends
+    ]
+    best = max(scores)
+    bar = best * (1 - 1e-9)  # (a tie goes to fewer items)
+    # A shorter run (holding the oldest, when it is overdue) holds at most the
+    # real volume of the last such run of most - 1, and costs at least ``least``...
+    end = n if forced is None else min(n, forced + most - 1)
+    if most > 1 and (prefix[end] - prefix[end - most + 1]) / least >= bar:
+        for size in range(1, most):  # ...else each size in turn, its longest at least ranked[at]
+            end, at = (
+                (n, size - 1) if forced is None else (min(n, forced + size), max(forced, size - 1))
+            )
+            step = per_element * size + per_step
+            if (prefix[end] - prefix[end - size]) / max(
+                float(ranked[at]) * step + fixed, least
+            ) >= bar:
+                return None
+    return sorted(order[scores.index(best) + first :][:most])
 
 
 def budget_for_next_batch(policy: FifoPolicy | LengthAwarePolicy) -> int | None:
