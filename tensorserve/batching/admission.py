@@ -243,7 +243,7 @@ class AdmissionQueue:
         if leave_growing and len(chosen) == len(self._waiting):
             return []
         # From the back, in place: not a new list of all that stays.
-        for position in sorted([positions[i] for i in chosen], reverse=True):
+        for position in sorted((positions[i] for i in chosen), reverse=True):
             del self._waiting[position], self._volumes[position]
         self.drain_rate.taken(len(chosen), now, len(self._waiting))
         return [window[i] for i in chosen]
@@ -299,8 +299,7 @@ class AdmissionQueue:
         live: list[Pending] = []
         expired: list[Outcome] = []
         for entry in entries:
-            # (a loop's future asked directly: a call less an item, on the loop's hot path)
-            if entry.future.cancelled() if entry.loop is not None else entry.caller_left():
+            if entry.caller_left():
                 continue
             if entry.deadline is not None and now > entry.deadline:
                 error = DeadlineExceeded(f"model {self.name!r}: item waited past its deadline")

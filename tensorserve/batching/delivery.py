@@ -21,15 +21,12 @@ from tensorserve.batching.admission import Outcome
 def settle(outcomes: Sequence[Outcome]) -> None:
     """Deliver every outcome to its caller (a caller that left is skipped)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}
-    last, group = None, []
     for outcome in outcomes:
         loop = outcome[0].loop
         if loop is None:
             _deliver([outcome])
-            continue
-        if loop is not last:  # (consecutive outcomes share a loop: one lookup a run of them)
-            last, group = loop, by_loop.setdefault(loop, [])
-        group.append(outcome)
+        else:
+            by_loop.setdefault(loop, []).append(outcome)
     for loop, batch in by_loop.items():
         if asyncio._get_running_loop() is loop:
             _deliver(batch)  # the scheduler runs on this loop: no self-pipe round
@@ -40,10 +37,11 @@ def settle(outcomes: Sequence[Outcome]) -> None:
 
 def _deliver(outcomes: Sequence[Outcome]) -> None:
     # A type that resolves many at once (front ends' requests): one call for all.
-    kinds = {type(outcome[0].future) for outcome in outcomes}
-    many = {getattr(kind, "deliver_many", None) for kind in kinds}
-    if len(many) == 1 and (deliver_many := many.pop()) is not None:
-        deliver_many(outcomes)
+    many = getattr(type(outcomes[0][0].future), "deliver_many", None) if outcomes else None
+    if many is not None and all(
+        getattr(type(outcome[0].future), "deliver_many", None) is many for outcome in outcomes
+    ):
+        many(outcomes)
         return
     for entry, value, failed in outcomes:
         future = entry.future

@@ -173,7 +173,7 @@ class BatchStats:
                 row[column] += ns
             self.last_inference_ms = max(self.last_inference_ms, finished_ms)
             if answered:
-                self.failed_items += sum([failed for _, _, failed in answered])
+                self.failed_items += sum(failed for _, _, failed in answered)
                 self._record_requests(answered, now, dispatched, durations_ns)
             self.batch_items += size
             self.batch_seconds += seconds
