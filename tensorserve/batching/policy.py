@@ -264,19 +264,17 @@ class LengthAwarePolicy:
 def _longest_run_if_it_wins(
     waiting: Waiting, coefficients: tuple[float, float, float] | None, most: int
 ) -> list[int] | None:
-    """The grid's choice if it is the best run of ``most`` (no budget), in plain
-    Python: under a flat cost (a GPU's) it skips the grid's ~30 numpy calls,
-    ~250 us a batch after the loop's idle wait. Runs of ``most`` are scored with
-    the grid's float operations; none shorter wins if none could score more than
-    the most real volume it could hold over the least it could cost. None: the grid decides."""
+    """The grid's choice if it is the best run of ``most`` (no budget), in plain Python: under
+    a flat cost (a GPU's) this skips the grid's ~30 numpy calls, ~250 us a batch after the loop's
+    idle wait. Runs of ``most`` are scored with the grid's float operations; none shorter wins if
+    none could hold more real volume over less cost than the best. None: the grid decides."""
     n, volumes = len(waiting), waiting.volumes
     order = sorted(range(n), key=volumes.__getitem__)  # stable, as the grid's argsort
     ranked = [volumes[i] for i in order]
     prefix = [0, *itertools.accumulate(ranked)]
     forced = order.index(0) if waiting.oldest_overdue else None
-    first, last = (
-        (0, n - most) if forced is None else (max(0, forced - most + 1), min(forced, n - most))
-    )
+    first = 0 if forced is None else max(0, forced - most + 1)
+    last = n - most if forced is None else min(forced, n - most)
     ends = range(first + most, last + most + 1)  # each run's end, its longest at end - 1
     if coefficients is None:  # most items first, then the least waste
         scores = [
@@ -297,14 +295,11 @@ def _longest_run_if_it_wins(
     # real volume of the last such run of most - 1, and costs at least ``least``...
     end = n if forced is None else min(n, forced + most - 1)
     if most > 1 and (prefix[end] - prefix[end - most + 1]) / least >= bar:
-        for size in range(1, most):  # ...else each size in turn, its longest at least ranked[at]
-            end, at = (
-                (n, size - 1) if forced is None else (min(n, forced + size), max(forced, size - 1))
-            )
-            step = per_element * size + per_step
-            if (prefix[end] - prefix[end - size]) / max(
-                float(ranked[at]) * step + fixed, least
-            ) >= bar:
+        for size in range(1, most):  # ...else each size in turn
+            end = n if forced is None else min(n, forced + size)
+            longest = ranked[size - 1 if forced is None else max(forced, size - 1)]  # at least
+            cost = max(float(longest) * (per_element * size + per_step) + fixed, least)
+            if (prefix[end] - prefix[end - size]) / cost >= bar:
                 return None
     return sorted(order[scores.index(best) + first :][:most])
 
