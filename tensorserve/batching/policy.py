@@ -201,7 +201,8 @@ class LengthAwarePolicy:
         most = min(max_batch_size, n)
         if n <= 1:  # a lone caller: no choice to make, and no numpy to pay for
             return list(range(n))
-        if not limit and (chosen := _longest_run_if_it_wins(waiting, coefficients, most)):
+        shortcut = not limit and n <= 3 * most  # (past 3 batches numpy's sort and scan win, hot)
+        if shortcut and (chosen := _longest_run_if_it_wins(waiting, coefficients, most)):
             return chosen
         volumes = np.fromiter(waiting.volumes, dtype=np.int64, count=n)
         order = np.argsort(volumes, kind="stable")
