@@ -176,3 +176,22 @@ def test_a_flat_cost_chooses_without_the_grid(monkeypatch: pytest.MonkeyPatch) -
     assert expected == [[1, 3, 5, 6], [0, 2, 4, 7], list(range(8))]  # the longest; with the oldest
     monkeypatch.setattr(np, "fromiter", None)  # the grid's first call
     assert [policy.select(waiting, most) for waiting, most in cases] == expected
+
+
+@pytest.mark.parametrize(
+    ("volumes", "most", "learnt"),
+    [
+        ([6 * 10**15] + [1] * 199, 200, None),  # a waste past the unfitted score's 1e18 a size
+        ([0, 2 * 10**18], 2, None),
+        ([8741871538103465, 5133356893680477, 8741871538103465], 1, (5e-3, 0.0, 0.0)),  # > 2**53
+    ],
+)
+def test_volumes_past_float_precision_are_chosen_as_the_grid_does(
+    volumes: list[int], most: int, learnt: tuple[float, float, float] | None
+) -> None:
+    """The plain-Python shortcut sums exactly; the grid in float64: where they
+    could differ (sums past 2**53), the grid decides."""
+    policy = LengthAwarePolicy()
+    policy.cost.coefficients = learnt
+    waiting = queue(volumes)
+    assert policy.select(waiting, most) == _select_run_by_run(policy, waiting, most)
