@@ -264,11 +264,10 @@ class LengthAwarePolicy:
 def _run_of_most_if_none_shorter_wins(
     waiting: Waiting, coefficients: tuple[float, float, float] | None, most: int
 ) -> list[int] | None:
-    """The grid's choice if it is the best run of ``most`` (no budget), in plain Python: under
-    a flat cost (a GPU's) this skips the grid's ~30 numpy calls, ~250 us a batch after the loop's
-    idle wait. Runs of ``most`` are scored with the grid's float operations; none shorter wins if
-    none could hold as much real volume (volumes are >= 0) over as little cost as the best. None:
-    not shown, the grid decides."""
+    """The grid's choice if it is the best run of ``most`` (no budget), in plain Python: under a
+    flat cost (a GPU's) this skips the grid's ~30 numpy calls, ~250 us a batch after the loop's idle
+    wait. Runs of ``most`` are scored with the grid's float operations; none shorter wins if none
+    could hold as much real volume (volumes >= 0) over as little cost. None: the grid decides."""
     n, volumes = len(waiting), waiting.volumes
     order = sorted(range(n), key=volumes.__getitem__)  # stable, as the grid's argsort
     ranked = [volumes[i] for i in order]
@@ -279,12 +278,13 @@ def _run_of_most_if_none_shorter_wins(
     first = 0 if forced is None else max(0, forced - most + 1)
     last = n - most if forced is None else min(forced, n - most)
     ends = range(first + most, last + most + 1)  # each run's end, its longest at end - 1
-    if coefficients is None:  # most items first, then the least waste
+    if coefficients is None:  # most items first, then least waste (1e18 outweighs any waste)
         scores = [
             most * 1e18 - (most * float(ranked[e - 1]) - (prefix[e] - prefix[e - most]))
             for e in ends
         ]
-        return sorted(order[scores.index(max(scores)) + first :][:most])  # 1e18 outweighs any waste
+        start = first + scores.index(max(scores))
+        return sorted(order[start : start + most])
     fixed, per_element, per_step = coefficients
     least = max(fixed, 1e-12)  # what any batch costs at least, as the grid counts
     step = per_element * most + per_step
@@ -292,8 +292,7 @@ def _run_of_most_if_none_shorter_wins(
         (prefix[e] - prefix[e - most]) / max(float(ranked[e - 1]) * step + fixed, least)
         for e in ends
     ]
-    best = max(scores)
-    bar = best * (1 - 1e-9)  # a tie goes to fewer items: the grid's; the margin: float safety
+    bar = (best := max(scores)) * (1 - 1e-9)  # a tie goes to fewer items; the margin: floats
     # A shorter run (holding the oldest, when it is overdue) holds at most the
     # real volume of the last such run of most - 1, and costs at least ``least``...
     end = n if forced is None else min(n, forced + most - 1)
@@ -304,7 +303,8 @@ def _run_of_most_if_none_shorter_wins(
             cost = max(float(longest) * (per_element * size + per_step) + fixed, least)
             if (prefix[end] - prefix[end - size]) / cost >= bar:
                 return None
-    return sorted(order[scores.index(best) + first :][:most])
+    start = first + scores.index(best)
+    return sorted(order[start : start + most])
 
 
 def budget_for_next_batch(policy: FifoPolicy | LengthAwarePolicy) -> int | None:
