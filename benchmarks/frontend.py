@@ -66,6 +66,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -106,7 +107,7 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
         "zeros": Case("zeros", "zeros", args.zeros_c, write_zeros_model, None),
         "flat": Case(
             "flat", "flat", args.flat_c,
-            lambda repo: write_flat_model(repo, flat_ms=args.flat_ms),
+            lambda repo: write_flat_model(repo, flat_ms=args.flat_ms, device=args.flat_device),
             MAX_BATCH_SIZE / (args.flat_ms / 1000),
         ),
         "tagger": Case("tagger", "tagger", args.tagger_c, None, None),
@@ -192,6 +193,16 @@ def offline_ceiling(tree: Path, model: str, seconds: float) -> float:
     return ceiling
 
 
+def batch_totals(url: str, model: str) -> tuple[int, int, int]:
+    """Batches, items and the model's nanoseconds so far, from Triton's
+    statistics (``batch_stats``: per batch size; a GPU's time from its events)."""
+    with urllib.request.urlopen(f"{url}/v2/models/{model}/stats", timeout=10) as reply:
+        batch_stats = json.load(reply)["model_stats"][0].get("batch_stats", [])
+    batches = sum(b["compute_infer"]["count"] for b in batch_stats)
+    items = sum(b["batch_size"] * b["compute_infer"]["count"] for b in batch_stats)
+    return batches, items, sum(b["compute_infer"]["ns"] for b in batch_stats)
+
+
 def run_case(
     case: Case, tree: Path, frontends: int, args: argparse.Namespace, work: Path, repeat: int
 ) -> list[dict[str, Any]]:
@@ -204,6 +215,7 @@ def run_case(
         )  # fmt: skip
         for protocol in args.protocols:
             for connections in case.concurrency:
+                before = batch_totals(server.url, case.model)
                 window = measure(
                     server, f"{server.url}/v2/models/{case.model}/infer", scripts[protocol],
                     connections=connections, duration=args.duration, warmup=args.warmup,
@@ -212,6 +224,10 @@ def run_case(
                 result, roles = window.result, window.roles
                 assert roles is not None  # measure was given the server
                 items_s = result.ok_per_s  # one item per request
+                # Over the warm-up and the window: the model's own time a batch.
+                batches, items, ns = (
+                    a - b for a, b in zip(batch_totals(server.url, case.model), before)
+                )
                 row = {
                     "case": case.name, "model": case.model, "tree": tree_label(tree),
                     "frontends": frontends, "protocol": protocol, "c": connections,
@@ -221,6 +237,8 @@ def run_case(
                     "allows_items_s": case.allows_items_s,
                     "of_model": items_s / case.allows_items_s if case.allows_items_s else None,
                     "offline_items_s": offline,
+                    "mean_batch": items / batches if batches else None,
+                    "batch_ms": ns / batches / 1e6 if batches else None,
                     "of_offline": items_s / offline if offline else None,
                     # The tree by psutil, reaped children included (as in older results).
                     "server_cpu_s": window.server_cpu_s,
@@ -238,6 +256,7 @@ def run_case(
                     f"scheduler {row['scheduler_cpu_us_per_request'] or 0:4.0f} "
                     f"total {row['total_cpu_us_per_request'] or 0:4.0f}  "
                     f"p99 {row.get('p99_ms', float('nan')):7.2f} ms  "
+                    f"batch {row['mean_batch'] or 0:4.1f} items {row['batch_ms'] or 0:5.2f} ms  "
                     f"errors {result.errors}{exited}",
                     flush=True,
                 )
@@ -246,7 +265,8 @@ def run_case(
 
 # ---------------------------------------------------------------------- report
 KEY = ("case", "tree", "frontends", "protocol", "c")
-MEDIANS = ("req_s", "items_s", "of_model", "of_offline", "server_cpu_us_per_request",
+MEDIANS = ("req_s", "items_s", "of_model", "of_offline", "mean_batch", "batch_ms",
+           "server_cpu_us_per_request",
            "scheduler_cpu_us_per_request", "frontend_cpu_us_per_request",
            "workers_cpu_us_per_request", "total_cpu_us_per_request",
            "wrk_cpu_us_per_request", "p50_ms", "p90_ms", "p99_ms")  # fmt: skip
@@ -276,6 +296,7 @@ COLUMNS = [  # header, right-aligned, the summary's field, digits
     ("case", False, "case", None), ("tree", False, "tree", None), ("N", True, "frontends", None),
     ("protocol", False, "protocol", None), ("c", True, "c", None), ("req/s", True, "req_s", 0),
     ("items/s", True, "items_s", 0), ("of model", True, "of_model", None),
+    ("mean batch", True, "mean_batch", 1), ("batch ms", True, "batch_ms", 2),
     ("scheduler CPU us/req", True, "scheduler_cpu_us_per_request", 0),
     ("total CPU us/req", True, "total_cpu_us_per_request", 0),
     ("total vs N=1", True, "total_cpu_vs_one_process", 2),
@@ -339,6 +360,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tagger-c", nargs="+", type=int, default=[32, 64], help="tagger: connections"
     )
     parser.add_argument("--flat-ms", type=float, default=5.0, help="flat: milliseconds per batch")
+    parser.add_argument(
+        "--flat-device", choices=["cpu", "cuda"], default="cpu",
+        help="flat: a sleep on the host (cpu), or the GPU kept busy (cuda: a GPU machine)",
+    )  # fmt: skip
     parser.add_argument("--duration", type=int, default=10, help="measured seconds per run (whole)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up seconds per run (0: none)")
     parser.add_argument("--repeats", type=int, default=1)
@@ -385,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
             "duration_s": args.duration, "warmup_s": args.warmup, "repeats": args.repeats,
             "isolation": args.isolation or "server default", "server_args": args.server_arg,
             "bodies": BODIES, "lengths": f"uniform {LENGTHS[0]}..{LENGTHS[1]}", "seed": args.seed,
-            "flat_ms": args.flat_ms, "trees": [tree_label(t) for t in args.tree],
+            "flat_ms": args.flat_ms, "flat_device": args.flat_device, "trees": [tree_label(t) for t in args.tree],
             "frontends": args.frontends,
         },
         "summary": summary,

@@ -78,13 +78,13 @@ dtype = "float32"
 shape = [-1, 9]
 """
 
-# device "cpu": the toys stand for a model, not for a host-to-device copy, so
+# device "cpu" (unless a flat model is asked for on "cuda"): the toys stand for a model, not for a host-to-device copy, so
 # they cost the same on any machine. max_batch_tokens 0: no padded-volume
 # budget, so a batch may hold max_batch_size items whatever their lengths
 # (the learnt budget would size batches by a cost these models do not have).
 FRONTEND_SETTINGS = """
 max_batch_size = {max_batch_size}
-device = "cpu"
+device = "{device}"
 [dynamic_batching]
 max_batch_tokens = 0
 """
@@ -121,6 +121,43 @@ class Model(nn.Module):
         return torch.zeros((*input_ids.shape, 9))
 '''
 
+# The flat model on a GPU: what a GPU model does to the server, exactly. The
+# device is busy for flat_ms a batch whatever its size (torch.cuda._sleep spins
+# the GPU for a count of its clock cycles); the host only queues the work, so the
+# executor overlaps two batches and no CPU thread pool runs (the CPU flat model's
+# torch.zeros wakes the intra-op threads, which on 16 cores spin for 4-5 cores).
+FLAT_CUDA_MODEL = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    """A flat flat_ms per batch on the GPU, then zeros there."""
+
+    def __init__(self, flat_ms: float = 5.0) -> None:
+        super().__init__()
+        self.flat_ms = float(flat_ms)
+        self.cycles = 0  # the GPU's clock cycles in flat_ms: measured on the first batch
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        if not self.cycles:
+            self.cycles = self._calibrate()
+        torch.cuda._sleep(self.cycles)
+        return torch.zeros((*input_ids.shape, 9), device=input_ids.device)
+
+    def _calibrate(self) -> int:
+        probe = 20_000_000  # ~10 ms at 2 GHz
+        torch.cuda._sleep(5 * probe)  # the clock up from idle first
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        cycles = int(probe * self.flat_ms / start.elapsed_time(end))
+        print(f"flat model: {cycles} GPU cycles a batch for {self.flat_ms} ms", flush=True)
+        return cycles
+'''
+
 
 def write_token_model(repository: str | Path, name: str, model_py: str, settings: str) -> Path:
     """``settings`` (``[parameters]`` included) with the tagger's token
@@ -132,18 +169,24 @@ def write_zeros_model(
     repository: str | Path, name: str = "zeros", max_batch_size: int = 64
 ) -> Path:
     """The model-free case: its forward returns zeros, no warm-up."""
-    settings = FRONTEND_SETTINGS.format(max_batch_size=max_batch_size)
+    settings = FRONTEND_SETTINGS.format(max_batch_size=max_batch_size, device="cpu")
     return write_token_model(repository, name, ZEROS_MODEL, settings)
 
 
 def write_flat_model(
-    repository: str | Path, name: str = "flat", max_batch_size: int = 64, flat_ms: float = 5.0
+    repository: str | Path,
+    name: str = "flat",
+    max_batch_size: int = 64,
+    flat_ms: float = 5.0,
+    device: str = "cpu",
 ) -> Path:
     """A flat ``flat_ms`` per batch of up to ``max_batch_size`` items: it allows
-    ``max_batch_size / flat_ms`` items per millisecond (64 / 5 ms: 12,800/s)."""
-    settings = FRONTEND_SETTINGS.format(max_batch_size=max_batch_size)
+    ``max_batch_size / flat_ms`` items per millisecond (64 / 5 ms: 12,800/s).
+    ``device`` "cpu": a sleep on the host; "cuda": the GPU kept busy."""
+    settings = FRONTEND_SETTINGS.format(max_batch_size=max_batch_size, device=device)
     settings += f"[parameters]\nflat_ms = {float(flat_ms)!r}\n"
-    return write_token_model(repository, name, FLAT_MODEL, settings)
+    model = FLAT_CUDA_MODEL if device.startswith("cuda") else FLAT_MODEL
+    return write_token_model(repository, name, model, settings)
 
 
 # ---------------------------------------------------------------------- copies of bundled models
