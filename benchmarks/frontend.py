@@ -195,9 +195,11 @@ def offline_ceiling(tree: Path, model: str, seconds: float) -> float:
 
 def batch_totals(url: str, model: str) -> tuple[int, int, int]:
     """Batches, items and the model's nanoseconds so far, from Triton's
-    statistics (``batch_stats``: per batch size; a GPU's time from its events)."""
+    statistics (``batch_stats``: per batch size; a GPU's time from its events;
+    none where a tree's server reports none)."""
     with urllib.request.urlopen(f"{url}/v2/models/{model}/stats", timeout=10) as reply:
-        batch_stats = json.load(reply)["model_stats"][0].get("batch_stats", [])
+        stats = json.load(reply).get("model_stats") or [{}]
+    batch_stats = stats[0].get("batch_stats", [])
     batches = sum(b["compute_infer"]["count"] for b in batch_stats)
     items = sum(b["batch_size"] * b["compute_infer"]["count"] for b in batch_stats)
     return batches, items, sum(b["compute_infer"]["ns"] for b in batch_stats)

@@ -26,6 +26,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 METADATA = json.dumps({"name": "zeros", "max_batch_size": 64,
     "inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [-1, -1]}]}).encode()
+BATCHES = [0]  # each infer is one batch of one item that took 1 ms
+
+
+def statistics():
+    count = BATCHES[0]
+    one = {"batch_size": 1, "compute_infer": {"count": count, "ns": count * 1_000_000}}
+    return json.dumps({"model_stats": [{"name": "zeros", "batch_stats": [one]}]}).encode()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -41,11 +48,14 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path.endswith("/config"):
             self.answer(404)
+        elif self.path.endswith("/stats"):
+            self.answer(200, statistics())
         else:
             self.answer(200, METADATA if self.path.startswith("/v2/models/") else b"")
 
     def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
+        BATCHES[0] += 1
         self.answer(200, b"{}")
 
     def log_message(self, *args):
@@ -130,6 +140,8 @@ def test_rows_split_the_cpu_between_the_scheduler_and_its_front_ends(
     assert one["requests"] > 0 and two["requests"] > 0 and two["non_2xx"] == 0
     assert (one["frontend_processes"], two["frontend_processes"]) == (0, 2)
     assert one["frontend_cpu_s"] == 0 and one["scheduler_cpu_s"] > 0
+    # The model's own figures come from the server's statistics (one process: one count).
+    assert one["mean_batch"] == 1.0 and one["batch_ms"] == pytest.approx(1.0)
     # The stub's parent only waits: with front ends, the serving CPU is theirs.
     assert two["frontend_cpu_us_per_request"] > 5 * two["scheduler_cpu_us_per_request"]
     assert two["total_cpu_s"] == pytest.approx(

@@ -26,6 +26,9 @@ def test_toy_models_have_valid_configs(tmp_path: Path) -> None:
     assert [i.name for i in xy.input] == ["x"] and not xy.warmup.enabled
     flat = load_config(write_flat_model(tmp_path, flat_ms=2.0) / "config.toml")
     assert flat.parameters == {"flat_ms": 2.0} and flat.max_batch_size == 64
+    on_gpu = write_flat_model(tmp_path / "gpu", device="cuda")
+    assert load_config(on_gpu / "config.toml").device == "cuda" and flat.device == "cpu"
+    assert "torch.cuda._sleep" in (on_gpu / "1" / "model.py").read_text()
     zeros = load_config(write_zeros_model(tmp_path, max_batch_size=8) / "config.toml")
     assert [o.name for o in zeros.output] == ["logits"] and zeros.max_batch_size == 8
 
