@@ -214,6 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--outstanding", type=int, default=512, help="requests in flight")
     parser.add_argument("--per-message", type=int, default=16, help="requests per message")
     parser.add_argument("--flat-ms", type=float, default=5.0)
+    parser.add_argument(
+        "--flat-device", choices=["cpu", "cuda"], default="cpu",
+        help="the flat model's sleep on the host (cpu), or the GPU kept busy (cuda)",
+    )  # fmt: skip
     parser.add_argument("--duration", type=float, default=8.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--repeats", type=int, default=2)
@@ -232,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     from tensorserve_bench.repositories import write_flat_model
 
     work = tempfile.TemporaryDirectory(prefix="scheduler-ceiling-")
-    repository = write_flat_model(Path(work.name) / "repo", flat_ms=args.flat_ms).parent
+    repository = write_flat_model(
+        Path(work.name) / "repo", flat_ms=args.flat_ms, device=args.flat_device
+    ).parent
     rows = []
     for repeat in range(args.repeats):
         for tree in args.tree:
@@ -254,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     work.cleanup()
     if args.output is not None:
         meta = {"outstanding": args.outstanding, "per_message": args.per_message,
-                "flat_ms": args.flat_ms, "duration": args.duration, "date": time.strftime("%F %T")}  # fmt: skip
+                "flat_ms": args.flat_ms, "flat_device": args.flat_device, "duration": args.duration, "date": time.strftime("%F %T")}  # fmt: skip
         args.output.write_text(json.dumps({"settings": meta, "runs": rows}, indent=2) + "\n")
 
 
