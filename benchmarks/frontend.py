@@ -80,7 +80,13 @@ from tensorserve_bench.repositories import write_flat_model, write_zeros_model
 from tensorserve_bench.results import save
 from tensorserve_bench.server import ServerProcess, tree_path
 from tensorserve_bench.summaries import medians_by
-from tensorserve_bench.wrk import find_wrk, measure, write_model_scripts, wrk_version
+from tensorserve_bench.wrk import (
+    find_wrk,
+    measure,
+    run_wrk,
+    write_model_scripts,
+    wrk_version,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "frontend.json"
@@ -193,16 +199,29 @@ def offline_ceiling(tree: Path, model: str, seconds: float) -> float:
     return ceiling
 
 
-def batch_totals(url: str, model: str) -> tuple[int, int, int]:
+def batch_totals(url: str, model: str) -> tuple[int, int, int] | None:
     """Batches, items and the model's nanoseconds so far, from Triton's
     statistics (``batch_stats``: per batch size; a GPU's time from its events;
-    none where a tree's server reports none)."""
-    with urllib.request.urlopen(f"{url}/v2/models/{model}/stats", timeout=10) as reply:
-        stats = json.load(reply).get("model_stats") or [{}]
+    zeros where a tree's server reports none; None where they cannot be read)."""
+    try:
+        with urllib.request.urlopen(f"{url}/v2/models/{model}/stats", timeout=10) as reply:
+            stats = json.load(reply).get("model_stats") or [{}]
+    except (OSError, ValueError):  # a server that died mid-row: its row says so, not this
+        return None
     batch_stats = stats[0].get("batch_stats", [])
     batches = sum(b["compute_infer"]["count"] for b in batch_stats)
     items = sum(b["batch_size"] * b["compute_infer"]["count"] for b in batch_stats)
     return batches, items, sum(b["compute_infer"]["ns"] for b in batch_stats)
+
+
+def model_figures(
+    before: tuple[int, int, int] | None, after: tuple[int, int, int] | None
+) -> dict[str, float | None]:
+    """The window's mean batch and the model's milliseconds a batch."""
+    if before is None or after is None or after[0] <= before[0]:
+        return {"mean_batch": None, "batch_ms": None}
+    batches, items, ns = (a - b for a, b in zip(after, before))
+    return {"mean_batch": items / batches, "batch_ms": ns / batches / 1e6}
 
 
 def run_case(
@@ -217,19 +236,20 @@ def run_case(
         )  # fmt: skip
         for protocol in args.protocols:
             for connections in case.concurrency:
+                url = f"{server.url}/v2/models/{case.model}/infer"
+                if args.warmup > 0:  # apart, so that the model's figures cover the window
+                    run_wrk(
+                        url, scripts[protocol], connections, args.warmup, timeout_s=args.timeout
+                    )
                 before = batch_totals(server.url, case.model)
                 window = measure(
-                    server, f"{server.url}/v2/models/{case.model}/infer", scripts[protocol],
-                    connections=connections, duration=args.duration, warmup=args.warmup,
+                    server, url, scripts[protocol],
+                    connections=connections, duration=args.duration, warmup=0,
                     timeout_s=args.timeout,
                 )  # fmt: skip
                 result, roles = window.result, window.roles
                 assert roles is not None  # measure was given the server
                 items_s = result.ok_per_s  # one item per request
-                # Over the warm-up and the window: the model's own time a batch.
-                batches, items, ns = (
-                    a - b for a, b in zip(batch_totals(server.url, case.model), before)
-                )
                 row = {
                     "case": case.name, "model": case.model, "tree": tree_label(tree),
                     "frontends": frontends, "protocol": protocol, "c": connections,
@@ -239,8 +259,7 @@ def run_case(
                     "allows_items_s": case.allows_items_s,
                     "of_model": items_s / case.allows_items_s if case.allows_items_s else None,
                     "offline_items_s": offline,
-                    "mean_batch": items / batches if batches else None,
-                    "batch_ms": ns / batches / 1e6 if batches else None,
+                    **model_figures(before, batch_totals(server.url, case.model)),
                     "of_offline": items_s / offline if offline else None,
                     # The tree by psutil, reaped children included (as in older results).
                     "server_cpu_s": window.server_cpu_s,

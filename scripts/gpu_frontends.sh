@@ -5,7 +5,7 @@
 #   on the GPU (--flat-device cuda): the device busy 5 ms a batch, the host only queuing it,
 #     so the executor overlaps two batches as it does for any CUDA model: what a GPU sees;
 #   on the host (a 5 ms sleep, as on the 2-core VM) with --intra-op-threads 1: the CPU
-#     model's torch.zeros would otherwise wake 15 intra-op threads that spin for 4-5 cores.
+#     model's torch.zeros would otherwise wake 15 intra-op threads that spin on 4-9 cores.
 #
 # Here, before the device call (from the project's root, on the commit to measure):
 #   ../shared/gpu/carry-wheels.sh pytest-timeout   # the wheels the machine lacks, into .whl/

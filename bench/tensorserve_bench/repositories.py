@@ -125,7 +125,7 @@ class Model(nn.Module):
 # device is busy for flat_ms a batch whatever its size (torch.cuda._sleep spins
 # the GPU for a count of its clock cycles); the host only queues the work, so the
 # executor overlaps two batches and no CPU thread pool runs (the CPU flat model's
-# torch.zeros wakes the intra-op threads, which on 16 cores spin for 4-5 cores).
+# torch.zeros wakes the intra-op threads, which on 16 cores spun on 4-9 cores).
 FLAT_CUDA_MODEL = '''
 import torch
 from torch import nn

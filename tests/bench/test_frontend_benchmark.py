@@ -164,3 +164,13 @@ def test_a_tree_without_the_flag_is_refused_before_any_server_starts(
             "--output", str(output),
         ])  # fmt: skip
     assert not output.exists()
+
+
+def test_the_model_figures_are_the_windows_or_none_where_statistics_cannot_say(
+    frontend: Any,
+) -> None:
+    nothing = {"mean_batch": None, "batch_ms": None}
+    assert frontend.model_figures(None, (2, 8, 10)) == nothing  # a server that died
+    assert frontend.model_figures((1, 4, 10), (1, 4, 10)) == nothing  # no batch in the window
+    window = frontend.model_figures((1, 4, 0), (3, 12, 4_000_000))
+    assert window == {"mean_batch": 4.0, "batch_ms": 2.0}
