@@ -78,10 +78,11 @@ dtype = "float32"
 shape = [-1, 9]
 """
 
-# device "cpu" (unless a flat model is asked for on "cuda"): the toys stand for a model, not for a host-to-device copy, so
-# they cost the same on any machine. max_batch_tokens 0: no padded-volume
-# budget, so a batch may hold max_batch_size items whatever their lengths
-# (the learnt budget would size batches by a cost these models do not have).
+# device "cpu" (unless a flat model is asked for on "cuda"): the toys stand for
+# a model, not for a host-to-device copy, so they cost the same on any
+# machine. max_batch_tokens 0: no padded-volume budget, so a batch may hold
+# max_batch_size items whatever their lengths (the learnt budget would size
+# batches by a cost these models do not have).
 FRONTEND_SETTINGS = """
 max_batch_size = {max_batch_size}
 device = "{device}"
