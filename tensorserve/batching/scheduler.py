@@ -47,6 +47,7 @@ from tensorserve.batching.target import LatencyTarget
 from tensorserve.batching.tracer import BatchTracer
 from tensorserve.batching.watchdog import Watchdog
 from tensorserve.errors import ModelFailure, ModelNotReady, WorkerCrashed
+from tensorserve.pools import control_pool
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +325,7 @@ class Scheduler:
         """Restore the instance (a new worker) off the loop; no batch goes to it meanwhile."""
         assert self.home is not None
         self.repairing.add(instance)
-        restored = self.home.loop.run_in_executor(None, self.executor.repair, instance)
+        restored = self.home.loop.run_in_executor(control_pool(), self.executor.repair, instance)
 
         def back(_: asyncio.Future[None]) -> None:
             self.repairing.discard(instance)

@@ -25,7 +25,6 @@ by the batcher, and the ``CancelledError`` is counted as ``disconnect``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -38,6 +37,7 @@ from tensorserve.dataplane.lifecycle import Lifecycle
 from tensorserve.dataplane.logs import REQUEST_ID, RateLimit, request_id_from
 from tensorserve.metrics import Metrics
 from tensorserve.metrics.requests import DISCONNECT, UNKNOWN_MODEL, rejection_reason
+from tensorserve.pools import on_request_pool
 from tensorserve.settings import Settings
 from tensorserve.tracing import CallOrigin, RequestTracer, outcome_attributes
 from tensorserve.wire.request import effective_timeout
@@ -52,7 +52,7 @@ T = TypeVar("T")
 
 
 async def _maybe_in_thread(costly: bool, fn: Callable[..., T], *args: Any) -> T:
-    return await asyncio.to_thread(fn, *args) if costly else fn(*args)
+    return await on_request_pool(fn, *args) if costly else fn(*args)
 
 
 class InFlight(Protocol):

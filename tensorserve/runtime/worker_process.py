@@ -31,6 +31,7 @@ import numpy as np
 
 from tensorserve.errors import ConfigError, WorkerCrashed
 from tensorserve.ipc import messages as ipc
+from tensorserve.pools import control_pool
 from tensorserve.runtime.template import STOP_TIMEOUT_S, ForkedProcess, Template, reap, spawn
 from tensorserve.runtime.worker_channel import OnReply, WorkerChannel
 
@@ -170,7 +171,7 @@ class WorkerProcess:
                 # The first was running; those sent behind it never ran.
                 on_reply(None, reported.result() if i == 0 else self._never_ran())
 
-        loop.run_in_executor(None, lost.report).add_done_callback(fail)
+        loop.run_in_executor(control_pool(), lost.report).add_done_callback(fail)
 
     def _never_ran(self) -> WorkerCrashed:
         return WorkerCrashed(

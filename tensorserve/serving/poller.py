@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tensorserve.errors import ConfigError
+from tensorserve.pools import on_control_pool
 from tensorserve.repository.loader import discover
 from tensorserve.serving.registry import ModelRegistry
 
@@ -95,7 +96,7 @@ class RepositoryPoller:
     async def poll(self) -> Changes:
         """One look at the repository, and the loads and unloads it calls for."""
         try:
-            now = await asyncio.to_thread(scan, self.registry.repository)
+            now = await on_control_pool(scan, self.registry.repository)
         except (OSError, ConfigError) as exc:  # briefly unreadable or gone (a remount)
             log.warning("poll mode: cannot scan the repository: %s", exc)
             return Changes([], [], [])

@@ -26,6 +26,7 @@ from tensorserve.batching.tracer import BatchTracer
 from tensorserve.ensemble import Candidate, Ensemble, plan_ensemble
 from tensorserve.ensemble.tracer import StepTracer
 from tensorserve.errors import ConfigError, ModelNotFound, ModelNotReady
+from tensorserve.pools import on_control_pool
 from tensorserve.repository.config import ModelConfig, load_config
 from tensorserve.repository.loader import ModelSource, discover, read_config, resolve_version
 from tensorserve.serving.entries import ModelState, lookup, ready
@@ -160,7 +161,7 @@ class ModelRegistry:
                 entry.state = ModelState.LOADING
             started = time.monotonic()
             try:
-                served = await asyncio.to_thread(
+                served = await on_control_pool(
                     self._build, sources[name], asyncio.get_running_loop()
                 )
             except Exception as exc:  # noqa: BLE001 - reported; the others still load
@@ -188,7 +189,7 @@ class ModelRegistry:
                 entry.load_seconds,
             )
             if old is not None:
-                await asyncio.to_thread(old.close)
+                await on_control_pool(old.close)
             return entry
 
     def _build(
@@ -252,7 +253,7 @@ class ModelRegistry:
             entry.state, entry.reason = ModelState.UNLOADING, ""
             started = time.monotonic()
             if served is not None:
-                await asyncio.to_thread(served.close)  # queued requests finish first
+                await on_control_pool(served.close)  # queued requests finish first
             entry.state = ModelState.UNAVAILABLE
             log.info("model %s unloaded in %.2f s", name, time.monotonic() - started)
 
@@ -267,7 +268,7 @@ class ModelRegistry:
 
     async def close(self) -> None:
         await asyncio.gather(
-            *(asyncio.to_thread(e.served.close) for e in self.entries.values() if e.served)
+            *(on_control_pool(e.served.close) for e in self.entries.values() if e.served)
         )
 
     def _lock(self, name: str) -> asyncio.Lock:
