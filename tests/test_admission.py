@@ -192,5 +192,5 @@ def test_the_fields_of_an_entry_are_in_the_order_admission_passes_them() -> None
 
     assert [f.name for f in fields(Pending)] == [
         "item", "volume", "future", "loop", "enqueued", "deadline", "reruns", "crashes",
-        "priority", "parameters", "trace", "request",
+        "priority", "parameters", "trace", "request", "answered", "queued",
     ]  # fmt: skip

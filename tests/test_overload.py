@@ -48,10 +48,17 @@ def test_items_whose_caller_left_or_whose_deadline_passed_free_their_slots() -> 
     left, late, live = _entry(), _entry(deadline=5.0), [_entry(), _entry()]
     queue.admit([left, late, *live], 0.0)
     left.future.cancel()
-    with pytest.raises(ServerBusy):  # at t=1 the late one is still on time: 3 live + 2 > 4
+    queue.withdraw([left])  # what the batcher does when a caller cancels (O(1))
+    assert queue.make_room(2, 1.0) == []  # at t=1 the late one is still on time
+    with pytest.raises(ServerBusy):  # 3 live + 2 > 4
         queue.admit([_entry(), _entry()], 1.0)
     newcomer = [_entry(), _entry()]
-    queue.admit(newcomer, 6.0)  # now both are gone: room for two
+    expired = queue.make_room(2, 6.0)  # the late one leaves, with its answer
+    assert [(entry, type(error), failed) for entry, error, failed in expired] == [
+        (late, DeadlineExceeded, True)
+    ]
+    assert str(expired[0][1]) == "model 'toy': item waited past its deadline"
+    queue.admit(newcomer, 6.0)  # room for two
     assert queue.drain() == [*live, *newcomer]
 
 

@@ -89,18 +89,27 @@ class Pending:
     # Shared by the items of a request of several, which Triton's statistics
     # count once (batching/stats.py); None for a one-item request.
     request: RequestTally | None = None
+    # Set by ``delivery.settle``, the one place a caller is answered: an entry
+    # answered once is never answered again nor run again (a batch the
+    # watchdog gave up on, whose forward raises later, is not retried).
+    answered: bool = False
+    queued: bool = False  # in its model's queue (AdmissionQueue), not withdrawn or taken
 
     def caller_left(self) -> bool:
-        """True if the caller cancelled; for a thread's future this also marks
-        it running, so a later cancel() cannot race with the result."""
+        """True if nobody waits for this item's answer any more: it was
+        answered, or its caller cancelled or timed out. For a thread's future
+        this also marks it running, so a later cancel() cannot race with the
+        result."""
+        if self.answered:
+            return True
         if self.loop is None:
             future = cast(Future, self.future)  # a thread's caller: a concurrent future
             if future.running():  # claimed before: a batch retried (recovery)
                 return False
-            return not future.set_running_or_notify_cancel()
+            return future.done() or not future.set_running_or_notify_cancel()
         # Read from another thread: a stale "not yet" only runs an item whose
         # caller is about to leave; its result is then dropped.
-        return self.future.cancelled()
+        return self.future.done()
 
 
 Outcome = tuple[Pending, Any, bool]  # (entry, result or exception, failed)
@@ -122,8 +131,16 @@ class AdmissionQueue:
         self.target = target  # the latency target's controller, if the model has one
         self.name = name
         self._padded_elements = padded_elements  # of a batch of these items (collate)
+        # Withdrawn entries stay in ``_waiting`` (``queued`` False) until the
+        # front is read or they are half of it: a withdrawal costs O(1), not a
+        # rebuild of the queue (4,096 one-item timeouts took 1.09 s of the loop).
         self._waiting: list[Pending] = []
         self._volumes: list[int] = []  # each one's volume: what the policy reads every batch
+        self._withdrawn = 0  # entries of _waiting no longer queued
+        # (deadline, admission number, entry) of the entries with a deadline,
+        # soonest first: a full queue finds what expired without a scan.
+        self._deadlines: list[tuple[float, int, Pending]] = []
+        self._admitted = 0
         # How fast this queue drains, for Retry-After; with a target, the
         # target's, which predicts from the same estimate. Written only here.
         self.drain_rate = target.drain if target is not None else DrainRate()
@@ -132,25 +149,30 @@ class AdmissionQueue:
         self.memory_limit: int | None = None
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) - self._withdrawn
+
+    def make_room(self, incoming: int, now: float) -> list[Outcome]:
+        """Before ``admit``: if ``incoming`` more items would not fit, the
+        items past their deadline leave the queue; their outcomes
+        (``DeadlineExceeded``), which the caller must settle."""
+        if len(self) + incoming <= self.options.max_queue_size:
+            return []
+        return self.expired(now)
 
     def admit(self, entries: Sequence[Pending], now: float) -> None:
         """Queue a request's entries, all or none: ``RequestTooLarge`` if they
         could never fit, ``ServerBusy`` (with a retry estimate) if not now.
-        Only live items count: those whose caller left or whose deadline
-        passed are dropped first."""
+        Only live items count (``make_room`` first drops the expired)."""
         limit = self.options.max_queue_size
         if len(entries) > limit:
             raise RequestTooLarge(
                 f"model {self.name!r}: a request of {len(entries)} items can never be queued "
                 f"(the queue holds at most {limit}); send at most {limit} items per request"
             )
-        if len(self._waiting) + len(entries) > limit:
-            self.withdraw(self.gone(now))
-        if len(self._waiting) + len(entries) > limit:
-            ahead = len(self._waiting) + len(entries) - limit
+        if len(self) + len(entries) > limit:
+            ahead = len(self) + len(entries) - limit
             raise ServerBusy(
-                f"model {self.name!r} queue is full ({len(self._waiting)} items waiting, "
+                f"model {self.name!r} queue is full ({len(self)} items waiting, "
                 f"limit {limit}); retry later",
                 retry_after=retry_after_s(self.drain_rate.seconds_for(ahead)),
             )
@@ -158,6 +180,14 @@ class AdmissionQueue:
             self.refuse_if_late(entries[0].priority, len(entries))
         self._waiting.extend(entries)
         self._volumes.extend([entry.volume for entry in entries])
+        for entry in entries:
+            entry.queued = True
+            if entry.deadline is not None:
+                self._admitted += 1
+                heapq.heappush(self._deadlines, (entry.deadline, self._admitted, entry))
+        if len(self._deadlines) > 2 * len(self) + 64:  # taken entries' deadlines: forget them
+            self._deadlines = [d for d in self._deadlines if d[2].queued]
+            heapq.heapify(self._deadlines)
 
     def refuse_if_late(self, level: int | None, items: int, count: bool = True) -> None:
         """``WouldMissTarget`` if ``items`` at priority ``level`` would miss the
@@ -168,9 +198,9 @@ class AdmissionQueue:
         assert self.target is not None
         if self.options.priority_levels:  # served before it: its level and higher (1 is highest)
             level = 1 if level is None else level
-            ahead = sum(1 for p in self._waiting if p.priority <= level)
+            ahead = sum(1 for p in self._waiting if p.priority <= level and p.queued)
         else:
-            ahead = len(self._waiting)
+            ahead = len(self)
         predicted = self.target.would_miss(ahead, items, count)
         if predicted is None:
             return
@@ -190,25 +220,52 @@ class AdmissionQueue:
         delay = self.options.max_queue_delay_ms
         return (min(delay, self.target.queue_delay_ms) if self.target is not None else delay) / 1000
 
-    def gone(self, now: float) -> list[Pending]:
-        """Waiting entries nobody waits for: cancelled, or past their deadline
-        (their callers have had their answer: ``infer_many`` gave up)."""
-        return [
-            p
-            for p in self._waiting
-            if p.future.cancelled() or (p.deadline is not None and now > p.deadline)
-        ]
+    def expired(self, now: float) -> list[Outcome]:
+        """Remove the waiting entries past their deadline; their outcomes
+        (``DeadlineExceeded``: a caller with a deadline but no timer of its
+        own, ``submit_many(timeout=...)``, is answered by this). O(log n) an
+        item, from the deadlines' heap."""
+        heap, expired = self._deadlines, []
+        while heap and heap[0][0] < now:
+            entry = heapq.heappop(heap)[2]
+            if entry.queued:
+                expired.append(entry)
+        self.withdraw(expired)
+        return [(entry, self._deadline_error(), True) for entry in expired]
+
+    def _deadline_error(self) -> DeadlineExceeded:
+        return DeadlineExceeded(f"model {self.name!r}: item waited past its deadline")
 
     def withdraw(self, entries: Sequence[Pending]) -> None:
         """Remove these entries if they still wait (a caller that left, or
-        timed out): their slots are free at once."""
-        if not entries:
-            return
-        leaving = {id(p) for p in entries}
-        self._waiting = [p for p in self._waiting if id(p) not in leaving]
-        self._volumes = [p.volume for p in self._waiting]
+        timed out): their slots are free at once. O(1) an entry: each is
+        marked, and leaves the list when the front is read (``_purge_front``)
+        or once the withdrawn are half of it."""
+        for entry in entries:
+            if entry.queued:
+                entry.queued = False
+                self._withdrawn += 1
+        if self._withdrawn and 2 * self._withdrawn >= len(self._waiting):
+            self._purge_front(len(self._waiting))
         if not self._waiting:
             self.drain_rate.emptied()
+
+    def _purge_front(self, live: int) -> None:
+        """Drop the withdrawn entries from the front of the queue until
+        ``live`` queued ones lead it (or the queue ends): the policy's window
+        and the oldest item's age are read there. Each withdrawn entry is
+        dropped once: O(1) an entry, amortised (and one move of the list)."""
+        if not self._withdrawn:
+            return
+        waiting, end, kept = self._waiting, 0, 0
+        while end < len(waiting) and kept < live:
+            kept += waiting[end].queued
+            end += 1
+        front = [p for p in waiting[:end] if p.queued]
+        if len(front) < end:
+            self._withdrawn -= end - len(front)
+            waiting[:end] = front
+            self._volumes[:end] = [p.volume for p in front]
 
     def due_in(self, now: float, *, ahead: bool, closing: bool) -> float:
         """Seconds until a batch should be formed: 0 now, ``math.inf`` not
@@ -217,9 +274,10 @@ class AdmissionQueue:
         ``ahead``: the asking instance still has a batch on the device, so a
         batch that could still grow would only wait for the device (``take``
         still forms one the policy cut short of what is waiting)."""
+        self._purge_front(1)
         if not self._waiting:
             return math.inf
-        if len(self._waiting) >= self.batch_cap() or closing:
+        if len(self) >= self.batch_cap() or closing:
             return 0.0
         if ahead:
             return math.inf
@@ -231,7 +289,7 @@ class AdmissionQueue:
         """Remove the policy's choice from the queue (empty if nothing waits).
         With ``leave_growing``, take nothing if the policy would take
         everything waiting: a batch that could still grow."""
-        if not self._waiting:
+        if not self:
             return []
         positions = self._window(now)  # indices into the queue, in the order to prefer
         head = isinstance(positions, range)  # the queue's head: slices
@@ -240,13 +298,16 @@ class AdmissionQueue:
         waiting = Waiting(volumes, window[0].enqueued <= now - self._queue_delay_s())
         chosen = sorted(self.options.policy.select(waiting, self.batch_cap()))
         chosen = self._within_element_cap(window, chosen)
-        if leave_growing and len(chosen) == len(self._waiting):
+        if leave_growing and len(chosen) == len(self):
             return []
         # From the back, in place: not a new list of all that stays.
         for position in sorted((positions[i] for i in chosen), reverse=True):
             del self._waiting[position], self._volumes[position]
-        self.drain_rate.taken(len(chosen), now, len(self._waiting))
-        return [window[i] for i in chosen]
+        self.drain_rate.taken(len(chosen), now, len(self))
+        taken = [window[i] for i in chosen]
+        for entry in taken:
+            entry.queued = False
+        return taken
 
     def _window(self, now: float) -> Sequence[int]:
         """The queue positions the policy may choose from. Without priority
@@ -260,6 +321,8 @@ class AdmissionQueue:
             size = WINDOW_BATCHES * opts.max_batch_size
         else:
             size = TARGET_WINDOW_BATCHES * self.batch_cap()
+        # Priority levels rank the whole queue: every withdrawn entry leaves.
+        self._purge_front(len(self._waiting) if opts.priority_levels else size)
         if not opts.priority_levels:
             return range(min(size, len(self._waiting)))
 
@@ -289,7 +352,10 @@ class AdmissionQueue:
 
     def drain(self) -> list[Pending]:
         """Remove and return everything waiting."""
-        waiting, self._waiting, self._volumes = self._waiting, [], []
+        waiting = [p for p in self._waiting if p.queued]
+        for entry in waiting:
+            entry.queued = False
+        self._waiting, self._volumes, self._withdrawn, self._deadlines = [], [], 0, []
         self.drain_rate.emptied()
         return waiting
 
@@ -302,8 +368,7 @@ class AdmissionQueue:
             if entry.caller_left():
                 continue
             if entry.deadline is not None and now > entry.deadline:
-                error = DeadlineExceeded(f"model {self.name!r}: item waited past its deadline")
-                expired.append((entry, error, True))
+                expired.append((entry, self._deadline_error(), True))
                 continue
             live.append(entry)
         return live, expired

@@ -71,6 +71,14 @@ class Batcher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def warmed_up(self) -> None:
+        """Forget what the warm-up batches taught (a model's first runs
+        compile and allocate): the budget's cost fit and the watchdog's
+        slowest batch learn from real traffic only."""
+        if (budget := self.options.policy.budget) is not None:
+            budget.reset()
+        self.scheduler.slowest.forget()
+
     @property
     def latency_target(self) -> LatencyTarget | None:
         """The latency target's controller, if the model has a target."""
@@ -153,8 +161,20 @@ class Batcher:
             for item, volume, future in zip(items, volumes, futures, strict=True)
         ]
         self.scheduler.admit(entries, now, wake=wake)
+        if loop is None and not one_per_request:
+            # A thread's caller may cancel its concurrent future: its slot is
+            # freed then (an asyncio caller withdraws itself, infer_many).
+            for entry in entries:
+                entry.future.add_done_callback(self._cancelled(entry))
         self.stats.record_requests(len(entries) if one_per_request else 1, len(entries))
         return entries
+
+    def _cancelled(self, entry: Pending) -> Callable[[Any], None]:
+        def withdraw_if_cancelled(future: Any) -> None:
+            if future.cancelled():
+                self.scheduler.withdraw([entry])
+
+        return withdraw_if_cancelled
 
     def submit(self, item: Any, *, timeout: float | None = None) -> Future:
         return self.submit_many([item], timeout=timeout)[0]

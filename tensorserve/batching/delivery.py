@@ -19,10 +19,17 @@ from tensorserve.batching.admission import Outcome
 
 
 def settle(outcomes: Sequence[Outcome]) -> None:
-    """Deliver every outcome to its caller (a caller that left is skipped)."""
+    """Deliver every outcome to its caller, exactly once: the one way a
+    queued item is answered. An entry already answered is skipped (its
+    outcome recorded on it, ``Pending.answered``), as is a caller that left.
+    Called on the scheduler's loop, its one owner, so the mark needs no lock."""
     by_loop: dict[asyncio.AbstractEventLoop, list[Outcome]] = {}
     for outcome in outcomes:
-        loop = outcome[0].loop
+        entry = outcome[0]
+        if entry.answered:
+            continue
+        entry.answered = True
+        loop = entry.loop
         if loop is None:
             _deliver([outcome])
         else:

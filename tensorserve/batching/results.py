@@ -39,6 +39,9 @@ class Batch:
     seconds: float = 0.0
     instance: int = 0  # the instance it runs on
     overdue: bool = False  # the watchdog already acted on it
+    # The watchdog gave up on it (or on the batch it was queued behind): its
+    # callers are answered and it has left ``Scheduler.running``.
+    abandoned: bool = False
     pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
     unpad_started: float = 0.0  # perf_counter() when un-padding began (for its span)
     unpad_seconds: float | None = None

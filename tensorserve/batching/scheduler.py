@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Pending
+from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Outcome, Pending
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.delivery import settle
 from tensorserve.batching.executor import BatchOutputs, Executor, LoopExecutor
@@ -45,7 +45,7 @@ from tensorserve.batching.results import Batch, BatchResults
 from tensorserve.batching.stats import BatchStats
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.batching.tracer import BatchTracer
-from tensorserve.batching.watchdog import Watchdog
+from tensorserve.batching.watchdog import SlowestBatch, Watchdog
 from tensorserve.errors import ModelFailure, ModelNotReady, WorkerCrashed
 from tensorserve.pools import control_pool
 
@@ -109,11 +109,15 @@ class Scheduler:
         self.repairing: set[int] = set()  # instances being restored (a new worker)
         self.hung: list[Batch | None] = [None] * count  # forwards the watchdog gave up on
         self.free_at = [0.0] * count  # perf_counter() when each last finished a batch
-        self.slowest_s = 0.0  # the longest batch so far (the watchdog's "auto")
+        self.slowest = SlowestBatch()  # the longest recent batch (the watchdog's "auto")
         self.home: SchedulerLoop | None = None  # the loop it runs on (start)
         self.before_forming: Callable[[], None] | None = None  # as a batch ends (pacing.py)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+
+    @property
+    def slowest_s(self) -> float:
+        return self.slowest.seconds()
 
     # ------------------------------------------------------------------ life cycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -161,12 +165,18 @@ class Scheduler:
         """Queue a request's entries (all or none: admission's errors are the
         caller's), then let the loop form batches (unless the caller wakes
         it once for several requests)."""
-        with self.lock:
-            if not self.accepting:
-                raise ModelNotReady(f"model {self.name!r} is not accepting requests (stopping)")
-            self.watchdog.refuse_if_hung()
-            self.queue.admit(entries, now)
-            self._idle = False
+        expired: list[Outcome] = []
+        try:
+            with self.lock:
+                if not self.accepting:
+                    raise ModelNotReady(f"model {self.name!r} is not accepting requests (stopping)")
+                self.watchdog.refuse_if_hung()
+                expired = self.queue.make_room(len(entries), now)
+                self.queue.admit(entries, now)
+                self._idle = False
+        finally:
+            # Out of the queue, so no one else holds them: answered here, once.
+            settle(expired)
         if wake:
             self.wake()
 
@@ -299,7 +309,8 @@ class Scheduler:
     ) -> None:
         try:
             instance = batch.instance
-            self.running[instance].remove(batch)
+            if not batch.abandoned:
+                self.running[instance].remove(batch)
             batch.outputs, batch.error, batch.launched = outputs, error, None
             now = time.perf_counter()
             batch.seconds = now - batch.started if batch.started else 0.0
@@ -308,13 +319,22 @@ class Scheduler:
             if outputs is not None and outputs.seconds is not None:
                 batch.seconds = outputs.seconds
             self.free_at[instance] = now
-            if error is None:
-                self.slowest_s = max(self.slowest_s, batch.seconds)
             if self.hung[instance] is batch:
                 self.hung[instance] = None  # the forward came back after all
             if isinstance(error, WorkerCrashed) and instance not in self.repairing:
                 self._repair(instance)
-            self._finish(batch)
+            if batch.abandoned:
+                # Its callers were answered when the watchdog gave up on it:
+                # nothing of it is answered, retried or learnt from again.
+                log.warning(
+                    "model %s: a batch of %d the watchdog gave up on came back after %.1f s "
+                    "(%s); its callers were answered then, this outcome is dropped",
+                    self.name, len(batch.entries), batch.seconds, error or "results",
+                )  # fmt: skip
+            else:
+                if error is None:
+                    self.slowest.observe(batch.seconds)
+                self._finish(batch)
         except BaseException as exc:  # noqa: BLE001 - a bug here must answer every caller
             self._fatal(exc, batch.entries)
         if self.before_forming is not None:
@@ -356,19 +376,33 @@ class Scheduler:
 
     def give_up(self, batch: Batch, limit: float) -> None:
         """The watchdog could not stop a forward past ``limit`` (a thread):
-        answer its callers now; the instance takes no batch until the forward
-        returns, and once every instance is stuck the queue is answered too."""
+        answer its callers now, and those of every batch queued behind it on
+        the instance (a second one, where the executor overlaps), which
+        cannot run before it. They leave ``running`` at once: their late
+        completions are dropped (``_completed``). The instance takes no batch
+        until the forward returns, and once every instance is stuck the
+        queue is answered too."""
         error = ModelFailure(
             f"model {self.name!r}: the batch ran longer than the watchdog's {limit:g} s and was "
             f"abandoned; the model is not ready while every instance is stuck"
         )
+        behind = ModelFailure(
+            f"model {self.name!r}: this item's batch was queued behind one that ran longer "
+            f"than the watchdog's {limit:g} s on the same instance, and was abandoned with it"
+        )
+        held, self.running[batch.instance] = self.running[batch.instance], []
+        for each in held:
+            each.abandoned = True
         self.hung[batch.instance] = batch
         with self.lock:
             stranded = self.queue.drain() if all(self.hung) else []
         stuck = ModelNotReady(
             f"model {self.name!r} is not ready: every instance is stuck in a batch"
         )
-        settle([(e, error, True) for e in batch.entries] + [(e, stuck, True) for e in stranded])
+        settle(
+            [(e, error if each is batch else behind, True) for each in held for e in each.entries]
+            + [(e, stuck, True) for e in stranded]
+        )
 
     def _fatal(self, exc: BaseException, holding: list[Pending] | None = None) -> None:
         """A bug in the scheduler: answer every caller, queued, running, to be

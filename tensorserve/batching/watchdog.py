@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from tensorserve.errors import ModelNotReady
@@ -39,9 +40,38 @@ log = logging.getLogger(__name__)
 
 AUTO_MIN_S = 30.0
 AUTO_FACTOR = 50.0
+# "The slowest batch so far" halves every this many seconds without a batch as
+# slow: one slow batch (a cold cache, a pause of the host) sets the auto limit
+# and the stall threshold for minutes, not for the process's life. It only
+# lowers a limit at least AUTO_MIN_S long: a model whose batches really are
+# slow sets it again with every such batch.
+SLOWEST_HALF_LIFE_S = 600.0
 STALL_FACTOR = 4.0  # readiness: stalled once a batch has run this many times the slowest so far,
 STALL_MIN_S = 1.0  # and at least this long
 CHECK_EVERY_S = 0.1
+
+
+class SlowestBatch:
+    """The slowest batch seen, decaying (``SLOWEST_HALF_LIFE_S``); warm-up
+    batches are forgotten (``forget``): a model's first runs compile and
+    allocate, and one 10 s warm-up batch would set a 500 s auto limit."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._seconds = 0.0
+        self._at = clock()
+
+    def seconds(self) -> float:
+        elapsed = max(0.0, self._clock() - self._at)
+        return self._seconds * 0.5 ** (elapsed / SLOWEST_HALF_LIFE_S)
+
+    def observe(self, seconds: float) -> None:
+        now = self.seconds()
+        if seconds >= now:
+            self._seconds, self._at = seconds, self._clock()
+
+    def forget(self) -> None:
+        self._seconds = 0.0
 
 
 class Watchdog:
@@ -86,7 +116,9 @@ class Watchdog:
 
     def running(self, now: float) -> list[tuple[Batch, float]]:
         """The batch each instance is running, and for how long (from any
-        thread: it reads a copy of each instance's list)."""
+        thread: it reads a copy of each instance's list). A batch queued
+        behind it is covered with it: past the limit, an abort fails both (a
+        worker's death) and ``Scheduler.give_up`` answers both."""
         s = self.scheduler
         found = []
         for instance, batches in enumerate(s.running):
@@ -133,11 +165,11 @@ class Watchdog:
         """Each instance whose forward the watchdog gave up on and could not
         stop (a thread), with how long it has been running that batch. A
         forward that comes back clears it (``Scheduler._completed``)."""
-        s = self.scheduler
+        s, now = self.scheduler, time.perf_counter()
         return [
-            (b.instance, ran_s)
-            for b, ran_s in self.running(time.perf_counter())
-            if s.hung[b.instance] is b
+            (instance, now - max(b.started, s.free_at[instance]))
+            for instance, b in enumerate(list(s.hung))
+            if b is not None
         ]
 
     def _expire(self, batch: Batch, ran_s: float, limit: float) -> None:

@@ -396,5 +396,4 @@ class ServedModel:
         for batch in self.warmup_items():
             self.infer_many_sync(batch, timeout=600, parameters=parameters)
         self.stats.reset()  # stats describe real traffic only
-        if (budget := self.batcher.options.policy.budget) is not None:
-            budget.reset()  # a model's first runs are slow: learn from real traffic
+        self.batcher.warmed_up()  # a model's first runs are slow: learn from real traffic
