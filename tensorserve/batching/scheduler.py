@@ -419,8 +419,13 @@ class Scheduler:
         """Fail every item queued, running, to be retried or in hand; how many."""
         with self.lock:
             stranded = self.queue.drain()
-        stranded += [e for running in self.running for b in running for e in b.entries]
+        for instance, running in enumerate(self.running):
+            for batch in running:
+                batch.abandoned = True  # answered here: a late completion is dropped
+                stranded += batch.entries
+            self.running[instance] = []
         stranded += [*holding, *(entry for part in self.retries for entry in part)]
         self.retries.clear()
         settle([(entry, error, True) for entry in stranded])
+        self._note_idle()
         return len(stranded)
