@@ -24,7 +24,7 @@ from tensorserve.errors import WorkerCrashed
 from tensorserve.ipc import messages as ipc
 from tensorserve.runtime import template as template_module
 from tensorserve.runtime import worker_process
-from tensorserve.runtime.worker_process import Lost, WorkerProcess, signal_name
+from tensorserve.runtime.worker_process import Lost, WorkerProcess
 from tests.helpers import ECHO, wait_until_async, write_toy_model
 
 pytestmark = pytest.mark.timeout(180)
@@ -63,9 +63,10 @@ class LoopLag:
 
 # ---------------------------------------------------------------------- naming
 def test_a_real_time_signal_is_named_by_number() -> None:
+    assert worker_process._died(-SIGRT1) == f"killed by signal {SIGRT1} (SIGRTMIN+1)"
+    signal_name = worker_process.signal_name
     assert signal_name(SIGRT1) == f"signal {SIGRT1} (SIGRTMIN+1)"
     assert signal_name(int(signal.SIGKILL)) == "signal SIGKILL"
-    assert worker_process._died(-SIGRT1) == f"killed by signal {SIGRT1} (SIGRTMIN+1)"
 
 
 # ------------------------------------------------------- the report cannot lose a reply
@@ -194,9 +195,9 @@ def test_a_worker_killed_by_a_real_time_signal_mid_batch_answers_all_eight_calle
 def test_the_loop_never_waits_for_a_slow_template_to_report_a_dead_worker(
     blocker: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The template answers each status question after 2 s: readiness, a
-    batch to the dead worker and its replacement all go on meanwhile, and
-    the loop never stalls."""
+    """The template answers each status question after 2 s: readiness asked
+    on the loop, a batch to the dead worker and its replacement all go on
+    meanwhile, and the loop never stalls."""
     repo, _, _ = blocker
     answered = threading.Event()
     returncode = template_module.Template.returncode
@@ -210,7 +211,8 @@ def test_the_loop_never_waits_for_a_slow_template_to_report_a_dead_worker(
 
     async def run() -> None:
         async with ServedModel.from_repository(repo, "blocker") as model:
-            assert (await model.infer(_x(1)))["y"][0, 0] == 2.0  # the socket is watched
+            # Before its first batch nothing watches the worker's socket: only
+            # asking its process (the template) could tell it is dead.
             executor: Any = model.executor
             worker = executor.workers[0].pid
             monkeypatch.setattr(template_module.Template, "returncode", slow)
