@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -269,3 +272,39 @@ def test_an_old_workers_death_never_touches_the_worker_that_replaced_it(
             old.process.wait(10)
 
     asyncio.run(run())
+
+
+class _SlowTemplate:
+    """A template that takes 2 s to say how a worker died."""
+
+    asked = 0
+
+    def returncode(self, pid: int) -> int | None:
+        self.asked += 1
+        time.sleep(2.0)
+        return -9
+
+
+def test_the_watchdogs_kill_and_readiness_never_ask_the_template() -> None:
+    """On the loop, ``kill`` (the watchdog's abort) and ``alive`` (dispatch,
+    readiness) of a forked worker that has exited return at once."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        slow = _SlowTemplate()
+        forked = template_module.ForkedProcess(child.pid, slow)  # type: ignore[arg-type]
+        handle = WorkerProcess({}, "model 'm' instance 0")
+        ours, theirs = socket.socketpair()
+        handle.process, handle.sock, handle.generation = forked, ours, 1
+        os.kill(child.pid, signal.SIGKILL)
+        select.select([forked._pidfd], [], [], 10)  # it has exited: the pidfd says so
+        started = time.perf_counter()
+        assert handle.alive  # the loop has not seen its socket close yet
+        handle.kill("the batch ran longer than 1 s", ticket=1)
+        assert time.perf_counter() - started < 0.5 and slow.asked == 0
+        assert handle.killed_because == "the batch ran longer than 1 s"
+        assert forked.wait(10) == -9 and slow.asked == 1  # off the loop, it may ask
+        ours.close()
+        theirs.close()
+    finally:
+        child.kill()
+        child.wait()
