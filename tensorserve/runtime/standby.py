@@ -68,7 +68,7 @@ class Standby:
             thread.join(LOAD_TIMEOUT_S)
         with self._lock:
             spare, self._ready = self._ready, None
-        if spare is not None and not spare.alive:
+        if spare is not None and not spare.running():  # off the loop: it may ask the template
             spare.stop()
             spare = None
         self.refill()

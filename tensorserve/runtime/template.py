@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import msgpack
@@ -135,15 +136,20 @@ class ForkedProcess:
     that ``WorkerProcess`` uses. It is the template's child, not ours: its
     exit is seen through a pidfd, and its status asked of the template.
 
-    Safe from several threads, as ``Popen`` is (readiness polls it while its
-    owner may wait for it): the status is collected, and the pidfd closed,
-    once, under a lock."""
+    ``poll`` and ``wait`` may make that round trip (seconds, if the template
+    is slow): never on an event loop. ``kill`` never waits: it signals through
+    the pidfd, which stays open for the object's life, so a signal can never
+    reach another process that took the pid over.
+
+    Safe from several threads, as ``Popen`` is: the status is collected once,
+    under a lock."""
 
     def __init__(self, pid: int, template: Template) -> None:
         self.pid = pid
         self.template = template
         self.returncode: int | None = None
         self._pidfd = os.pidfd_open(pid)
+        weakref.finalize(self, os.close, self._pidfd)
         self._collecting = threading.Lock()
 
     def poll(self) -> int | None:
@@ -164,14 +170,11 @@ class ForkedProcess:
     def kill(self) -> None:
         if self.returncode is not None:
             return
-        with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):  # exited (and reaped) already
             signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     def _exited(self, timeout: float | None) -> bool:
-        try:
-            readable, _, _ = select.select([self._pidfd], [], [], timeout)
-        except (OSError, ValueError):  # another thread collected it and closed the pidfd
-            return True
+        readable, _, _ = select.select([self._pidfd], [], [], timeout)
         return bool(readable)
 
     def _collect(self) -> None:
@@ -180,8 +183,7 @@ class ForkedProcess:
             code = self.template.returncode(self.pid)
             if code is not None:
                 self.returncode = code
-                break
+                return
             time.sleep(0.01)
-        else:  # the template is gone: dead, but how is unknown
-            self.returncode = -int(signal.SIGKILL)
-        os.close(self._pidfd)  # the status is known: nothing asks the pidfd again
+        # The template is gone: dead, but how is unknown.
+        self.returncode = -int(signal.SIGKILL)

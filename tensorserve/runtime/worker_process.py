@@ -10,6 +10,13 @@ worker (``start`` again) runs on another thread while the scheduler sends
 the instance nothing. Any thread may ``kill`` it (the watchdog), ask whether
 it is ``alive`` and its ``pid`` (readiness), or ``stop`` it; they take
 ``_guard``, which every swap of the process takes too.
+
+The loop never waits on a worker: ``alive``, ``pid`` and ``kill`` read this
+handle's own state and send a signal, nothing more (a forked worker's exit
+status is asked of the template, a round trip that may take seconds). The
+loop learns of a death from its socket's EOF (``worker_channel.py``), takes
+the process off the handle there, and has how it died found out on the
+control pool (``Lost.report``).
 """
 
 from __future__ import annotations
@@ -47,10 +54,22 @@ def _died(returncode: int | None) -> str:
     if returncode is None:
         return "still running, but its connection broke"
     if returncode < 0:
-        return f"killed by signal {signal.Signals(-returncode).name}"
+        return f"killed by {signal_name(-returncode)}"
     if returncode == ipc.EXIT_DEVICE_LOST:
         return f"exit code {returncode}: a sticky CUDA error lost its CUDA context"
     return f"exit code {returncode}"
+
+
+def signal_name(number: int) -> str:
+    """ "signal SIGKILL"; one ``signal.Signals`` has no member for (a real-time
+    signal but the first and last): "signal 35 (SIGRTMIN+1)"."""
+    try:
+        return f"signal {signal.Signals(number).name}"
+    except ValueError:
+        pass
+    if signal.SIGRTMIN < number < signal.SIGRTMAX:
+        return f"signal {number} (SIGRTMIN+{number - signal.SIGRTMIN})"
+    return f"signal {number}"
 
 
 class WorkerProcess:
@@ -76,20 +95,33 @@ class WorkerProcess:
 
     @property
     def alive(self) -> bool:
+        """It holds a worker whose death the loop has not seen (its socket's
+        EOF). Only this handle's state: safe on the loop, never waits."""
+        return self.sock is not None and self.process is not None
+
+    def running(self) -> bool:
+        """``alive``, and its process has not exited. Off the loop only: a
+        forked worker's exit status is a round trip to the template."""
         process = self.process
-        return self.sock is not None and process is not None and process.poll() is None
+        return self.alive and process is not None and process.poll() is None
 
     def kill(self, because: str, *, ticket: int | None = None) -> None:
-        """SIGKILL, without waiting (the watchdog; a stopped process dies too):
-        the scheduler's loop sees its socket close and reports ``because``.
-        With ``ticket``: only if it is still the process that batch went to."""
+        """SIGKILL, without waiting or polling (the watchdog, on the loop; a
+        stopped process dies too): the scheduler's loop sees its socket close
+        and reports ``because`` (``Lost.report`` tells a worker that had died
+        of its own accord first). With ``ticket``: only if it is still the
+        process that batch went to."""
         with self._guard:
             process = self.process
             if process is None or (ticket is not None and ticket != self.generation):
                 return
-            if process.poll() is None:
-                self.killed_because = because
-                with contextlib.suppress(ProcessLookupError):  # it just exited
+            self.killed_because = because
+            # Still on this handle, so nobody has reaped it yet: its pid is
+            # still its own (a zombie at worst); a forked worker's goes by pidfd.
+            if isinstance(process, ForkedProcess):
+                process.kill()
+            elif process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGKILL)
 
     # ------------------------------------------------------------------ the owner
@@ -148,7 +180,7 @@ class WorkerProcess:
             raise self._never_ran()
         assert self.sock is not None
         if self._channel is None or self._channel.sock is not self.sock:
-            lost = functools.partial(self._lost_on_loop, loop)
+            lost = functools.partial(self._lost_on_loop, loop, self.generation)
             self._channel = WorkerChannel(self.sock, loop, lost)
         header = {"parameters": dict(parameters)} if parameters else {}
         self._channel.send(ipc.frames(header, features), on_reply)
@@ -160,28 +192,59 @@ class WorkerProcess:
             self._channel.close()
             self._channel = None
 
-    def _lost_on_loop(self, loop: asyncio.AbstractEventLoop, waiting: list[OnReply]) -> None:
-        """The connection broke: take the process off this handle, learn how
-        it died off the loop, then fail what was sent to it."""
-        self._channel = None
-        lost = self._take()
+    def _lost_on_loop(
+        self, loop: asyncio.AbstractEventLoop, generation: int, waiting: list[OnReply]
+    ) -> None:
+        """The connection to worker ``generation`` broke: take that process
+        off this handle (not a newer one ``repair`` started meanwhile), learn
+        how it died on the control pool, then fail what was sent to it. Never
+        raises; every one of ``waiting`` is answered once, whatever fails."""
+        lost = self._take(generation)
+        if lost.generation == self.generation:
+            self._channel = None
 
-        def fail(reported: asyncio.Future[WorkerCrashed]) -> None:
+        def fail(reported: asyncio.Future[WorkerCrashed] | None) -> None:
+            crash = self._reported(reported)
             for i, on_reply in enumerate(waiting):
                 # The first was running; those sent behind it never ran.
-                on_reply(None, reported.result() if i == 0 else self._never_ran())
+                try:
+                    on_reply(None, crash if i == 0 else self._never_ran())
+                except Exception:  # the rest must still be answered
+                    log.exception("%s: answering a batch of a dead worker failed", self.label)
 
-        loop.run_in_executor(control_pool(), lost.report).add_done_callback(fail)
+        try:
+            loop.run_in_executor(control_pool(), lost.report).add_done_callback(fail)
+        except Exception:  # no pool (shutting down): answer without the report
+            log.exception("%s: could not find out how the worker process died", self.label)
+            fail(None)
+
+    def _reported(self, reported: asyncio.Future[WorkerCrashed] | None) -> WorkerCrashed:
+        """The report's crash, or one saying that how it died is unknown."""
+        why = "the report was not made"
+        if reported is not None and not reported.cancelled():
+            error = reported.exception()
+            if error is None and isinstance(reported.result(), WorkerCrashed):
+                return reported.result()
+            why = repr(error) if error is not None else f"the report was {reported.result()!r}"
+        log.error("%s: reporting a dead worker process failed: %s", self.label, why)
+        return WorkerCrashed(
+            f"{self.label}: the worker process died while running this batch (how is unknown)",
+            ran=True,
+        )
 
     def _never_ran(self) -> WorkerCrashed:
         return WorkerCrashed(
             f"{self.label}: the worker process died before running this batch", ran=False
         )
 
-    def _take(self) -> Lost:
-        """Take the process and its socket off this handle."""
+    def _take(self, generation: int | None = None) -> Lost:
+        """Take the process and its socket off this handle; with ``generation``,
+        only if they are still that start's (else an empty ``Lost``: whoever
+        started the newer one stopped the old)."""
         with self._guard:
-            lost = Lost(self.label, self.process, self.sock, self.killed_because)
+            if generation is not None and generation != self.generation:
+                return Lost(self.label, None, None, None, generation)
+            lost = Lost(self.label, self.process, self.sock, self.killed_because, self.generation)
             self.process, self.sock = None, None
             return lost
 
@@ -206,6 +269,7 @@ class Lost:
     process: Process | None
     sock: socket.socket | None
     because: str | None  # why the watchdog killed it, if it did
+    generation: int  # the handle's start it came from
 
     def report(self) -> WorkerCrashed:
         """How it died running its batch, once its exit status is in (waits up
@@ -218,10 +282,14 @@ class Lost:
             self.sock.close()
         if returncode is None and self.process is not None:
             reap(self.label, self.process)  # alive with a broken socket: it goes now
-        if self.because is not None:
+        # The watchdog's SIGKILL may have come after it died of its own accord.
+        watchdog = self.because is not None and returncode in (None, -signal.SIGKILL)
+        if watchdog:
             message = f"{self.label}: the watchdog killed the worker process: {self.because}"
+        elif self.process is None:  # a newer worker replaced it, and its replacer stopped it
+            message = f"{self.label}: the worker process was replaced while running this batch"
         else:
             died = _died(returncode)
             message = f"{self.label}: the worker process died while running this batch ({died})"
         log.error("%s", message)
-        return WorkerCrashed(message, ran=True, watchdog=self.because is not None)
+        return WorkerCrashed(message, ran=True, watchdog=watchdog)
