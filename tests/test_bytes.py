@@ -476,8 +476,13 @@ def test_a_malformed_binary_length_prefix_is_a_400(served: tuple[ServerProcess, 
             {"datatype": "INT64", "shape": [1, 1], "data": [7]},
             "input 'text': datatype INT64 does not match the model's BYTES",
         ),
+        (  # a caller's error, not a 500 with a traceback (issue #52)
+            {"datatype": "BYTES", "shape": [1, 1], "data": ["\ud800"]},
+            "input 'text': 'data' element 0 is not valid Unicode text: surrogates not allowed "
+            "at position 0",
+        ),
     ],
-    ids=["non-string element", "dtype mismatch"],
+    ids=["non-string element", "dtype mismatch", "lone surrogate"],
 )
 def test_json_refusals(
     served: tuple[ServerProcess, Path], inputs: dict[str, Any], message: str

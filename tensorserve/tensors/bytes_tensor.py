@@ -46,7 +46,13 @@ def bytes_array(values: Any, where: str, *, what: str = "the list") -> np.ndarra
         if isinstance(element, bytes):
             out[index] = element
         elif isinstance(element, str):
-            out[index] = element.encode()
+            try:
+                out[index] = element.encode()
+            except UnicodeEncodeError as exc:  # a lone surrogate: JSON's "\ud800" parses to one
+                raise InvalidInput(
+                    f"{where}: {what} element {index} is not valid Unicode text: "
+                    f"{exc.reason} at position {exc.start}"
+                ) from None
         elif isinstance(element, (bytearray, memoryview)):
             out[index] = bytes(element)
         else:
