@@ -82,6 +82,22 @@ def test_json_bytes_beyond_the_shape_are_refused_before_they_are_built() -> None
         assert peak < SMALL
 
 
+def test_a_json_header_with_more_strings_than_a_valid_one_is_refused_unparsed() -> None:
+    """WORDS with 64 items: 64 x 16 words and 4096 other strings at most."""
+    header = _header(["ab"] * (2 * (4096 + 64 * 16)))
+    peak = refused_within(
+        lambda: oip.decode_request(header, {}, WORDS, MAX_ITEMS),
+        "holds 10247 strings or more; a valid request to this model holds at most 5120",
+    )
+    assert peak < SMALL
+    assert oip.decode_request(_header(["ab"]), {}, WORDS, MAX_ITEMS).items
+
+
+def _header(words: list[str]) -> bytes:
+    tensor = {"name": "words", "datatype": "BYTES", "shape": [1, len(words)], "data": words}
+    return json.dumps({"inputs": [tensor]}).encode()
+
+
 def test_grpc_bytes_contents_beyond_the_shape_are_refused_before_conversion() -> None:
     request = pb.ModelInferRequest(model_name="words")
     tensor = request.inputs.add(name="words", datatype="BYTES", shape=[1, 1])

@@ -21,7 +21,6 @@ bytes outputs as that map with a list of bin.
 from __future__ import annotations
 
 import io
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,7 +28,7 @@ import msgpack
 import numpy as np
 
 from tensorserve.errors import InvalidInput
-from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, ModelConfig
+from tensorserve.repository.config import ModelConfig
 from tensorserve.tensors.results import row_parameters
 from tensorserve.tensors.wire_tensor import WireTensor, from_bytes
 from tensorserve.wire.request import (
@@ -39,6 +38,7 @@ from tensorserve.wire.request import (
     Results,
     timeout_seconds,
 )
+from tensorserve.wire.validate import most_values
 
 CONTENT_TYPE = "application/msgpack"
 
@@ -88,11 +88,7 @@ READ_SIZE = 64 << 10
 
 def max_array_len(config: ModelConfig, max_items: int) -> int:
     """The longest list a valid body holds: its items, or one input's values."""
-    longest = max_items
-    for spec in config.input:
-        limit = spec.max_length or DEFAULT_MAX_LENGTH
-        longest = max(longest, math.prod(limit if d == VARIABLE else d for d in spec.shape))
-    return longest
+    return max([max_items, *(most_values(spec) for spec in config.input)])
 
 
 def _unpack(body: bytes, config: ModelConfig, max_items: int) -> tuple[dict[Any, Any], list[Any]]:

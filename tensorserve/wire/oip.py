@@ -37,7 +37,13 @@ from tensorserve.errors import InvalidInput, ModelFailure
 from tensorserve.repository.config import InputSpec, ModelConfig, OutputSpec
 from tensorserve.tensors.wire_tensor import WireTensor, check_shape, from_bytes, to_bytes
 from tensorserve.wire import oip_json
-from tensorserve.wire.oip_inputs import check_batch, check_shape_against, datatype, from_json_data
+from tensorserve.wire.oip_inputs import (
+    check_batch,
+    check_shape_against,
+    check_string_count,
+    datatype,
+    from_json_data,
+)
 from tensorserve.wire.request import (
     EncodedResponse,
     InferRequest,
@@ -206,6 +212,7 @@ def decode_request(
     the input and what is wrong. Per-item checks (lengths, fixed axes) are
     left to ``wire.validate`` like for every caller."""
     header, binary = split_body(body, headers.get(HEADER_LENGTH))
+    check_string_count(header, config, max_items)
     return decode_message(_parse_json(header), binary, config, max_items)
 
 

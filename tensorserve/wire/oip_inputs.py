@@ -13,14 +13,31 @@ from typing import Any
 import numpy as np
 
 from tensorserve.errors import InvalidInput
-from tensorserve.repository.config import InputSpec
+from tensorserve.repository.config import InputSpec, ModelConfig
 from tensorserve.tensors.bytes_tensor import bytes_array
 from tensorserve.tensors.dtypes import BY_V2, DType
 from tensorserve.tensors.wire_tensor import MAX_RANK
 from tensorserve.wire.lists import array_from_list
-from tensorserve.wire.validate import shape_problem
+from tensorserve.wire.validate import most_values, shape_problem
 
 _SUPPORTED_V2 = ", ".join(BY_V2)
+# Strings a request holds beside its BYTES values: names, datatypes, keys, ids.
+OTHER_STRINGS = 4096
+
+
+def check_string_count(header: bytes, config: ModelConfig, max_items: int) -> None:
+    """Refuse, before the JSON is parsed, a header with more strings than a
+    valid request to this model holds: parsing builds an object per string
+    (a million two-byte strings took 60 MB). Counting its quote marks is a
+    scan at memory speed; escaped quotes only make the count larger."""
+    items = max_items if config.batching else 1
+    most = OTHER_STRINGS + items * sum(most_values(s) for s in config.input if s.dt.is_bytes)
+    quotes = header.count(b'"')
+    if quotes > 2 * most:
+        raise InvalidInput(
+            f"the inference request header holds {quotes // 2} strings or more; a valid "
+            f"request to this model holds at most {most} (max_items_per_request {max_items})"
+        )
 
 
 def datatype(value: Any, spec: InputSpec, where: str) -> DType:

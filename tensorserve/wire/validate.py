@@ -11,6 +11,7 @@ what is wrong in the request's own axis numbers), ``check_range`` (an input's
 
 from __future__ import annotations
 
+import math
 import reprlib
 import sys
 from collections.abc import Mapping, Sequence
@@ -61,6 +62,14 @@ def shape_problem(
         elif got != want:
             return ShapeProblem("size", axis, got, expected, limit)
     return None
+
+
+def most_values(spec: InputSpec) -> int:
+    """The most values one item's ``spec`` input may hold: its shape, each
+    variable axis at its ``max_length``. What the decoders bound a body by
+    before they build its elements."""
+    limit = spec.max_length or DEFAULT_MAX_LENGTH
+    return math.prod(limit if d == VARIABLE else d for d in spec.shape)
 
 
 def validate_tensor(
