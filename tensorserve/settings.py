@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NamedTuple, TypedDict
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -50,6 +50,20 @@ BOUNDS: dict[str, Bounds] = {
 # The longest one element of a bytes (BYTES) input may be, unless the
 # server's max_bytes_element_length says otherwise (1 MiB).
 DEFAULT_MAX_BYTES_ELEMENT_LENGTH = 1 << 20
+# The most one item may carry in one bytes input, all its elements together,
+# unless max_bytes_item_bytes says otherwise (16 MiB).
+DEFAULT_MAX_BYTES_ITEM_BYTES = 16 << 20
+
+
+class BytesLimits(NamedTuple):
+    """What one item's bytes (BYTES) input may hold: each element at most
+    ``element`` bytes, all of them together at most ``item`` bytes."""
+
+    element: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH
+    item: int = DEFAULT_MAX_BYTES_ITEM_BYTES
+
+
+DEFAULT_BYTES_LIMITS = BytesLimits()
 
 
 # More front ends than this would only take cores from the models.
@@ -164,6 +178,13 @@ class Settings(BaseSettings):
         le=1 << 30,
         description="Longest one element of a bytes (BYTES) input may be, in bytes; a longer "
         "one is that caller's 400, naming the input.",
+    )
+    max_bytes_item_bytes: int = Field(
+        DEFAULT_MAX_BYTES_ITEM_BYTES,
+        ge=1,
+        le=1 << 30,
+        description="Most bytes one item may carry in one bytes (BYTES) input, its elements "
+        "together; more is that caller's 400, naming the input.",
     )
 
     # Deadlines, slow clients, start-up and shutdown (docs/reliability.md).
@@ -340,6 +361,10 @@ class Settings(BaseSettings):
         if value is not None:
             parse_restricted_api(value)  # a bad spec fails at start-up, not per request
         return value
+
+    def bytes_limits(self) -> BytesLimits:
+        """``max_bytes_element_length`` and ``max_bytes_item_bytes``, as validation takes them."""
+        return BytesLimits(self.max_bytes_element_length, self.max_bytes_item_bytes)
 
     def restrictions(self) -> dict[str, tuple[str, str]]:
         """``restricted_api`` parsed: API -> (lower-case header name, value)."""

@@ -43,6 +43,7 @@ from tests.conftest import ServerProcess
 from tests.helpers import wait_until, write_toy_model
 
 MAX_ELEMENT = 64  # the server's --max-bytes-element-length in these tests
+MAX_ITEM = 100  # its --max-bytes-item-bytes: two elements of the longest fit, not three
 CALLERS = 3  # queued behind the held batch, so they form one batch together
 
 UPPER_MODEL = """
@@ -193,7 +194,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
         model = UPPER_MODEL.format(gate=str(gates / name))
         write_toy_model(repo, name, model, isolation=isolation, **UPPER_IO)
     write_toy_model(repo, "words", WORDS_MODEL, **WORDS_IO)
-    server = ServerProcess(repo, "--max-bytes-element-length", str(MAX_ELEMENT))
+    server = ServerProcess(
+        repo,
+        "--max-bytes-element-length",
+        str(MAX_ELEMENT),
+        "--max-bytes-item-bytes",
+        str(MAX_ITEM),
+    )
     yield server, gates
     server.stop()
 
@@ -439,6 +446,27 @@ def test_an_element_longer_than_the_limit_is_a_400_naming_the_input(
     assert json_call(server, "upper", "z" * MAX_ELEMENT)[1] == MAX_ELEMENT
 
 
+@pytest.mark.parametrize("transport", ["http", "grpc"])
+def test_an_item_holding_more_than_the_limit_is_a_400_naming_the_input(
+    served: tuple[ServerProcess, Path], transport: str
+) -> None:
+    """Each element within max_bytes_element_length, but together more than
+    max_bytes_item_bytes: refused, naming the input; exactly the limit is served."""
+    server, _ = served
+    url = server.url if transport == "http" else f"grpc://{server.grpc_address}"
+    with Client(url) as client:
+        with pytest.raises(ClientInvalidInput) as caught:
+            client.infer("words", {"words": [b"w" * MAX_ELEMENT] * 2})
+        assert str(caught.value).endswith(
+            f"feature 'words': its 2 elements hold {2 * MAX_ELEMENT} bytes together; the "
+            f"server's max_bytes_item_bytes is {MAX_ITEM}"
+        )
+        words = [b"w" * MAX_ELEMENT, b"v" * (MAX_ITEM - MAX_ELEMENT)]
+        assert client.infer("words", {"words": words})["upper"].tolist() == [
+            word.upper() for word in words
+        ]
+
+
 def test_a_malformed_binary_length_prefix_is_a_400(served: tuple[ServerProcess, Path]) -> None:
     server, _ = served
     data = struct.pack("<I", 1000) + b"short"
@@ -476,8 +504,13 @@ def test_a_malformed_binary_length_prefix_is_a_400(served: tuple[ServerProcess, 
             {"datatype": "INT64", "shape": [1, 1], "data": [7]},
             "input 'text': datatype INT64 does not match the model's BYTES",
         ),
+        (  # a caller's error, not a 500 with a traceback (issue #52)
+            {"datatype": "BYTES", "shape": [1, 1], "data": ["\ud800"]},
+            "input 'text': 'data' element 0 is not valid Unicode text: surrogates not allowed "
+            "at position 0",
+        ),
     ],
-    ids=["non-string element", "dtype mismatch"],
+    ids=["non-string element", "dtype mismatch", "lone surrogate"],
 )
 def test_json_refusals(
     served: tuple[ServerProcess, Path], inputs: dict[str, Any], message: str

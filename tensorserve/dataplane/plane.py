@@ -215,7 +215,7 @@ class DataPlane:
                 timeout=timeout,
                 priority=decoded.parameters.get("priority"),
                 parameters=decoded.parameters,  # the model's declared ones reach its forward
-                max_bytes_element_length=settings.max_bytes_element_length,
+                bytes_limits=settings.bytes_limits(),
             )
             encode_started = time.perf_counter()
             encoded = await _maybe_in_thread(

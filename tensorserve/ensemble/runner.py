@@ -35,7 +35,7 @@ from tensorserve.ensemble.stats import EnsembleStats
 from tensorserve.ensemble.tracer import StepTracer
 from tensorserve.errors import DeadlineExceeded, TensorServeError
 from tensorserve.repository.config import ModelConfig
-from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
+from tensorserve.settings import DEFAULT_BYTES_LIMITS, BytesLimits
 from tensorserve.wire.validate import validate_item
 
 Item = Mapping[str, Any]
@@ -54,7 +54,7 @@ class StepModel(Protocol):
         timeout: float | None = None,
         priority: int | None = None,
         parameters: Mapping[str, Any] | None = None,
-        max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+        bytes_limits: BytesLimits = DEFAULT_BYTES_LIMITS,
     ) -> list[dict[str, np.ndarray]]: ...
 
     def health(self) -> str | None: ...
@@ -130,17 +130,17 @@ class Ensemble:
         timeout: float | None = None,
         priority: int | None = None,
         parameters: Mapping[str, Any] | None = None,
-        max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+        bytes_limits: BytesLimits = DEFAULT_BYTES_LIMITS,
     ) -> list[dict[str, np.ndarray]]:
         """Each item's ensemble outputs, in order; ``InvalidInput`` for a bad
         item before any step runs; a step's error, naming the step."""
         inputs = self.config.input
         rows: list[Row] = [
-            validate_item(item, inputs, i, max_bytes_element_length) for i, item in enumerate(items)
+            validate_item(item, inputs, i, bytes_limits) for i, item in enumerate(items)
         ]
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
-        call = _Call(priority, parameters, max_bytes_element_length, deadline)
+        call = _Call(priority, parameters, bytes_limits, deadline)
         try:
             await self._run_graph(rows, call)
         except asyncio.CancelledError:
@@ -195,7 +195,7 @@ class Ensemble:
                     timeout=timeout,
                     priority=call.priority,
                     parameters=call.parameters,
-                    max_bytes_element_length=call.max_bytes_element_length,
+                    bytes_limits=call.bytes_limits,
                 )
             outcome = True
             return results
@@ -213,17 +213,17 @@ class Ensemble:
 class _Call:
     """What every step of one request is given."""
 
-    __slots__ = ("deadline", "max_bytes_element_length", "parameters", "priority")
+    __slots__ = ("bytes_limits", "deadline", "parameters", "priority")
 
     def __init__(
         self,
         priority: int | None,
         parameters: Mapping[str, Any] | None,
-        max_bytes_element_length: int,
+        bytes_limits: BytesLimits,
         deadline: float | None,
     ) -> None:
         self.priority, self.parameters = priority, parameters
-        self.max_bytes_element_length = max_bytes_element_length
+        self.bytes_limits = bytes_limits
         self.deadline = deadline  # time.monotonic(); None: none
 
     def remaining(self, where: str) -> float | None:

@@ -202,7 +202,7 @@ class Intake:
                     timeout=timeout,
                     priority=priority,
                     parameters=parameters,
-                    max_bytes_element_length=self.plane.settings.max_bytes_element_length,
+                    bytes_limits=self.plane.settings.bytes_limits(),
                 )
                 _answer_when_done(
                     connection, rid, _within(context, self.loop.create_task, coroutine)

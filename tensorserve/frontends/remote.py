@@ -37,7 +37,7 @@ from tensorserve.ipc.link import Link
 from tensorserve.metrics.processes import cpu_seconds
 from tensorserve.repository.config import ModelConfig
 from tensorserve.serving.entries import ModelState, lookup, ready
-from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
+from tensorserve.settings import DEFAULT_BYTES_LIMITS, BytesLimits
 from tensorserve.tensors.results import RowResult
 from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
 
@@ -81,14 +81,11 @@ class RemoteModel:
         timeout: float | None = None,
         priority: Any = None,
         parameters: Mapping[str, Any] | None = None,
-        max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+        bytes_limits: BytesLimits = DEFAULT_BYTES_LIMITS,
     ) -> list[dict[str, np.ndarray]]:
         """Validated here (the one validator), answered there."""
         config = self.config
-        rows = [
-            validate_item(item, config.input, i, max_bytes_element_length)
-            for i, item in enumerate(items)
-        ]
+        rows = [validate_item(item, config.input, i, bytes_limits) for i, item in enumerate(items)]
         if self.ensemble:  # its steps validate their own: it takes the request's own values
             level, values = priority, dict(parameters or {})
         else:

@@ -19,6 +19,7 @@ and a BYTES input may come in either field (``bytes_contents``, or
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,7 +69,32 @@ def _typed_data(tensor: pb.ModelInferRequest.InferInputTensor, where: str) -> li
         raise InvalidInput(
             f"{where}: datatype {tensor.datatype} is carried in contents.{field}, not {stray[0]}"
         )
-    return list(getattr(tensor.contents, field))
+    contents = getattr(tensor.contents, field)
+    # Counted before a Python object is built for each value (protobuf holds
+    # them in C until asked); a negative dimension is refused by the decoder.
+    if all(d >= 0 for d in tensor.shape) and len(contents) > math.prod(tensor.shape):
+        raise InvalidInput(
+            f"{where}: contents.{field} holds {len(contents)} values, but shape "
+            f"{list(tensor.shape)} needs {math.prod(tensor.shape)}"
+        )
+    return list(contents)
+
+
+# Above this many values or raw bytes the data plane decodes on the request pool.
+COSTLY_VALUES = 32 << 10
+COSTLY_RAW_BYTES = 256 << 10
+
+
+def decode_is_costly(request: pb.ModelInferRequest) -> bool:
+    """Whether turning ``request`` into Python values would hold the loop:
+    many typed values (each becomes an object), or much raw data (joined,
+    and BYTES unframed). Counting is O(inputs): protobuf knows each length."""
+    raw = sum(len(data) for data in request.raw_input_contents)
+    values = 0
+    for tensor in request.inputs:
+        for _, contents in tensor.contents.ListFields():
+            values += len(contents)
+    return values > COSTLY_VALUES or raw > COSTLY_RAW_BYTES
 
 
 def to_message(request: pb.ModelInferRequest) -> tuple[dict[str, Any], memoryview]:

@@ -63,7 +63,7 @@ class GrpcCall:
         return codec.decode(self.message, config, max_items)
 
     def decode_is_costly(self) -> bool:
-        return False  # the bytes stay bytes; the protobuf is parsed already
+        return codec.decode_is_costly(self.message)
 
     def encode(
         self, request: InferRequest, results: Results, name: str, version: str, config: ModelConfig

@@ -23,7 +23,8 @@ from aiohttp import web
 
 from tensorserve.errors import InvalidInput
 from tensorserve.http.keys import SETTINGS
-from tensorserve.wire.compression import decompress
+from tensorserve.pools import on_request_pool
+from tensorserve.wire.compression import decompress, decompress_is_costly
 
 
 async def read_body(request: web.Request) -> bytes:
@@ -32,7 +33,10 @@ async def read_body(request: web.Request) -> bytes:
         body = await request.read()
     else:
         body = await _read_within(request, settings.body_timeout_s)
-    return decompress(body, request.headers.get("Content-Encoding"), settings.max_request_bytes)
+    encoding = request.headers.get("Content-Encoding")
+    if decompress_is_costly(body, encoding):  # a bomb inflates off the loop
+        return await on_request_pool(decompress, body, encoding, settings.max_request_bytes)
+    return decompress(body, encoding, settings.max_request_bytes)
 
 
 async def _read_within(request: web.Request, timeout: float) -> bytes:

@@ -57,7 +57,7 @@ from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.isolated import ProcessExecutor
 from tensorserve.runtime.kinds import ExecutorRequest, build_executor
 from tensorserve.runtime.placement import PlacedExecutor, resolve_isolation, resolve_placement
-from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
+from tensorserve.settings import DEFAULT_BYTES_LIMITS, BytesLimits
 from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
 
 if TYPE_CHECKING:
@@ -269,15 +269,13 @@ class ServedModel:
     def validate(
         self,
         items: Sequence[Item],
-        max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+        bytes_limits: BytesLimits = DEFAULT_BYTES_LIMITS,
     ) -> list[dict[str, np.ndarray]]:
         """Each item checked by the one validator (``wire.validate``); a bytes
-        input's elements at most ``max_bytes_element_length`` long (the
-        server's setting, which the data plane passes)."""
+        input bounded by ``bytes_limits`` (the server's settings, which the
+        data plane passes)."""
         inputs = self.config.input
-        return [
-            validate_item(item, inputs, i, max_bytes_element_length) for i, item in enumerate(items)
-        ]
+        return [validate_item(item, inputs, i, bytes_limits) for i, item in enumerate(items)]
 
     def priority_level(self, priority: Any) -> int:
         """A request's ``priority`` as the batcher's level
@@ -324,13 +322,13 @@ class ServedModel:
         timeout: float | None = None,
         priority: int | None = None,
         parameters: Mapping[str, Any] | None = None,
-        max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+        bytes_limits: BytesLimits = DEFAULT_BYTES_LIMITS,
     ) -> list[Result]:
         """Each item's outputs, in order. A model that returns output
         parameters gives ``RowResult``s: dicts with a ``parameters`` map."""
         level, values = self.priority_level(priority), self.request_parameters(parameters)
         return await self.batcher.infer_many(
-            self.validate(items, max_bytes_element_length),
+            self.validate(items, bytes_limits),
             timeout=timeout,
             priority=level,
             parameters=values,

@@ -46,7 +46,13 @@ def bytes_array(values: Any, where: str, *, what: str = "the list") -> np.ndarra
         if isinstance(element, bytes):
             out[index] = element
         elif isinstance(element, str):
-            out[index] = element.encode()
+            try:
+                out[index] = element.encode()
+            except UnicodeEncodeError as exc:  # a lone surrogate: JSON's "\ud800" parses to one
+                raise InvalidInput(
+                    f"{where}: {what} element {index} is not valid Unicode text: "
+                    f"{exc.reason} at position {exc.start}"
+                ) from None
         elif isinstance(element, (bytearray, memoryview)):
             out[index] = bytes(element)
         else:
@@ -105,15 +111,24 @@ def longest_element(array: np.ndarray) -> int:
     return max((len(element) for element in array.reshape(-1)), default=0)
 
 
-def check_element_lengths(array: np.ndarray, limit: int, where: str) -> None:
-    """``InvalidInput`` naming ``where`` when an element is longer than ``limit``
-    bytes (the server's ``max_bytes_element_length``)."""
+def check_byte_sizes(array: np.ndarray, element_limit: int, item_limit: int, where: str) -> None:
+    """``InvalidInput`` naming ``where`` when an element is longer than
+    ``element_limit`` bytes (the server's ``max_bytes_element_length``), or
+    the elements together than ``item_limit`` (``max_bytes_item_bytes``)."""
+    total = 0
     for index, element in enumerate(array.reshape(-1)):
-        if len(element) > limit:
+        length = len(element)
+        if length > element_limit:
             raise InvalidInput(
-                f"{where}: element {index} is {len(element)} bytes long; the server's "
-                f"max_bytes_element_length is {limit}"
+                f"{where}: element {index} is {length} bytes long; the server's "
+                f"max_bytes_element_length is {element_limit}"
             )
+        total += length
+    if total > item_limit:
+        raise InvalidInput(
+            f"{where}: its {array.size} elements hold {total} bytes together; the server's "
+            f"max_bytes_item_bytes is {item_limit}"
+        )
 
 
 def check_utf8(array: np.ndarray, where: str) -> None:

@@ -20,6 +20,7 @@ bytes outputs as that map with a list of bin.
 
 from __future__ import annotations
 
+import io
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ from tensorserve.wire.request import (
     Results,
     timeout_seconds,
 )
+from tensorserve.wire.validate import most_values
 
 CONTENT_TYPE = "application/msgpack"
 
@@ -46,17 +48,7 @@ def decode_request(
 ) -> InferRequest:
     """Decode one request; items are checked against the model later, by
     ``ServedModel.validate``, like every caller's."""
-    try:
-        message = msgpack.unpackb(body, raw=False)  # map keys: str or bytes only
-    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
-        raise InvalidInput(f"body is not valid msgpack: {exc}") from None
-    if not isinstance(message, dict):
-        raise InvalidInput("body must be a msgpack map with an 'items' list")
-    items = message.get("items")
-    if not isinstance(items, list) or not items:
-        raise InvalidInput("'items' must be a non-empty list of feature maps")
-    if len(items) > max_items:
-        raise InvalidInput(f"'items' holds {len(items)} items; the limit is {max_items}")
+    message, items = _unpack(body, config, max_items)
     request_id = message.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
@@ -84,6 +76,63 @@ def decode_request(
     # The native protocol has no output selection: every output, typed.
     outputs = [RequestedOutput(spec.name, spec.dt) for spec in config.output]
     return InferRequest(decoded, outputs, request_id, timeout, parameters)
+
+
+# What a valid body may hold, given to msgpack so that it refuses more at the
+# header, before building anything: an array of ``max_array_len`` at most (the
+# items, or the longest tensor an input allows), maps of a few keys. Strings
+# and bins are bounded by the body's length (msgpack's default).
+MAX_MAP_LEN = 1024
+READ_SIZE = 64 << 10
+
+
+def max_array_len(config: ModelConfig, max_items: int) -> int:
+    """The longest list a valid body holds: its items, or one input's values."""
+    return max([max_items, *(most_values(spec) for spec in config.input)])
+
+
+def _unpack(body: bytes, config: ModelConfig, max_items: int) -> tuple[dict[Any, Any], list[Any]]:
+    """The top-level map (without its items) and the items, unpacked one item
+    per call: msgpack holds the GIL for a whole call, so one call per item
+    lets the event loop run between them when this runs on the request pool."""
+    unpacker = msgpack.Unpacker(
+        io.BytesIO(body),  # read in pieces: feed() would copy the whole body first
+        raw=False,  # map keys: str or bytes only
+        read_size=min(READ_SIZE, max(len(body), 1)),
+        max_buffer_size=max(len(body), 1),
+        max_array_len=max_array_len(config, max_items),
+        max_map_len=MAX_MAP_LEN,
+    )
+    message: dict[Any, Any] = {}
+    items: Any = None
+    try:
+        try:
+            keys = unpacker.read_map_header()
+        except ValueError:  # valid msgpack, but not a map (or not msgpack at all)
+            msgpack.unpackb(body, raw=False, max_array_len=max_array_len(config, max_items),
+                            max_map_len=MAX_MAP_LEN)  # fmt: skip
+            raise InvalidInput("body must be a msgpack map with an 'items' list") from None
+        for _ in range(keys):
+            key = unpacker.unpack()
+            if key != "items":
+                message[key] = unpacker.unpack()
+                continue
+            try:
+                count = unpacker.read_array_header()
+            except ValueError:
+                raise InvalidInput("'items' must be a non-empty list of feature maps") from None
+            if count > max_items:
+                raise InvalidInput(f"'items' holds {count} items; the limit is {max_items}")
+            items = [unpacker.unpack() for _ in range(count)]
+        if unpacker.tell() != len(body):
+            raise InvalidInput(f"{len(body) - unpacker.tell()} bytes follow the msgpack map")
+    except InvalidInput:
+        raise
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
+        raise InvalidInput(f"body is not valid msgpack: {exc}") from None
+    if not isinstance(items, list) or not items:
+        raise InvalidInput("'items' must be a non-empty list of feature maps")
+    return message, items
 
 
 def decode_tensor(value: Any, where: str) -> WireTensor | Any:
@@ -129,8 +178,13 @@ def encode_response(
     return EncodedResponse([msgpack.packb(message)], CONTENT_TYPE)
 
 
+# Above this size the data plane decodes on the request pool: typed tensors
+# unpack at memcpy speed, but lists of strings or numbers build an object each.
+COSTLY_BODY_BYTES = 256 << 10
+
+
 def decode_is_costly(body: bytes) -> bool:
-    return False  # typed tensors unpack at memcpy speed; there is no JSON to parse
+    return len(body) > COSTLY_BODY_BYTES
 
 
 def encode_is_costly(request: InferRequest, results: Results) -> bool:

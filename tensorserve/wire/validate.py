@@ -11,6 +11,7 @@ what is wrong in the request's own axis numbers), ``check_range`` (an input's
 
 from __future__ import annotations
 
+import math
 import reprlib
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,8 +23,8 @@ from tensorserve.errors import InvalidInput
 from tensorserve.repository.config import DEFAULT_MAX_LENGTH, VARIABLE, DynamicBatching, InputSpec
 from tensorserve.repository.parameters import RequestParameterSpec, check_value
 from tensorserve.repository.value_bounds import values_problem
-from tensorserve.settings import DEFAULT_MAX_BYTES_ELEMENT_LENGTH
-from tensorserve.tensors.bytes_tensor import bytes_array, check_element_lengths, check_utf8
+from tensorserve.settings import DEFAULT_BYTES_LIMITS, BytesLimits
+from tensorserve.tensors.bytes_tensor import bytes_array, check_byte_sizes, check_utf8
 from tensorserve.tensors.dtypes import by_torch, from_torch
 from tensorserve.tensors.wire_tensor import WireTensor
 from tensorserve.wire.lists import array_from_list
@@ -63,15 +64,23 @@ def shape_problem(
     return None
 
 
+def most_values(spec: InputSpec) -> int:
+    """The most values one item's ``spec`` input may hold: its shape, each
+    variable axis at its ``max_length``. What the decoders bound a body by
+    before they build its elements."""
+    limit = spec.max_length or DEFAULT_MAX_LENGTH
+    return math.prod(limit if d == VARIABLE else d for d in spec.shape)
+
+
 def validate_tensor(
     value: np.ndarray | Any,
     spec: InputSpec,
     where: str,
-    max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+    bytes_limits: BytesLimits = DEFAULT_BYTES_LIMITS,
 ) -> np.ndarray:
     dt = spec.dt
     if dt.is_bytes:
-        array = _bytes_input(value, where, max_bytes_element_length)
+        array = _bytes_input(value, where, bytes_limits)
         if spec.utf8:
             check_utf8(array, where)
     else:
@@ -94,10 +103,10 @@ def validate_tensor(
     raise InvalidInput(f"{where}: {message}")
 
 
-def _bytes_input(value: Any, where: str, max_element_length: int) -> np.ndarray:
+def _bytes_input(value: Any, where: str, limits: BytesLimits) -> np.ndarray:
     """A bytes input: a typed bytes tensor, an object (or numpy string) array
     in-process, or a plain list of bin / str; each element at most
-    ``max_element_length`` bytes long."""
+    ``limits.element`` bytes long, all together at most ``limits.item``."""
     if isinstance(value, WireTensor):
         if value.dtype != "bytes":
             raise InvalidInput(f"{where}: dtype {value.dtype} does not match the declared bytes")
@@ -108,7 +117,7 @@ def _bytes_input(value: Any, where: str, max_element_length: int) -> np.ndarray:
         raise InvalidInput(f"{where}: dtype {value.dtype} does not match the declared bytes")
     else:
         array = bytes_array(value, where)  # checks every element is bytes (or str)
-    check_element_lengths(array, max_element_length, where)
+    check_byte_sizes(array, limits.element, limits.item, where)
     return array
 
 
@@ -153,10 +162,10 @@ def validate_item(
     item: Mapping[str, Any],
     inputs: Sequence[InputSpec],
     index: int,
-    max_bytes_element_length: int = DEFAULT_MAX_BYTES_ELEMENT_LENGTH,
+    bytes_limits: BytesLimits = DEFAULT_BYTES_LIMITS,
 ) -> dict[str, np.ndarray]:
     """Return the item's arrays in the declared dtypes, or raise InvalidInput.
-    A bytes input's elements may each be ``max_bytes_element_length`` long."""
+    A bytes input's elements are bounded by ``bytes_limits`` (the server's)."""
     if not isinstance(item, Mapping):
         raise InvalidInput(f"item {index}: expected a map of feature name to tensor")
     declared = {spec.name for spec in inputs}
@@ -171,7 +180,7 @@ def validate_item(
         if spec.name not in item:
             raise InvalidInput(f"item {index}: missing feature {spec.name!r}")
         result[spec.name] = validate_tensor(
-            item[spec.name], spec, f"item {index}, feature {spec.name!r}", max_bytes_element_length
+            item[spec.name], spec, f"item {index}, feature {spec.name!r}", bytes_limits
         )
     return result
 

@@ -38,7 +38,10 @@ def test_bodies_decode(encoding: str | None, body: bytes) -> None:
 
 
 def test_gzip_members_are_concatenated() -> None:
-    assert decompress(gzip.compress(b"ab", mtime=0) + gzip.compress(b"cd", mtime=0), "gzip", 10) == b"abcd"
+    assert (
+        decompress(gzip.compress(b"ab", mtime=0) + gzip.compress(b"cd", mtime=0), "gzip", 10)
+        == b"abcd"
+    )
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
@@ -76,3 +79,26 @@ def test_bad_bodies_are_400s(encoding: str, body: bytes, message: str) -> None:
     with pytest.raises(InvalidInput) as error:
         decompress(body, encoding, 1 << 20)
     assert message in error.value.message
+
+
+def test_many_gzip_members_are_refused_in_linear_time() -> None:
+    """4 MiB of empty members took 10 s on the loop (each member copied the
+    remainder of the body); now the member cap refuses it at once."""
+    empty = gzip.compress(b"", mtime=0)
+    body = empty * ((4 << 20) // len(empty))
+    started = time.perf_counter()
+    with pytest.raises(InvalidInput, match="more than 64 members"):
+        decompress(body, "gzip", 64 << 20)
+    assert time.perf_counter() - started < 0.5
+
+
+def test_members_up_to_the_cap_decode_across_windows() -> None:
+    """Members that straddle the windows zlib is fed in still decode whole;
+    the time stays linear however long the tail after each member."""
+    import random
+
+    noise = random.Random(0).randbytes(200_000)  # incompressible: spans several windows
+    members = [gzip.compress(noise, mtime=0), gzip.compress(b"", mtime=0)] * 32
+    assert decompress(b"".join(members), "gzip", 64 << 20) == noise * 32
+    with pytest.raises(InvalidInput, match="more than 64 members"):
+        decompress(b"".join(members) + members[1], "gzip", 64 << 20)
