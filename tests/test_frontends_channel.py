@@ -20,6 +20,7 @@ import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -29,7 +30,7 @@ import psutil
 import pytest
 
 from tensorserve import errors
-from tensorserve.frontends import remote
+from tensorserve.frontends import hub, remote
 from tensorserve.frontends.liveness import BUSY_LIMIT_S, SILENT_S, Liveness, cpu_ticks
 from tensorserve.frontends.protocol import Outbox, check_crossable, tensor_count
 from tensorserve.ipc import messages
@@ -140,6 +141,37 @@ def test_a_run_of_entries_counts_its_tensors() -> None:
     assert tensor_count("replies", [5, [["y"], ["y", "z"]], None]) == 3
     assert tensor_count("replies", [5, None, ["X", "m", None]]) == 0
     assert tensor_count("cancel", 3) == 0
+
+
+async def test_a_front_end_answers_the_callers_of_an_entry_it_cannot_send() -> None:
+    """The plain request's caller gets a 400 naming its value; each caller of
+    a run the server's fault (their values were checked at admission)."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        scheduler = remote.Scheduler(ours)
+        loop = asyncio.get_running_loop()
+        answers = {rid: loop.create_future() for rid in (1, 2, 3)}
+        scheduler._waiting.update(answers)
+        plain = infer_entry(1, {"p": 2**70})
+        run = [[2, 3], "m", "1", 1, None, 0, ["x"], ["id-2", "id-3"]]
+        assert scheduler._unsendable("infer", plain, OverflowError("too big")) == []
+        assert scheduler._unsendable("infer", run, ValueError("odd")) == []
+        assert scheduler._waiting == {}  # popped: no cancel follows
+        with pytest.raises(errors.InvalidInput, match=r"^parameters\.p cannot be passed on"):
+            answers[1].result()
+        for rid in (2, 3):
+            with pytest.raises(errors.TensorServeError, match="internal error"):
+                answers[rid].result()
+
+
+def test_the_scheduler_process_answers_a_reply_it_cannot_send_with_its_error() -> None:
+    connection = SimpleNamespace(pid=7)
+    one = hub.Connection._unsendable(
+        connection, "replies", [4, [["y"]], [{"q": 2**70}]], OverflowError()
+    )  # type: ignore[arg-type]
+    assert [(rid, names, error[0]) for rid, names, error in one] == [(4, None, "ModelFailure")]
+    answer = hub.Connection._unsendable(connection, "answers", [9, True, 2**70], OverflowError())  # type: ignore[arg-type]
+    assert answer[0][:2] == [9, False] and answer[0][2][0] == "TensorServeError"
 
 
 # -- the link -------------------------------------------------------------------------
