@@ -37,9 +37,18 @@ from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
 from tensorserve.serving.registry import ModelRegistry
 from tests.conftest import ServerProcess
-from tests.helpers import ECHO, MSGPACK, body, from_wire, toy_config, wait_until, write_toy_model
+from tests.helpers import (
+    ECHO,
+    MSGPACK,
+    FileGate,
+    body,
+    from_wire,
+    toy_config,
+    wait_until,
+    write_toy_model,
+)
 from tests.test_ensemble import DOUBLE_PY, FLOATS, SHIFT_PY, TOY, _ensemble_toml, _step, _write
-from tests.test_frontends import start
+from tests.test_frontends import front_ends, start
 
 
 def deep(levels: int) -> list[Any]:
@@ -397,3 +406,34 @@ def test_an_ensemble_request_that_cannot_cross_is_its_own_400_and_costs_no_one_e
         error = reply.json()["error"] if kind != "deep" else msgpack.unpackb(reply.content)["error"]
         field = "priority" if kind == "priority" else "bad"
         assert f"parameters.{field}" in error, (kind, error)
+
+
+def test_a_caller_waiting_when_the_scheduler_process_dies_is_answered_503(
+    tmp_path: Path,
+) -> None:
+    """Before: its front end exited at once and the caller's connection was
+    cut with no answer."""
+    gate = FileGate(tmp_path)
+    write_toy_model(tmp_path, "gated", gate.model(), **ECHO)
+    server = start(tmp_path)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(
+                httpx.post,
+                f"{server.url}/v2/models/gated/infer",
+                content=body([{"x": np.full((1, 4), 7, np.float32)}]),  # 7: held in the model
+                headers=MSGPACK,
+                timeout=30,
+            )
+            gate.wait_entered()
+            processes = front_ends(server)
+            assert server.process is not None
+            server.process.send_signal(signal.SIGKILL)
+            reply = held.result()
+        assert reply.status_code == 503, reply.content
+        assert "lost its link" in msgpack.unpackb(reply.content)["error"]
+        for process in processes:
+            process.wait(30)  # and then it exits (psutil.TimeoutExpired if not)
+    finally:
+        gate.open()
+        server.stop()
