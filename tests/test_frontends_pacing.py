@@ -118,6 +118,6 @@ async def test_behind_a_long_batch_the_socket_is_still_read_after_the_longest_pa
 
 
 def test_the_pause_is_short_beside_a_front_ends_silence_limit() -> None:
-    from tensorserve.frontends.hub import SILENT_S
+    from tensorserve.frontends.liveness import SILENT_S
 
     assert pacing.MAX_PAUSE_S * 100 <= SILENT_S

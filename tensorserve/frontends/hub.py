@@ -19,6 +19,7 @@ answered into nothing. The scheduler never waits on a front end.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from collections.abc import Callable, Sequence
@@ -29,8 +30,9 @@ import numpy as np
 from tensorserve.dataplane import models as answers
 from tensorserve.dataplane.logs import logged_as
 from tensorserve.dataplane.plane import DataPlane, is_server_fault
-from tensorserve.errors import TensorServeError
+from tensorserve.errors import ModelFailure, TensorServeError
 from tensorserve.frontends.intake import Intake
+from tensorserve.frontends.liveness import Liveness, Stuck, cpu_ticks
 from tensorserve.frontends.pacing import ReadPacing
 from tensorserve.frontends.protocol import Outbox, error_entry
 from tensorserve.frontends.requests import RemoteItem, RemoteRequest
@@ -50,12 +52,9 @@ from tensorserve.tensors.results import row_parameters
 log = logging.getLogger(__name__)
 
 # How often the hub looks for a changed model table (poll mode reloads,
-# failures): a load or unload asked through a front end publishes at once.
+# failures) and for a stuck front end (``liveness.py``): a load or unload
+# asked through a front end publishes at once.
 TABLE_CHECK_S = 0.25
-# A front end that reported nothing for this long (it reports every 0.5 s)
-# is stuck; one that sent nothing this long after it started never started.
-SILENT_S = 5.0
-STARTING_S = 120.0
 
 
 class Connection:
@@ -64,17 +63,14 @@ class Connection:
     def __init__(self, hub: FrontEndHub, sock: socket.socket, pid: int) -> None:
         self.hub, self.pid = hub, pid
         self.link = Link(sock, hub.loop, self._message, self._lost, many=True)
-        self.outbox = Outbox(hub.loop, self.link.send)
+        self.outbox = Outbox(hub.loop, self.link.send, unsendable=self._unsendable)
         self.requests: dict[int, RemoteItem | RemoteRequest | asyncio.Task[Any]] = {}
         self.in_flight = 0  # as it last reported
-        # When it last sent anything (it reports at least every 0.5 s); None
-        # until its first message (it is still importing and starting).
-        self.heard: float | None = None
-        self.attached = hub.loop.time()
+        self.liveness = Liveness(hub.loop.time())  # when it last sent anything, its CPU time
 
     # -- in ---------------------------------------------------------------------
     def _message(self, message: messages.InOrder) -> None:
-        self.heard = self.hub.loop.time()
+        self.liveness.heard = self.hub.loop.time()
         header, tensors = message
         if "report" in header:
             self.hub.reported(self, header["report"])
@@ -160,6 +156,22 @@ class Connection:
                 )
         self.outbox.add("replies", [rid, None, entry])
 
+    def _unsendable(self, section: str, entry: Any, exc: Exception) -> list[Any]:
+        """An entry its outbox could not pack (``Outbox._sendable``): a
+        reply becomes its request's error (output parameters a model made
+        that cannot cross), an answer the question's; the rest still goes."""
+        log.error("front end pid %d: a %r entry cannot be sent: %r", self.pid, section, exc)
+        if section == "replies":
+            rids = entry[0] if type(entry[0]) is list else [entry[0]]
+            error = error_entry(ModelFailure(f"its results cannot be passed on: {exc!r}"))
+            return [[rid, None, error] for rid in rids]
+        if section == "answers":
+            error = error_entry(
+                TensorServeError(f"internal error: the answer cannot be passed on: {exc!r}")
+            )
+            return [[entry[0], False, error]]
+        return []
+
     def close(self) -> None:
         self.link.close()
         self.link.sock.close()
@@ -178,8 +190,8 @@ class FrontEndHub:
         self._key: tuple[Any, ...] | None = None
         self._table: list[Any] = []
         self._asking: set[asyncio.Task[None]] = set()
-        # Called with the pid of a front end that went silent (the supervisor kills it).
-        self.on_silent: Callable[[int], None] | None = None
+        # Called with the pid of a front end that is stuck (the supervisor kills it).
+        self.on_silent: Callable[[int, Stuck], None] | None = None
         self._late = LatePublisher(lambda: late_models(plane), self._publish_late)
         self._checking: asyncio.TimerHandle | None = None
 
@@ -230,17 +242,15 @@ class FrontEndHub:
 
     # -- what every front end is told -------------------------------------------
     def _check_silent(self) -> None:
-        """A front end alive but silent (its loop blocked, or stopped) takes
-        its share of the connections and serves none of them: it is killed,
-        and restarted as any front end that dies (``on_silent``)."""
+        """A front end alive but stuck (silent, and its CPU time still:
+        stopped, deadlocked) takes its share of the connections and serves
+        none of them: it is killed, and restarted as any front end that dies
+        (``on_silent``). One silent but busy is left to finish (``liveness.py``)."""
         now = self.loop.time()
         for connection in list(self.connections.values()):
-            if connection.heard is not None:
-                silent = now - connection.heard > SILENT_S
-            else:
-                silent = now - connection.attached > STARTING_S
-            if silent and self.on_silent is not None:
-                self.on_silent(connection.pid)
+            stuck = connection.liveness.check(now, functools.partial(cpu_ticks, connection.pid))
+            if stuck is not None and self.on_silent is not None:
+                self.on_silent(connection.pid, stuck)
 
     def _check_table(self, reschedule: bool = True) -> None:
         key = table_key(self.plane.registry, self._generations)

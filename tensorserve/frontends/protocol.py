@@ -39,19 +39,38 @@ requests in it:
 
 An error travels as [class name, message, retry_after | None] and is raised
 again as the same ``TensorServeError`` class on the other side.
+
+One entry that cannot be packed (an integer beyond 64 bits, a string that
+is not valid Unicode, nesting deeper than msgpack allows) must not cost the
+others queued with it: ``Outbox.flush`` then packs entry by entry and hands
+each that fails to its owner (``Unsendable``), which answers its request.
+A front end refuses such values at admission first (``check_crossable``),
+so its caller gets a 400 naming the field.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from tensorserve import errors
-from tensorserve.errors import ServerBusy, TensorServeError
+from tensorserve.errors import InvalidInput, ServerBusy, TensorServeError
 from tensorserve.ipc import messages
+
+log = logging.getLogger(__name__)
+
+# The sections that are lists of entries (``Outbox.add``); the others hold
+# one value each (``Outbox.put``: "models", "late", "report").
+ENTRY_SECTIONS = frozenset({"infer", "cancel", "ask", "replies", "answers"})
+
+# An entry that cannot be sent, as its owner answers it: (section, entry,
+# why) -> the entries to send in its place (its request's error), no tensors.
+Unsendable = Callable[[str, Any, Exception], list[Any]]
 
 # Every error class a reply may name, by class name.
 ERROR_CLASSES: dict[str, type[TensorServeError]] = {
@@ -95,10 +114,13 @@ class Outbox:
         loop: asyncio.AbstractEventLoop,
         send: Callable[[list[messages.Buffer]], None],
         before_send: Callable[[Outbox], None] | None = None,
+        unsendable: Unsendable | None = None,
     ) -> None:
         self.loop = loop
         self._send = send
         self._before_send = before_send  # adds what is due with any message (a report)
+        # Answers an entry that cannot be packed (None: it is dropped, logged).
+        self._unsendable = unsendable
         self.sections: dict[str, Any] = {}
         self.tensors: list[np.ndarray] = []
         self._scheduled = False
@@ -134,10 +156,125 @@ class Outbox:
             return
         sections, tensors = self.sections, self.tensors
         self.sections, self.tensors = {}, []
-        buffers = messages.frames_in_order(sections, tensors)
+        try:  # all at once: the common case, one pack
+            buffers = messages.frames_in_order(sections, tensors)
+        except Exception:  # noqa: BLE001 - some entry cannot be packed: find it, answer it
+            sections, tensors = self._sendable(sections, tensors)
+            if not sections:
+                return
+            buffers = messages.frames_in_order(sections, tensors)
         # Many tensors: one copy into one buffer costs less than a buffer
         # each through the socket (and through ``Link``'s bookkeeping).
         self._send([buffers[0], b"".join(buffers[1:])] if len(buffers) > 2 else buffers)
+
+    def _sendable(
+        self, sections: dict[str, Any], tensors: list[np.ndarray]
+    ) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """``sections`` and ``tensors`` without what cannot be packed, each
+        entry packed alone (with its tensors) to find out; an entry that
+        fails is replaced by what its owner answers (``Unsendable``), a
+        value section that fails is dropped. Rare: only when the one pack
+        of the whole message failed."""
+        kept: dict[str, Any] = {}
+        kept_tensors: list[np.ndarray] = []
+        at = 0
+        for section, value in sections.items():
+            if section not in ENTRY_SECTIONS:
+                try:
+                    _packs({section: value}, ())
+                except Exception as exc:  # noqa: BLE001 - this section only
+                    log.error("the %r section cannot be sent, dropped: %r", section, exc)
+                else:
+                    kept[section] = value
+                continue
+            entries: list[Any] = []
+            for entry in value:
+                count = tensor_count(section, entry)
+                own = tensors[at : at + count]
+                at += count
+                try:
+                    _packs({section: [entry]}, own)
+                except Exception as exc:  # noqa: BLE001 - this entry's request only
+                    if self._unsendable is None:
+                        log.error("a %r entry cannot be sent, dropped: %r", section, exc)
+                    else:
+                        entries.extend(self._unsendable(section, entry, exc))
+                else:
+                    entries.append(entry)
+                    kept_tensors.extend(own)
+            if entries:
+                kept[section] = entries
+        return kept, kept_tensors
+
+
+def _packs(header: dict[str, Any], tensors: Sequence[np.ndarray]) -> None:
+    """Raise what packing ``header`` with ``tensors`` raises, or unpacking
+    the header again (nesting the other side cannot unpack)."""
+    head = messages.frames_in_order(header, tensors)[0]
+    msgpack.unpackb(memoryview(head)[4:])
+
+
+def tensor_count(section: str, entry: Any) -> int:
+    """How many of a message's tensors belong to ``entry`` of ``section``
+    (the formats in this module's docstring)."""
+    if section == "infer":
+        if type(entry[0]) is list:  # a run: one item of ``names`` a request
+            return len(entry[0]) * len(entry[6])
+        return len(entry[7]) * int(entry[8])
+    if section == "replies":
+        if type(entry[0]) is list:  # a run: one plain item of ``names`` a request
+            return len(entry[0]) * len(entry[1])
+        names = entry[1]
+        return 0 if names is None else sum(len(item) for item in names)
+    return 0
+
+
+def check_crossable(parameters: Mapping[str, Any], priority: Any = None) -> None:
+    """``InvalidInput`` naming the first of a request's values that cannot
+    cross to the scheduler process: one msgpack cannot pack, or nested too
+    deep for the other side to unpack where it sits in a message. What a
+    front end forwards unchecked (an ensemble's parameters and priority;
+    its steps check their own) is checked here, at admission, so it is its
+    caller's 400, not a failure of the message it would travel in."""
+    fields = [("priority", priority), *parameters.items()]
+    for name, value in fields:
+        try:
+            # As deep as a message holds it: header, "infer", entry, parameters.
+            msgpack.unpackb(msgpack.packb([[[[value]]]]))
+        except Exception as exc:  # noqa: BLE001 - whatever msgpack refuses, named
+            raise InvalidInput(
+                f"parameters.{name} cannot be passed on to the model: {_why(exc)}"
+            ) from None
+
+
+def callers(entry: list[Any]) -> list[tuple[int, str]]:
+    """(rid, request id) of each request an "infer" entry (or run) stands for."""
+    if type(entry[0]) is list:
+        return list(zip(entry[0], entry[7]))
+    return [(entry[0], entry[10])]
+
+
+def unsendable_error(entry: list[Any], exc: Exception) -> TensorServeError:
+    """What the callers of an "infer" entry that cannot be packed are
+    answered: their own value, named (a 400), when it is one; else the
+    server's fault."""
+    if type(entry[0]) is not list:
+        try:
+            check_crossable(entry[6] or {}, entry[5])
+        except InvalidInput as invalid:
+            return invalid
+    return TensorServeError(f"internal error: the request could not be passed on: {exc!r}")
+
+
+def _why(exc: Exception) -> str:
+    """msgpack's refusal in a caller's words."""
+    if isinstance(exc, OverflowError):
+        return "an integer outside the 64-bit range"
+    if isinstance(exc, UnicodeError):
+        return "a string that is not valid Unicode"
+    if isinstance(exc, msgpack.exceptions.StackError) or "recursion" in str(exc):
+        return "nested too deeply"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def in_runs(requests: list[Any]) -> list[Any]:

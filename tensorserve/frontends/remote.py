@@ -10,8 +10,11 @@ scheduler process trusts them. Its caller's deadline is kept here, as
 ``Batcher.infer_many`` keeps it in one process: a caller that times out or
 leaves is answered here at once, and its items are withdrawn there.
 
-If the scheduler process dies the front end cannot serve: it exits at once
-(the supervisor is gone too; the platform restarts the pod).
+If the scheduler process dies, or the link to it breaks (a message that
+cannot be read), the front end cannot serve: it answers every request it
+holds with a 503 at once, refuses new ones, and exits once they are written
+(``EXIT_GRACE_S`` at most): the supervisor starts another in its place (if
+the scheduler process died, the platform restarts the pod).
 """
 
 from __future__ import annotations
@@ -28,9 +31,17 @@ from typing import Any
 import numpy as np
 
 from tensorserve.dataplane.lag import LoopLag
-from tensorserve.dataplane.logs import REQUEST_ID
-from tensorserve.errors import DeadlineExceeded, ModelNotReady, WouldMissTarget
-from tensorserve.frontends.protocol import Outbox, error_from, in_runs, split_items
+from tensorserve.dataplane.logs import REQUEST_ID, logged_as
+from tensorserve.errors import DeadlineExceeded, InvalidInput, ModelNotReady, WouldMissTarget
+from tensorserve.frontends.protocol import (
+    Outbox,
+    callers,
+    check_crossable,
+    error_from,
+    in_runs,
+    split_items,
+    unsendable_error,
+)
 from tensorserve.frontends.report import REPORT_S, FrontEndMetrics
 from tensorserve.ipc import messages
 from tensorserve.ipc.link import Link
@@ -45,6 +56,11 @@ log = logging.getLogger(__name__)
 
 # The exit status of a front end whose scheduler process has gone.
 EXIT_SCHEDULER_GONE = 3
+# How long a front end that lost its scheduler process waits for the 503s it
+# answered to be written before it exits; and after the last is answered
+# (its count drops before aiohttp writes the response).
+EXIT_GRACE_S = 2.0
+EXIT_WRITE_S = 0.2
 
 
 class RemoteModel:
@@ -88,10 +104,13 @@ class RemoteModel:
         rows = [validate_item(item, config.input, i, bytes_limits) for i, item in enumerate(items)]
         if self.ensemble:  # its steps validate their own: it takes the request's own values
             level, values = priority, dict(parameters or {})
+            check_crossable(values, level)  # but each must cross to them: else its 400
         else:
             level = priority_level(priority, config.dynamic_batching, self.name)
             specs = config.request_parameter
             values = validate_parameters(parameters, specs, self.name) if specs else {}
+            if values:  # (a string may hold a lone surrogate, which cannot cross)
+                check_crossable(values)
         return await self.scheduler.infer(self, rows, timeout, level, values)
 
 
@@ -123,6 +142,7 @@ class Scheduler:
         self._outbox: Outbox | None = None
         self._reporting: asyncio.TimerHandle | None = None
         self.table_received = asyncio.Event()
+        self.gone = False  # the link to the scheduler process broke: nothing more is sent
         # The current request span's traceparent, when tracing is on: the
         # scheduler process's batch spans join the request's trace.
         self.traceparent: Callable[[], str | None] | None = None
@@ -135,7 +155,7 @@ class Scheduler:
             return
         loop = asyncio.get_running_loop()
         self._link = Link(self.sock, loop, self._message, self._gone, many=True)
-        self._outbox = Outbox(loop, self._link.send, self._add_report)
+        self._outbox = Outbox(loop, self._link.send, self._add_report, self._unsendable)
         self.loop_lag.start()
         self._report()
 
@@ -150,12 +170,28 @@ class Scheduler:
             self._link.close()
 
     def _gone(self) -> None:
+        """The link broke: every caller waiting is answered (503), new ones
+        are refused, and the process exits once the answers are written."""
         log.critical("the scheduler process has gone: this front end cannot serve, exiting")
-        logging.shutdown()
-        os._exit(EXIT_SCHEDULER_GONE)
+        self.gone = True
+        waiting = [*self._waiting.values(), *self._asked.values()]
+        self._waiting.clear()
+        for answer in waiting:
+            if not answer.done():
+                answer.set_exception(_lost())
+        loop = asyncio.get_running_loop()
+        self._exit_when_answered(loop, loop.time() + EXIT_GRACE_S)
+
+    def _exit_when_answered(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        if self.metrics.requests.in_flight.value > 0 and loop.time() < deadline:
+            loop.call_later(0.05, self._exit_when_answered, loop, deadline)
+            return
+        loop.call_later(EXIT_WRITE_S, _exit_now)
 
     # -- lookups (the data plane's ModelLookup) ---------------------------------
     def ready_model(self, name: str, version: str | None = None) -> RemoteModel:
+        if self.gone:
+            raise _lost()
         if not self.table_received.is_set():
             self.connect()
             raise ModelNotReady(f"model {name!r} is not ready: the server is starting")
@@ -167,6 +203,8 @@ class Scheduler:
         """The scheduler process's ``dataplane/models.py`` answer."""
         self.connect()
         assert self._outbox is not None
+        if self.gone:
+            raise _lost()
         aid = next(self._ids)
         answer = self._outbox.loop.create_future()
         self._asked[aid] = answer
@@ -188,6 +226,8 @@ class Scheduler:
         assert outbox is not None
         if not rows:  # nothing to ask for (the codecs refuse an empty request first)
             return []
+        if self.gone:
+            raise _lost()
         loop = outbox.loop
         rid = next(self._ids)
         names = list(rows[0])
@@ -225,6 +265,28 @@ class Scheduler:
                 timer.cancel()
             if self._waiting.pop(rid, None) is not None:  # timed out, or the caller left
                 outbox.add("cancel", rid)
+
+    def _unsendable(self, section: str, entry: Any, exc: Exception) -> list[Any]:
+        """An entry the outbox could not pack (``Outbox._sendable``): its
+        callers are answered here, the rest of the message goes on. Admission
+        refuses what it can foresee (``check_crossable``); what still gets
+        here fails its own request only."""
+        if section == "infer":
+            error = unsendable_error(entry, exc)
+            for rid, request_id in callers(entry):
+                with logged_as(request_id):
+                    log.error("request %d could not be sent: %s", rid, error.message)
+                answer = self._waiting.pop(rid, None)  # popped: no cancel will follow
+                if answer is not None and not answer.done():
+                    answer.set_exception(error)
+        elif section == "ask":
+            log.error("a question (%r) could not be sent: %r", entry[1], exc)
+            asked = self._asked.get(entry[0])
+            if asked is not None and not asked.done():
+                asked.set_exception(InvalidInput(f"the request cannot be passed on: {exc}"))
+        else:
+            log.error("a %r entry could not be sent, dropped: %r", section, exc)
+        return []
 
     # -- in ----------------------------------------------------------------------
     def _message(self, message: messages.InOrder) -> None:
@@ -302,6 +364,15 @@ class Scheduler:
         assert self._outbox is not None
         self._outbox.put("report", {"cpu": cpu_seconds(), "lag": self.loop_lag.seconds})
         self._reporting = self._outbox.loop.call_later(REPORT_S, self._report)
+
+
+def _lost() -> ModelNotReady:
+    return ModelNotReady("this front end lost its link to the scheduler process: retry the request")
+
+
+def _exit_now() -> None:
+    logging.shutdown()
+    os._exit(EXIT_SCHEDULER_GONE)
 
 
 def _time_out(answer: asyncio.Future[Any], name: str, timeout: float) -> None:

@@ -29,7 +29,8 @@ from typing import Any
 
 from tensorserve.dataplane import logs
 from tensorserve.dataplane.assembly import build_plane, models_served
-from tensorserve.frontends.hub import SILENT_S, FrontEndHub
+from tensorserve.frontends.hub import FrontEndHub
+from tensorserve.frontends.liveness import Stuck
 from tensorserve.frontends.process import SETTINGS_ENV
 from tensorserve.host import available_cpus
 from tensorserve.http.server import CLOSE_TIMEOUT_S, cannot_listen, check_repository, tune_process
@@ -221,17 +222,18 @@ class Fleet:
         while running := [p for p in self.processes.values() if p.returncode is None]:
             await asyncio.gather(*(p.wait() for p in running))
 
-    def _silent(self, pid: int) -> None:
+    def _silent(self, pid: int, stuck: Stuck) -> None:
         for index, process in self.processes.items():
             if process.pid == pid and process.returncode is None and not self._stopping:
                 if pid in self._killed:
                     return  # killed already; its socket closes as it goes
                 self._killed.add(pid)
                 log.error(
-                    "front end %d (pid %d) has sent nothing for %.0f s: killing it",
+                    "front end %d (pid %d) has sent nothing for %.0f s: killing it (%s)",
                     index,
                     pid,
-                    SILENT_S,
+                    stuck.for_s,
+                    stuck.why,
                 )
                 process.kill()
 

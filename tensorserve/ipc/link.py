@@ -141,6 +141,14 @@ class Link:
             except (EOFError, OSError):
                 self._broken()
                 return
+            except Exception:
+                # Corrupt (bad msgpack, an unknown dtype, a malformed spec):
+                # where the next message starts is unknown, so nothing after
+                # it can be trusted either. Broken, as if the other end had
+                # died: its requests are answered and its process replaced.
+                log.exception("a message from the other process cannot be read: link broken")
+                self._broken()
+                return
             if read is None:
                 return
             if self._reader is None:

@@ -211,7 +211,10 @@ class StreamReader:
                 start = _LENGTH.size + _checked(length)
                 if len(pending) < start:
                     break
-                header, sizes = _header(memoryview(pending)[_LENGTH.size : start])
+                # Released even if the header is corrupt: a view left exporting
+                # ``pending`` would make every later read fail (it cannot grow).
+                with memoryview(pending) as whole, whole[_LENGTH.size : start] as raw:
+                    header, sizes = _header(raw)
                 self._head = (header, sizes, start, start + sum(sizes))
             header, sizes, start, end = self._head
             if len(pending) < end:
@@ -244,16 +247,25 @@ def _numpy(name: str) -> tuple[np.dtype[Any], int]:
 
 
 def _header(raw: bytearray | memoryview) -> tuple[dict[str, Any], list[int]]:
-    """The decoded header and the byte size of each tensor (or run) it announces."""
+    """The decoded header and the byte size of each tensor (or run) it
+    announces. A negative size or axis would read the next message's bytes
+    as this one's (the stream desynchronised for good): ``ConnectionError``."""
     header = msgpack.unpackb(raw)
     sizes = []
     for spec in header["tensors"]:
+        shape = spec[2]
         if spec[1] == "bytes":
-            sizes.append(spec[3])
+            size = spec[3]
         elif len(spec) == 4:  # a run: its first axes, then the shape they share
-            sizes.append(sum(spec[3]) * math.prod(spec[2]) * _numpy(spec[1])[1])
+            lengths = spec[3]
+            if lengths and min(lengths) < 0:
+                raise ConnectionError(f"a run of tensors of negative length {lengths}")
+            size = sum(lengths) * math.prod(shape) * _numpy(spec[1])[1]
         else:
-            sizes.append(math.prod(spec[2]) * _numpy(spec[1])[1])
+            size = math.prod(shape) * _numpy(spec[1])[1]
+        if size < 0 or (shape and min(shape) < 0):
+            raise ConnectionError(f"tensor {spec[0]!r} of shape {shape}: the stream is corrupt")
+        sizes.append(size)
     return header, sizes
 
 

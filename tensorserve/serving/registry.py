@@ -151,6 +151,8 @@ class ModelRegistry:
 
     async def load(self, name: str) -> ModelEntry:
         """Load (or reload) a model; on failure it is FAILED with the reason."""
+        if name not in self.entries:
+            self._rescan()  # a folder added since: its entry (and its lock) now
         async with self._lock(name):
             sources = self._rescan()
             if name not in sources:
@@ -247,6 +249,7 @@ class ModelRegistry:
             entry.state, entry.reason = ModelState.FAILED, f"batcher failed: {exc!r}"
 
     async def unload(self, name: str) -> None:
+        self.get(name)  # an unknown name: ModelNotFound, before any lock is made for it
         async with self._lock(name):
             entry = self.get(name)
             served, entry.served = entry.served, None
@@ -272,7 +275,16 @@ class ModelRegistry:
         )
 
     def _lock(self, name: str) -> asyncio.Lock:
-        return self._locks.setdefault(name, asyncio.Lock())
+        """The lock of a model this registry knows (a folder of the
+        repository, seen by a scan); ``ModelNotFound`` for any other name,
+        with nothing made for it: names asked for by callers must not grow
+        this without bound."""
+        lock = self._locks.get(name)
+        if lock is None:
+            if name not in self.entries:
+                raise ModelNotFound(f"no model {name!r} in the repository")
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
 
 
 def _is_ensemble(folder: Path) -> bool:
