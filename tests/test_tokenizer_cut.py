@@ -40,7 +40,7 @@ MAX_LENGTHS = [3, 4, 9, 40, 512]
 # (Kelvin sign, ligature, "≠" = "=" + U+0338), punctuation, CJK, and words
 # either side of WordPiece's 100-character limit.
 FRAGMENTS = [
-    "word", "mask", "Hello", "café", "naïve", "e\u0301", "\u0301", "\x00", "\x0b", "\x1c", "\ufffd", "\u200d",
+    "word", "mask", "привет", "Ωμέγα", "Hello", "café", "naïve", "e\u0301", "\u0301", "\x00", "\x0b", "\x1c", "\ufffd", "\u200d",
     "中文", "字", "ｶ", "-", ",", "'", "[MASK]", "[mask]", "...", "≠", "=\u0338", "ﬁ", "\u212a", "ΑΣ",
     " ", "  ", "\t", "\n", "\r\n", " " * 300, "\u3000", "\xa0", "1234",
     "a" * 99, "b" * 100, "c" * 101, "Zy" * 75, "x" * 3000,
@@ -171,17 +171,41 @@ def test_a_mebibyte_text_is_encoded_from_a_small_part_of_it(name: str) -> None:
     assert len(bounded) <= most, len(bounded)
 
 
+@pytest.mark.parametrize("max_length", MAX_LENGTHS)
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_each_prefix_encodes_to_the_first_tokens_of_the_whole_text(
+    tokenizer: Tokenizer, max_length: int, data: st.DataObject
+) -> None:
+    rule = MODEL.cut_rule(_truncated(tokenizer, max_length))
+    assert rule is not None
+    tokenizer.no_truncation()
+    pieces = data.draw(st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=60))
+    text = rule.bound("".join(pieces))
+    whole = tokenizer.encode(text, add_special_tokens=False).ids
+    prefixes = list(rule.prefixes(text, data.draw(st.integers(1, 50))))
+    assert prefixes[-1] == text
+    for prefix in prefixes:
+        ids = tokenizer.encode(prefix, add_special_tokens=False).ids
+        assert ids == whole[: len(ids)], (prefix, text)
+
+
 def test_the_model_bounds_each_text_and_answers_as_the_whole_text_would() -> None:
     model = MODEL.Model(max_length=64)
     assert model.cut is not None  # the bundled tokenizer's kinds are all supported
     texts = ["Hello world", "", "word " * 300_000, "a" * 300_000, " " * 300_000, "café naïve 中文"]
+    texts += ["привет мир " * 100_000, "Ωμέγα" * 100]  # words bound does not count
+    # Its first prefix (1,024 characters and on to a space) makes 41 tokens, not 62:
+    # the model must go on to the next prefix (4,096 characters and on).
+    texts += ["ж" * 864 + " мир" * 100_000]
     rows = np.array([[t.encode()] for t in texts], dtype=object)
     reference = _truncated(_bundled(), 64)
-    calls: list[list[str]] = []
-    real_encode_batch = model.tokenizer.encode_batch
-    model.tokenizer = _Spy(real_encode_batch, calls)
+    calls: list[str] = []
+    model.tokenizer = _Spy(model.tokenizer, calls)
     out = model(rows)
-    assert max(len(t) for t in calls[0]) <= 8 * 64
+    assert max(len(t) for t in calls) <= 4 * 16 * 64 + 4  # no more than a second prefix
     for text, ids, mask in zip(texts, out["input_ids"], out["attention_mask"], strict=True):
         expected = reference.encode(text)
         assert ids.tolist() == expected.ids
@@ -189,12 +213,18 @@ def test_the_model_bounds_each_text_and_answers_as_the_whole_text_would() -> Non
 
 
 class _Spy:
-    def __init__(self, encode_batch: Callable[[list[str]], Any], calls: list[list[str]]) -> None:
-        self._encode_batch, self._calls = encode_batch, calls
+    """Records every text the model encodes."""
+
+    def __init__(self, tokenizer: Tokenizer, calls: list[str]) -> None:
+        self._tokenizer, self._calls = tokenizer, calls
 
     def encode_batch(self, texts: list[str]) -> Any:
-        self._calls.append(texts)
-        return self._encode_batch(texts)
+        self._calls.extend(texts)
+        return self._tokenizer.encode_batch(texts)
+
+    def encode(self, text: str) -> Any:
+        self._calls.append(text)
+        return self._tokenizer.encode(text)
 
 
 def _tokenizer_with(change: Callable[[Tokenizer], None]) -> Tokenizer:

@@ -9,14 +9,17 @@ Texts may be up to 1 MiB, but only the first ``max_length`` tokens are kept,
 so each text is first bounded by ``CutRule.bound``: cut after enough
 token-bearing units, runs of whitespace made one space, and (WordPiece) an
 over-long word shortened, all only where the ids and mask provably stay the
-same. Encoding a 1 MiB text whole costs hundreds of MB and holds up every
-other text caller.
+same; a text still long (words it does not count, such as Cyrillic) is then
+encoded from ever longer prefixes cut at whitespace until one fills
+``max_length``. Encoding a 1 MiB text whole took about 100 MB and over a
+second; eight of them held up every other text caller for seconds.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,11 @@ _PUNCTUATION = r"!-/:-@\[-`{-~"  # ASCII punctuation: a piece of its own to Bert
 # (the block is NFKD-stable and has no case; its neighbours are left out, unverified).
 _CJK = "\u4e00-\u9fff"
 _SPACES = re.compile(f"[{_WHITESPACE}]{{2,}}")
+_NEXT_SPACE = re.compile(f"[{_WHITESPACE}]")
+# A bounded text longer than this many characters per kept token is encoded a
+# prefix at a time: ordinary text has 4 to 6, so only the texts bound could not
+# shorten pay for more than one encoding.
+_CHARACTERS_PER_TOKEN = 16
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,23 @@ class CutRule:
         if self.long_word is not None:
             kept = self.long_word.sub(r"\1\2", kept)
         return kept
+
+    def prefixes(self, text: str, first: int) -> Iterator[str]:
+        """Ever longer prefixes of ``text``, each cut before ASCII whitespace and
+        the first at least ``first`` characters long, then ``text`` itself.
+
+        For a text ``bound`` leaves long (words it does not count: Cyrillic,
+        Arabic, accents only): each prefix's tokens are the text's first tokens
+        (the cut is on a boundary, as in ``bound``), so the first prefix that
+        fills ``max_length`` encodes to the text's own ids and mask."""
+        length = first
+        while length < len(text):
+            cut = _NEXT_SPACE.search(text, length)
+            if cut is None:
+                break
+            yield text[: cut.start()]
+            length = 4 * cut.start()
+        yield text
 
 
 def cut_rule(tokenizer: Tokenizer) -> CutRule | None:
@@ -192,17 +217,35 @@ class Model(torch.nn.Module):
         super().__init__()
         self.tokenizer = Tokenizer.from_file(str(VOCABULARY))
         self.tokenizer.enable_truncation(max_length)  # [CLS] and [SEP] included
+        self.max_length = max_length
         self.cut = cut_rule(self.tokenizer)
 
     def forward(self, TEXT: np.ndarray) -> dict[str, list[torch.Tensor]]:
         # TEXT: [batch, 1] bytes, UTF-8 (the input's utf8 = true checked it).
         texts = [row[0].decode("utf-8") for row in TEXT]
-        if self.cut is not None:
-            texts = [self.cut.bound(text) for text in texts]
-        encodings = self.tokenizer.encode_batch(texts)
+        if self.cut is None:
+            encodings = self.tokenizer.encode_batch(texts)
+        else:
+            encodings = self._encode_bounded([self.cut.bound(text) for text in texts])
         return {
             "input_ids": [torch.tensor(e.ids, dtype=torch.int64) for e in encodings],
             "attention_mask": [
                 torch.tensor(e.attention_mask, dtype=torch.int64) for e in encodings
             ],
         }
+
+    def _encode_bounded(self, texts: list[str]) -> list[Any]:
+        """One ``encode_batch`` for the texts ``bound`` made short; a text still
+        long is encoded from its ``prefixes`` until one fills ``max_length``."""
+        assert self.cut is not None
+        long_after = _CHARACTERS_PER_TOKEN * self.max_length
+        encodings = self.tokenizer.encode_batch(
+            ["" if len(text) > long_after else text for text in texts]
+        )
+        for row, text in enumerate(texts):
+            if len(text) > long_after:
+                for prefix in self.cut.prefixes(text, long_after):
+                    encodings[row] = self.tokenizer.encode(prefix)
+                    if len(encodings[row].ids) == self.max_length:
+                        break  # the prefix made at least as many tokens as are kept
+        return encodings
