@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -470,4 +472,8 @@ def test_every_caller_is_answered_exactly_once(
         assert (
             float(h.model.infer_sync({"x": np.full((2, 4), 42.0, np.float32)})["y"][0, 0]) == 84.0
         )
+    if record := os.environ.get("FAULT_MATRIX_STALLS"):  # benchmarks/fault_matrix.py reads it
+        with open(record, "a") as out:
+            out.write(json.dumps({"executor": executor, "fault": fault, "way": way,
+                                  "stall_ms": round(1000 * h.stall_s, 2)}) + "\n")  # fmt: skip
     assert h.stall_s < STALL_BOUND_S, f"the scheduler's loop stalled {h.stall_s:.3f} s"
