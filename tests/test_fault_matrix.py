@@ -8,9 +8,9 @@ loop's longest stall (under a generous 1 s; ``benchmarks/fault_matrix.py``
 measures it against the 100 ms goal).
 
 Ways in: ``infer_many`` on an event loop, ``submit_many`` without and with a
-timeout (a thread's caller: concurrent futures, no timer of their own). The
-front ends' way (``submit_into``) is covered against a real server in
-tests/test_faults_server.py and tests/test_frontends.py.
+timeout (a thread's caller: concurrent futures, no timer of their own), and
+a front end's request (``submit_into``: a real server with ``--frontends 2``
+and callers over HTTP, for the faults a caller can bring there).
 
 Executors: a forward in a thread, a fake of CUDA's two batches in flight (a
 thread executor that ``overlaps``: a second batch is handed over behind a
@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -48,7 +50,8 @@ from tensorserve.errors import (
 )
 from tensorserve.repository.config import parse_config
 from tensorserve.runtime.executor import ThreadExecutor
-from tests.helpers import write_toy_model
+from tests.conftest import ServerProcess
+from tests.helpers import MSGPACK, body, write_toy_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -477,3 +480,94 @@ def test_every_caller_is_answered_exactly_once(
             out.write(json.dumps({"executor": executor, "fault": fault, "way": way,
                                   "stall_ms": round(1000 * h.stall_s, 2)}) + "\n")  # fmt: skip
     assert h.stall_s < STALL_BOUND_S, f"the scheduler's loop stalled {h.stall_s:.3f} s"
+
+
+# ---------------------------------------------------------------------- a front end's callers
+FRONT_END_FAULTS = ("raise", "oom", "hang", "sigkill", "sigrtmin1", "deadline")
+
+
+@pytest.fixture(scope="module")
+def front_end_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
+    """A real server, ``--frontends 2``, serving the faulty model in worker
+    processes with a 400 ms watchdog: callers over HTTP reach it through a
+    front end's ``submit_into``."""
+    repo = tmp_path_factory.mktemp("matrix")
+    write_toy_model(repo, "faulty", MODEL_PY, **CONFIG, isolation="process",
+                    dynamic_batching=BATCHING, faults={"watchdog_ms": WATCHDOG_MS})  # fmt: skip
+    env = {**os.environ, "FAULT_LOG": str(repo / "forwards.log"), "FAULT_GATE": str(repo / "gate")}
+    server = ServerProcess(repo, "--frontends", "2", env=env, log=repo / "server.log")
+    yield server, repo
+    server.stop()
+
+
+def _post(url: str, value: float, answers: list[Answer], timeout_ms: float | None = None) -> None:
+    extra = {"parameters": {"timeout_ms": timeout_ms}} if timeout_ms else {}
+    answer = Answer(value)
+    answers.append(answer)
+    reply = httpx.post(f"{url}/v2/models/faulty/infer", headers=MSGPACK, timeout=60,
+                       content=body([{"x": np.full((3, 4), value, np.float32)}], **extra))  # fmt: skip
+    decoded = msgpack.unpackb(reply.content)
+    if reply.status_code == 200:
+        data = decoded["outputs"][0]["y"]
+        answer.result = float(np.frombuffer(data["data"], data["dtype"])[0])
+    else:
+        answer.result = (reply.status_code, decoded["code"], decoded["error"])
+    answer.at = time.monotonic()
+
+
+@pytest.mark.parametrize("fault", FRONT_END_FAULTS)
+def test_a_front_ends_callers_are_answered_exactly_once(
+    fault: str, front_end_server: tuple[Any, Path]
+) -> None:
+    server, repo = front_end_server
+    log, gate = repo / "forwards.log", repo / "gate"
+    answers: list[Answer] = []
+    bad = {"raise": 13.0, "oom": 21.0, "hang": 99.0, "sigkill": 7.0, "sigrtmin1": 35.0}
+    callers = []
+    if fault == "deadline":
+        gate.touch()
+        callers.append(threading.Thread(target=_post, args=(server.url, 99.0, answers)))
+        callers[0].start()
+        harness = Harness(None, log, gate, "front end")  # type: ignore[arg-type]
+        harness.wait_running(99.0)
+        late = threading.Thread(target=_post, args=(server.url, 4.0, answers, 50.0))
+        late.start()
+        late.join(ANSWER_WITHIN_S)  # its own deadline answers it while the instance is busy
+        gate.unlink()
+        callers[0].join(ANSWER_WITHIN_S)
+        by_value = {a.value: a.result for a in answers}
+        assert by_value[99.0] == 198.0
+        assert by_value[4.0][:2] == (504, "deadline_exceeded")
+        assert not any(4.0 in values for _, values in harness.forwards()), "a late row ran"
+        return
+    if fault == "hang":
+        gate.touch()
+    for value in [bad[fault], *GOOD]:
+        callers.append(threading.Thread(target=_post, args=(server.url, value, answers)))
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(ANSWER_WITHIN_S)
+    gate.unlink(missing_ok=True)
+    assert len(answers) == 4 and all(answer.at for answer in answers)
+    by_value = {a.value: a.result for a in answers}
+    for value in GOOD:
+        assert by_value[value] == 2 * value, (value, by_value[value])
+    status, code, message = by_value[bad[fault]]
+    expected = {
+        "raise": (500, "model_failure", "poison value 13 in batch"),
+        "oom": (413, "out_of_memory", "does not fit in memory even alone"),
+        "hang": (500, "model_failure", "alone ran longer than the watchdog allows"),
+        "sigkill": (500, "model_failure", "crashed the model's worker process"),
+        "sigrtmin1": (500, "model_failure", "crashed the model's worker process"),
+    }[fault]
+    assert (status, code) == expected[:2] and expected[2] in message, (status, code, message)
+    runs = Harness(None, log, gate, "front end").forwards()  # type: ignore[arg-type]
+    for answer in answers:
+        again = [at for at, values in runs if answer.value in values and at > answer.at]
+        assert not again, f"row {answer.value} ran again after its answer"
+    deadline = time.monotonic() + ANSWER_WITHIN_S
+    while httpx.get(f"{server.url}/v2/models/faulty/ready").status_code != 200:
+        assert time.monotonic() < deadline, "the model never became ready again"
+        time.sleep(0.01)
+    log.unlink(missing_ok=True)  # the next cell's rows reuse the same values
