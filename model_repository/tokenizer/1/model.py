@@ -147,10 +147,12 @@ class CutRule:
         """Ever longer prefixes of ``text``, each cut before ASCII whitespace and
         the first at least ``first`` characters long, then ``text`` itself.
 
-        For a text ``bound`` leaves long (words it does not count: Cyrillic,
-        Arabic, accents only): each prefix's tokens are the text's first tokens
-        (the cut is on a boundary, as in ``bound``), so the first prefix that
-        fills ``max_length`` encodes to the text's own ids and mask."""
+        For a text ``bound`` leaves long (characters it does not count: past
+        the Basic Multilingual Plane, such as emoji; runs of only vanishing
+        characters; with other pre-tokenizers, words of no ASCII character):
+        each prefix's tokens are the text's first tokens (the cut is on a
+        boundary, as in ``bound``), so the first prefix that fills
+        ``max_length`` encodes to the text's own ids and mask."""
         length = first
         while length < len(text):
             cut = _NEXT_SPACE.search(text, length)
