@@ -61,7 +61,20 @@ LONG_WORDS = {
     "with vanishing controls": "ж\x00ω\u200d\ufeff",
 }
 WORD_LENGTHS = [19, 20, 21, 22, 50, 99, 100, 101, 102, 5000]
-SEPARATORS = ["", " ", "«", "»", "\u3000", "\xa0", "中", "\u0301", "😀", "-"]
+SEPARATORS = [
+    "",
+    " ",
+    "«",
+    "»",
+    "\u3000",
+    "\xa0",
+    "中",
+    "\U00020000",
+    "\u0301",
+    "😀",
+    "\U00010000",
+    "-",
+]
 CORPUS = [
     "The tagger reads a sentence and gives each token nine scores.",
     "Hello world, café naïve über. 中文字 - word, words; wordy!",
@@ -227,6 +240,8 @@ MEBIBYTE_TEXTS = {
     "cyrillic words": ("привет мир " * (1 << 16), 11 * 510),
     "words in guillemets": ("«слово»\u3000" * (1 << 17), 8 * 510),
     "words between no-break spaces": ("Ωμέγα\xa0" * (1 << 17), 6 * 510),
+    "one emoji word": ("😀" * (1 << 18), 101),
+    "cjk extension b": ("\U00020000" * (1 << 18), 510),
 }
 
 
@@ -266,10 +281,10 @@ def test_the_model_bounds_each_text_and_answers_as_the_whole_text_would() -> Non
     assert model.cut is not None  # the bundled tokenizer's kinds are all supported
     texts = ["Hello world", "", "word " * 300_000, "a" * 300_000, " " * 300_000, "café naïve 中文"]
     texts += ["привет мир " * 100_000, "Ωμέγα" * 100, "ωμεγαλφα" * (5 << 17)]
-    # Emoji are past the Basic Multilingual Plane, so bound does not count them. Its
-    # first prefix (1,024 characters and on to a space) makes 13 tokens, not 62: the
-    # model must go on to the next prefix (4,096 characters and on).
-    texts += ["😀" * 1000 + " 😀" * 100_000]
+    # Linear B is in short ranges past the Basic Multilingual Plane: bound does not
+    # count it. Its first prefix (1,024 characters and on to a space) makes 13 tokens,
+    # not 62: the model must go on to the next prefix (4,096 characters and on).
+    texts += ["\U00010000" * 1000 + " \U00010000" * 100_000]
     rows = np.array([[t.encode()] for t in texts], dtype=object)
     reference = _truncated(_bundled(), 64)
     calls: list[str] = []
@@ -352,9 +367,10 @@ def test_what_the_rule_assumes_of_the_bundled_tokenizer_holds() -> None:
 
 
 def test_the_classes_learnt_from_the_bundled_tokenizer() -> None:
-    """Each character lands in the class its normalised image says; those past
-    the Basic Multilingual Plane in none; and no combining mark is split on
-    (NFD moves only those, so it never moves a character that splits)."""
+    """Each character lands in the class its normalised image says (emoji and
+    CJK extension B too), rare ones past the Basic Multilingual Plane in none;
+    and no combining mark is split on (NFD moves only those, so it never moves
+    a character that splits)."""
     tokenizer = _bundled()
     characters = MODEL.learn_characters(tokenizer)
     classes = {
@@ -362,11 +378,11 @@ def test_the_classes_learnt_from_the_bundled_tokenizer() -> None:
         for name in ("word", "vanishing", "spacing", "isolated")
     }
     expected = {
-        "word": "aZ9ωΩΈжЖéあカ\u212a",
+        "word": "aZ9ωΩΈжЖéあカ\u212a😀",
         "vanishing": "\x00\x0b\u0301\u200d\ufeff\ufffd",
         "spacing": " \t\n\r\u3000\xa0\u2028",
-        "isolated": "!-~«»—·中\uf900",
-        "": "😀\U00020000",
+        "isolated": "!-~«»—·中\uf900\U00020000",
+        "": "\U00010000\U000e0041\U000f0000",  # Linear B, a tag, private use
     }
     for name, chars in expected.items():
         for char in chars:

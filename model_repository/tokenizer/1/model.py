@@ -9,21 +9,22 @@ Texts may be up to 1 MiB, but only the first ``max_length`` tokens are kept,
 so each text is first bounded by ``CutRule.bound``: cut after enough
 token-bearing units, runs of whitespace made one space, and (WordPiece) an
 over-long word shortened, all only where the ids and mask provably stay the
-same; a text still long (characters it does not count: past the Basic
-Multilingual Plane, or ones the normaliser may drop) is then encoded from
+same; a text still long (characters it does not count: ones the normaliser
+may drop, rare ones past the Basic Multilingual Plane) is then encoded from
 ever longer prefixes cut at whitespace until one fills ``max_length``.
 Encoding a 1 MiB text whole took about 100 MB and over a second; eight of
 them held up every other text caller for seconds.
 
 What each character is to the rule is learnt from the tokenizer itself, once
-per normaliser: every code point of the Basic Multilingual Plane is
-normalised and its image pre-tokenized (``learn_characters``, about 0.2 s).
+per normaliser: every assigned code point is normalised and its image
+pre-tokenized (``learn_characters``, about 0.5 s).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,12 +47,17 @@ _POST_PROCESSORS = {None, "TemplateProcessing", "BertProcessing"}
 _WHITESPACE = " \t\n\r"  # the ASCII whitespace every supported stage splits on and drops
 _SPACES = re.compile(f"[{_WHITESPACE}]{{2,}}")
 _NEXT_SPACE = re.compile(f"[{_WHITESPACE}]")
-# Only the Basic Multilingual Plane is classified: a set of its code points
-# compiles to one table, so the regex tests a character in constant time (code
-# points past it would be tried one range at a time). Those past it are never
-# counted nor shortened, which is always safe.
+# A regex set's code points of the Basic Multilingual Plane compile to one
+# table, tested in constant time; those past it are ranges, tried one by one
+# for each character the table does not hold. So past it only a class's ranges
+# of at least this many code points are kept (most emoji, the CJK extensions):
+# a character left out of every class is only not counted nor shortened, which
+# is always safe.
+_SHORTEST_ASTRAL_RANGE = 256
 _PLANE = 0x10000
-_SURROGATES = range(0xD800, 0xE000)  # never in a text decoded from UTF-8
+# Planes 0 to 3 are classified; past them are only tags, variation selectors
+# and private use, in ranges too short or unassigned.
+_CLASSIFIED = 0x40000
 # Joins single characters for one normaliser call: a starter (NFD never moves
 # a character across it) that each supported normaliser keeps as it is.
 _SEPARATOR = "|"
@@ -148,8 +154,9 @@ class CutRule:
         the first at least ``first`` characters long, then ``text`` itself.
 
         For a text ``bound`` leaves long (characters it does not count: past
-        the Basic Multilingual Plane, such as emoji; runs of only vanishing
-        characters; with other pre-tokenizers, words of no ASCII character):
+        the Basic Multilingual Plane in short runs of code points; runs of
+        only vanishing characters; with other pre-tokenizers, words of no
+        ASCII character):
         each prefix's tokens are the text's first tokens (the cut is on a
         boundary, as in ``bound``), so the first prefix that fills
         ``max_length`` encodes to the text's own ids and mask."""
@@ -233,12 +240,12 @@ def _long_word_pattern(characters: Characters, longest: int) -> str:
 
 def learn_characters(tokenizer: Tokenizer) -> Characters:
     """``Characters`` for this tokenizer's normaliser and ``BertPreTokenizer``
-    over the Basic Multilingual Plane: each character is normalised alone and
-    the characters of every image are pre-tokenized. Learnt once per
-    normaliser."""
+    over the assigned code points of planes 0 to 3: each character is
+    normalised alone and the characters of every image are pre-tokenized.
+    Learnt once per normaliser."""
     key = json.dumps(json.loads(tokenizer.to_str())["normalizer"], sort_keys=True)
     if key not in _LEARNT:
-        chars = [chr(c) for c in range(_PLANE) if c not in _SURROGATES]
+        chars = [chr(c) for c in range(_CLASSIFIED) if _assigned(chr(c))]
         images = _images(tokenizer, chars)
         dropped, isolated = _splitting(tokenizer, sorted(set("".join(images))))
         splitting = dropped | isolated
@@ -285,15 +292,26 @@ def _splitting(tokenizer: Tokenizer, chars: list[str]) -> tuple[set[str], set[st
     return dropped, isolated
 
 
+def _assigned(char: str) -> bool:
+    """Assigned, in Python's Unicode database, and not private nor a surrogate
+    (never in a text decoded from UTF-8): the others stay unclassified."""
+    return unicodedata.category(char) not in {"Cn", "Co", "Cs"}
+
+
 def _set_body(chars: Iterable[str]) -> str:
-    """A regex set's body matching exactly ``chars`` (in code point order)."""
+    """A regex set's body matching ``chars`` (in code point order), less the
+    short ranges past the Basic Multilingual Plane."""
     ranges: list[list[int]] = []
     for code in map(ord, chars):
         if ranges and ranges[-1][1] == code - 1:
             ranges[-1][1] = code
         else:
             ranges.append([code, code])
-    return "".join(f"\\u{low:04x}-\\u{high:04x}" for low, high in ranges)
+    return "".join(
+        f"\\U{low:08x}-\\U{high:08x}"
+        for low, high in ranges
+        if high < _PLANE or high - low + 1 >= _SHORTEST_ASTRAL_RANGE
+    )
 
 
 def _kinds(component: dict[str, Any] | None, members: str) -> set[str]:
