@@ -5,14 +5,17 @@ prefix of a few thousand characters.
 
 Checked for the bundled tokenizer and for tokenizers of each other supported
 kind built here, on random texts mixing words, punctuation, whitespace runs,
-accents and controls the normaliser drops, CJK, over-long words and added
-tokens; and each kind not proved is left uncut.
+accents and controls the normaliser drops, CJK, over-long words (ASCII and
+not: Greek, Cyrillic, accented, mixed scripts) and added tokens; and each
+kind not proved is left uncut.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
+import unicodedata
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -44,7 +47,34 @@ FRAGMENTS = [
     "中文", "字", "ｶ", "-", ",", "'", "[MASK]", "[mask]", "...", "≠", "=\u0338", "ﬁ", "\u212a", "ΑΣ",
     " ", "  ", "\t", "\n", "\r\n", " " * 300, "\u3000", "\xa0", "1234",
     "a" * 99, "b" * 100, "c" * 101, "Zy" * 75, "x" * 3000,
+    "«", "»", "—", "·", "\u2028",
 ]  # fmt: skip
+# Words that are not ASCII, at lengths either side of WordPiece's limits (20
+# for the tokenizers built here, 100 for the bundled one), in word characters.
+LONG_WORDS = {
+    "greek": "ωμεγαλφαβητ",
+    "greek capitals and accents": "ΩΜΈΓΑάέήί",
+    "cyrillic": "приветжизнь",
+    "combining marks": "e\u0301o\u0308\u0323",
+    "hiragana and katakana": "ひらがなカタカナ",
+    "mixed scripts": "aωж1éあ\u0301",
+    "with vanishing controls": "ж\x00ω\u200d\ufeff",
+}
+WORD_LENGTHS = [19, 20, 21, 22, 50, 99, 100, 101, 102, 5000]
+SEPARATORS = [
+    "",
+    " ",
+    "«",
+    "»",
+    "\u3000",
+    "\xa0",
+    "中",
+    "\U00020000",
+    "\u0301",
+    "😀",
+    "\U00010000",
+    "-",
+]
 CORPUS = [
     "The tagger reads a sentence and gives each token nine scores.",
     "Hello world, café naïve über. 中文字 - word, words; wordy!",
@@ -107,8 +137,27 @@ def _wordlevel_bert_with_specials() -> Tokenizer:
     return tokenizer
 
 
+def _wordpiece_bert(normalizer: normalizers.Normalizer) -> Tokenizer:
+    """BertPreTokenizer with no added tokens (so its classes are learnt) and
+    WordPiece's limit at 20, whose vocabulary holds every character of
+    ``LONG_WORDS`` (so a word of them is [UNK] only when it is too long)."""
+    vocab = _wordpiece_whitespace().get_vocab()
+    for char in set(normalizer.normalize_str("".join(LONG_WORDS.values()))):
+        vocab.setdefault(char, len(vocab))
+        vocab.setdefault("##" + char, len(vocab))
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=20))
+    tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return tokenizer
+
+
 TOKENIZERS: dict[str, Callable[[], Tokenizer]] = {
     "bundled": _bundled,
+    # Accents are word characters here (kept), vanishing ones there (stripped).
+    "wordpiece-bert-nfd-keeping-marks": lambda: _wordpiece_bert(
+        normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase()])
+    ),
+    "wordpiece-bert-normalizer": lambda: _wordpiece_bert(normalizers.BertNormalizer()),
     "wordpiece-whitespace": _wordpiece_whitespace,
     "bpe-whitespacesplit-specials": _bpe_with_specials,
     "wordlevel-bert-specials": _wordlevel_bert_with_specials,
@@ -143,9 +192,37 @@ def test_the_bounded_text_encodes_to_the_same_ids_and_mask(
     rule = MODEL.cut_rule(_truncated(tokenizer, max_length))
     assert rule is not None
     pieces = data.draw(
-        st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=4), max_size=3 * max_length)
+        st.lists(
+            st.sampled_from(FRAGMENTS) | st.text(max_size=4) | _long_words(),
+            max_size=3 * max_length,
+        )
     )
     _assert_same_encoding(tokenizer, rule, "".join(pieces))
+
+
+def _long_words() -> st.SearchStrategy[str]:
+    return st.builds(
+        _word_of, st.sampled_from(list(LONG_WORDS.values())), st.sampled_from(WORD_LENGTHS)
+    )
+
+
+def _word_of(letters: str, length: int) -> str:
+    """``letters`` repeated to ``length`` characters."""
+    return (letters * (length // len(letters) + 1))[:length]
+
+
+@pytest.mark.parametrize("max_length", [4, 512])
+@pytest.mark.parametrize("separator", SEPARATORS)
+@pytest.mark.parametrize("script", list(LONG_WORDS))
+def test_long_words_that_are_not_ascii_encode_to_the_same_ids_and_mask(
+    tokenizer: Tokenizer, script: str, separator: str, max_length: int
+) -> None:
+    rule = MODEL.cut_rule(_truncated(tokenizer, max_length))
+    assert rule is not None
+    for length in WORD_LENGTHS:
+        word = _word_of(LONG_WORDS[script], length)
+        _assert_same_encoding(tokenizer, rule, separator.join([word, word, "x", word]))
+        _assert_same_encoding(tokenizer, rule, word + separator + word[::-1] + separator)
 
 
 # Each text with the most characters its bounded text may keep (for 510 tokens):
@@ -158,6 +235,13 @@ MEBIBYTE_TEXTS = {
     "punctuation": ("x-" * (1 << 19), 510),
     "cjk": ("中文" * (1 << 18), 510),
     "huge words": (("a" * 5000 + " ") * 210, 102 * 210),
+    "one greek word of 2.5 MiB": ("ωμεγαλφα" * (5 << 17), 101),
+    "one word of greek and combining marks": ("ε\u0301" * (1 << 19), 201),
+    "cyrillic words": ("привет мир " * (1 << 16), 11 * 510),
+    "words in guillemets": ("«слово»\u3000" * (1 << 17), 8 * 510),
+    "words between no-break spaces": ("Ωμέγα\xa0" * (1 << 17), 6 * 510),
+    "one emoji word": ("😀" * (1 << 18), 101),
+    "cjk extension b": ("\U00020000" * (1 << 18), 510),
 }
 
 
@@ -196,10 +280,11 @@ def test_the_model_bounds_each_text_and_answers_as_the_whole_text_would() -> Non
     model = MODEL.Model(max_length=64)
     assert model.cut is not None  # the bundled tokenizer's kinds are all supported
     texts = ["Hello world", "", "word " * 300_000, "a" * 300_000, " " * 300_000, "café naïve 中文"]
-    texts += ["привет мир " * 100_000, "Ωμέγα" * 100]  # words bound does not count
-    # Its first prefix (1,024 characters and on to a space) makes 41 tokens, not 62:
-    # the model must go on to the next prefix (4,096 characters and on).
-    texts += ["ж" * 864 + " мир" * 100_000]
+    texts += ["привет мир " * 100_000, "Ωμέγα" * 100, "ωμεγαλφα" * (5 << 17)]
+    # Linear B is in short ranges past the Basic Multilingual Plane: bound does not
+    # count it. Its first prefix (1,024 characters and on to a space) makes 13 tokens,
+    # not 62: the model must go on to the next prefix (4,096 characters and on).
+    texts += ["\U00010000" * 1000 + " \U00010000" * 100_000]
     rows = np.array([[t.encode()] for t in texts], dtype=object)
     reference = _truncated(_bundled(), 64)
     calls: list[str] = []
@@ -279,3 +364,31 @@ def test_what_the_rule_assumes_of_the_bundled_tokenizer_holds() -> None:
     for space in " \t\n\r":
         assert [p for p, _ in pre_tokenize(normalize("a" + space + "b"))] == ["a", "b"]
     assert tokenizer.encode("a" * 101, add_special_tokens=False).tokens == ["[UNK]"]
+
+
+def test_the_classes_learnt_from_the_bundled_tokenizer() -> None:
+    """Each character lands in the class its normalised image says (emoji and
+    CJK extension B too), rare ones past the Basic Multilingual Plane in none;
+    and no combining mark is split on (NFD moves only those, so it never moves
+    a character that splits)."""
+    tokenizer = _bundled()
+    characters = MODEL.learn_characters(tokenizer)
+    classes = {
+        name: re.compile(f"[{getattr(characters, name)}]")
+        for name in ("word", "vanishing", "spacing", "isolated")
+    }
+    expected = {
+        "word": "aZ9ωΩΈжЖéあカ\u212a😀",
+        "vanishing": "\x00\x0b\u0301\u200d\ufeff\ufffd",
+        "spacing": " \t\n\r\u3000\xa0\u2028",
+        "isolated": "!-~«»—·中\uf900\U00020000",
+        "": "\U00010000\U000e0041\U000f0000",  # Linear B, a tag, private use
+    }
+    for name, chars in expected.items():
+        for char in chars:
+            found = [n for n, pattern in classes.items() if pattern.match(char)]
+            assert found == ([name] if name else []), (repr(char), found)
+    pre_tokenize = tokenizer.pre_tokenizer.pre_tokenize_str
+    for code in range(0x110000):
+        if unicodedata.combining(chr(code)):
+            assert len(pre_tokenize(f"a{chr(code)}a")) == 1, hex(code)
