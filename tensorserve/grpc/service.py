@@ -81,12 +81,14 @@ def _given_id(context: aio.ServicerContext) -> str | None:
     return None
 
 
-def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R | None]]:
     """Request id, failure -> status, metrics (``ModelInfer``), access log."""
     name = method.__name__
 
     @functools.wraps(method)
-    async def handle(self: InferenceService, request: Any, context: aio.ServicerContext) -> R:
+    async def handle(
+        self: InferenceService, request: Any, context: aio.ServicerContext
+    ) -> R | None:
         plane = self.plane
         in_flight = plane.metrics.requests.in_flight if name == INFER else None
         origin = (
@@ -112,9 +114,7 @@ def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
                 code, status = DISCONNECT, grpc.StatusCode.CANCELLED.name
                 plane.log_disconnect(f"gRPC {name}")
                 raise
-            except aio.AbortError:
-                raise
-            except Exception as exc:  # a tensorserve error, or a fault of the server
+            except Exception as exc:  # noqa: BLE001 - a tensorserve error, or a server fault: its status
                 failure = Failure(exc)
                 code, status = failure.code, failure.status.name
                 call.error_code = code
@@ -127,10 +127,15 @@ def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
                     exc,
                     is_server_fault(code, failure.http_status),
                 )
-                await context.abort(
-                    failure.status, failure.message, failure.trailing_metadata(call.request_id)
-                )
-                raise  # not reached: abort raises
+                # Set, not ``context.abort``: abort raises an AbortError that
+                # grpc keeps on the call's state, whose traceback holds this
+                # frame, the context and so the call's state again: a cycle
+                # that kept each refused request message (~45 MB for a 4 MiB
+                # one of a million strings) until a full gc pass (issue #52).
+                context.set_code(failure.status)
+                context.set_details(failure.message)
+                context.set_trailing_metadata(failure.trailing_metadata(call.request_id))
+                return None  # grpc sends no message for a status that is not OK
         finally:
             if in_flight is not None:
                 in_flight.dec()
