@@ -248,7 +248,7 @@ def pids(server: ServerProcess) -> set[int]:
 
 # ---------------------------------------------------------------------- one run
 def repository(folder: Path) -> Path:
-    write_xy_model(folder, "m", GOOD_MODEL, "max_batch_size = 8\n[warmup]\nenabled = false\n")
+    write_xy_model(folder, "m", GOOD_MODEL, "max_batch_size = 8\n")
     write_model(folder, "words", WORDS_CONFIG, WORDS_MODEL)
     shutil.copytree(ROOT / "model_repository" / "tokenizer", folder / "tokenizer")
     return folder
