@@ -24,6 +24,7 @@ import http.client
 import json
 import shutil
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -153,8 +154,13 @@ def send_http(port: int, model: str, body: bytes, headers: dict[str, str]) -> tu
     try:
         connection.request("POST", f"/v2/models/{model}/infer", body, headers)
         reply = connection.getresponse()
-        text = reply.read()[:300].decode("utf-8", "replace")
-        return str(reply.status), text
+        data = reply.read()
+        if reply.getheader("Content-Type", "").startswith("application/msgpack"):
+            try:
+                data = json.dumps(msgpack.unpackb(data), default=repr).encode()
+            except ValueError:
+                pass
+        return str(reply.status), data[:300].decode("utf-8", "replace")
     except OSError as exc:
         return type(exc).__name__, str(exc)
     finally:
@@ -247,10 +253,10 @@ def pids(server: ServerProcess) -> set[int]:
 
 
 # ---------------------------------------------------------------------- one run
-def repository(folder: Path) -> Path:
+def repository(folder: Path, tokenizer: Path) -> Path:
     write_xy_model(folder, "m", GOOD_MODEL, "max_batch_size = 8\n")
     write_model(folder, "words", WORDS_CONFIG, WORDS_MODEL)
-    shutil.copytree(ROOT / "model_repository" / "tokenizer", folder / "tokenizer")
+    shutil.copytree(tokenizer, folder / "tokenizer")
     return folder
 
 
@@ -299,16 +305,19 @@ def run_attack(server: ServerProcess, attack: Attack, repeats: int, callers: int
 
 
 def run_server(
-    frontends: int, attacks: list[Attack], repeats: int, callers: int, log: Path
+    frontends: int, attacks: list[Attack], args: argparse.Namespace, log: Path
 ) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="hostile-") as folder:
         server = ServerProcess(
-            str(repository(Path(folder))), ["--frontends", str(frontends)], log=log
+            str(repository(Path(folder), args.tokenizer)), ["--frontends", str(frontends)], log=log
         ).start()
         try:
             rows = []
             for attack in attacks:
-                row = {"frontends": frontends, **run_attack(server, attack, repeats, callers)}
+                row = {
+                    "frontends": frontends,
+                    **run_attack(server, attack, args.repeats, args.callers),
+                }
                 print_row(row)
                 rows.append(row)
             return rows
@@ -345,6 +354,17 @@ def print_row(row: dict[str, Any]) -> None:
     print(" ".join(cells), flush=True)
 
 
+def _commit() -> str:
+    found = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return found.stdout.strip() or "?"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -353,6 +373,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="each attack, one after another")
     parser.add_argument("--callers", type=int, default=4, help="good keep-alive callers")
     parser.add_argument("--only", default="", help="the attacks whose name holds this")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=ROOT / "model_repository" / "tokenizer",
+        help="the tokenizer model's folder (another tree's, say)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     attacks = [a for a in ATTACKS if args.only in a.name]
@@ -361,10 +387,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hostile-logs-") as logs:
         for frontends in args.frontends:
             log = Path(logs, f"server-{frontends}.log")
-            rows += run_server(frontends, attacks, args.repeats, args.callers, log)
+            rows += run_server(frontends, attacks, args, log)
     save(
         args.output,
-        {"command": sys.argv, "repeats": args.repeats, "callers": args.callers, "rows": rows},
+        {
+            "command": sys.argv,
+            "commit": _commit(),
+            "tokenizer": str(args.tokenizer),
+            "repeats": args.repeats,
+            "callers": args.callers,
+            "rows": rows,
+        },
     )
     return 0
 
