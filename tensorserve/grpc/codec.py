@@ -80,21 +80,9 @@ def _typed_data(tensor: pb.ModelInferRequest.InferInputTensor, where: str) -> li
     return list(contents)
 
 
-# Above this many values or raw bytes the data plane decodes on the request pool.
-COSTLY_VALUES = 32 << 10
-COSTLY_RAW_BYTES = 256 << 10
-
-
-def decode_is_costly(request: pb.ModelInferRequest) -> bool:
-    """Whether turning ``request`` into Python values would hold the loop:
-    many typed values (each becomes an object), or much raw data (joined,
-    and BYTES unframed). Counting is O(inputs): protobuf knows each length."""
-    raw = sum(len(data) for data in request.raw_input_contents)
-    values = 0
-    for tensor in request.inputs:
-        for _, contents in tensor.contents.ListFields():
-            values += len(contents)
-    return values > COSTLY_VALUES or raw > COSTLY_RAW_BYTES
+# A serialized request this large may hold 32k values (two bytes each): the
+# data plane decodes it on the request pool.
+COSTLY_MESSAGE_BYTES = 64 << 10
 
 
 def to_message(request: pb.ModelInferRequest) -> tuple[dict[str, Any], memoryview]:

@@ -10,17 +10,39 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
+import grpc
 from grpc import aio
 
 from tensorserve.dataplane import DataPlane
 from tensorserve.dataplane.frontend import StartupError
 from tensorserve.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from tensorserve.grpc.service import InferenceService
+from tensorserve.grpc.service import InferenceService, RawInferRequest
 
 log = logging.getLogger(__name__)
 
 OFF = -1  # --grpc-port -1: no gRPC front end
+
+
+class _RawModelInfer:
+    """Registers the generated handlers on ``server``, ModelInfer's taking the
+    message unparsed (``RawInferRequest``): its fields are counted before
+    protobuf builds them (``grpc/scan.py``)."""
+
+    def __init__(self, server: aio.Server) -> None:
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same handlers come to add_registered_method_handlers next
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        infer = handlers["ModelInfer"]
+        handlers = {**handlers, "ModelInfer": infer._replace(request_deserializer=RawInferRequest)}
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, handlers),)
+        )
+        self.server.add_registered_method_handlers(service, handlers)
 
 
 class GrpcFrontEnd:
@@ -46,7 +68,9 @@ class GrpcFrontEnd:
                 ("grpc.so_reuseport", int(self.reuse_port)),
             ],
         )
-        pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(self.plane), server)
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceService(self.plane), _RawModelInfer(server)
+        )
         address = f"{settings.host}:{settings.grpc_port}"
         try:
             port = server.add_insecure_port(address)

@@ -25,13 +25,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from tensorserve.dataplane import DataPlane, models
 from tensorserve.dataplane.calls import GRPC, Call
 from tensorserve.dataplane.plane import is_server_fault
 from tensorserve.errors import InvalidInput
-from tensorserve.grpc import codec, messages
+from tensorserve.grpc import codec, messages, scan
 from tensorserve.grpc.errors import Failure
 from tensorserve.grpc.generated import grpc_service_pb2 as pb
 from tensorserve.grpc.generated import grpc_service_pb2_grpc as pb_grpc
@@ -48,22 +49,46 @@ INFER = "ModelInfer"
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 
 
+class RawInferRequest:
+    """A ``ModelInferRequest`` as grpc received it, not parsed yet: its
+    fields are counted (``grpc/scan.py``) against the model before protobuf
+    builds them (``server.py`` registers this as ModelInfer's deserializer)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @property
+    def model_name(self) -> str | None:
+        """For the request metrics: None when the message says none."""
+        try:
+            return scan.model_name(self.data)[0] or None
+        except InvalidInput:
+            return None
+
+
 class GrpcCall:
-    """A ``ModelInferRequest`` (the data plane's ``WireCall``)."""
+    """A serialized ``ModelInferRequest`` (the data plane's ``WireCall``)."""
 
-    __slots__ = ("message",)
+    __slots__ = ("data",)
 
-    def __init__(self, message: pb.ModelInferRequest) -> None:
-        self.message = message
+    def __init__(self, data: bytes) -> None:
+        self.data = data
 
     async def receive(self) -> None:
         return None  # grpc has read the whole message, bounded by max_request_bytes
 
     def decode(self, config: ModelConfig, max_items: int) -> InferRequest:
-        return codec.decode(self.message, config, max_items)
+        scan.check(self.data, config, max_items)
+        try:
+            message = pb.ModelInferRequest.FromString(self.data)
+        except DecodeError:
+            raise InvalidInput("the ModelInferRequest is not a valid protobuf message") from None
+        return codec.decode(message, config, max_items)
 
     def decode_is_costly(self) -> bool:
-        return codec.decode_is_costly(self.message)
+        return len(self.data) > codec.COSTLY_MESSAGE_BYTES
 
     def encode(
         self, request: InferRequest, results: Results, name: str, version: str, config: ModelConfig
@@ -81,12 +106,14 @@ def _given_id(context: aio.ServicerContext) -> str | None:
     return None
 
 
-def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R | None]]:
     """Request id, failure -> status, metrics (``ModelInfer``), access log."""
     name = method.__name__
 
     @functools.wraps(method)
-    async def handle(self: InferenceService, request: Any, context: aio.ServicerContext) -> R:
+    async def handle(
+        self: InferenceService, request: Any, context: aio.ServicerContext
+    ) -> R | None:
         plane = self.plane
         in_flight = plane.metrics.requests.in_flight if name == INFER else None
         origin = (
@@ -112,9 +139,7 @@ def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
                 code, status = DISCONNECT, grpc.StatusCode.CANCELLED.name
                 plane.log_disconnect(f"gRPC {name}")
                 raise
-            except aio.AbortError:
-                raise
-            except Exception as exc:  # a tensorserve error, or a fault of the server
+            except Exception as exc:  # noqa: BLE001 - a tensorserve error, or a server fault: its status
                 failure = Failure(exc)
                 code, status = failure.code, failure.status.name
                 call.error_code = code
@@ -127,10 +152,15 @@ def rpc(method: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
                     exc,
                     is_server_fault(code, failure.http_status),
                 )
-                await context.abort(
-                    failure.status, failure.message, failure.trailing_metadata(call.request_id)
-                )
-                raise  # not reached: abort raises
+                # Set, not ``context.abort``: abort raises an AbortError that
+                # grpc keeps on the call's state, whose traceback holds this
+                # frame, the context and so the call's state again: a cycle
+                # that kept each refused request message (~45 MB for a 4 MiB
+                # one of a million strings) until a full gc pass (issue #52).
+                context.set_code(failure.status)
+                context.set_details(failure.message)
+                context.set_trailing_metadata(failure.trailing_metadata(call.request_id))
+                return None  # grpc sends no message for a status that is not OK
         finally:
             if in_flight is not None:
                 in_flight.dec()
@@ -217,13 +247,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     @rpc
     async def ModelInfer(
-        self, request: pb.ModelInferRequest, context: aio.ServicerContext, call: Call
+        self, request: RawInferRequest, context: aio.ServicerContext, call: Call
     ) -> pb.ModelInferResponse:
+        name, version = scan.model_name(request.data)
         return await self.plane.infer(
             call,
-            request.model_name,
-            request.model_version or None,
-            GrpcCall(request),
+            name,
+            version or None,
+            GrpcCall(request.data),
             transport_timeout_s=context.time_remaining(),
         )
 
