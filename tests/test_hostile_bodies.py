@@ -572,22 +572,37 @@ class PeakRss:
 
 @pytest.fixture(scope="module", params=["1", "2"], ids=["one process", "frontends 2"])
 def flood_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from tests.conftest import ServerProcess
+    import shutil
+
+    from tests.conftest import ROOT, ServerProcess
 
     repo = tmp_path_factory.mktemp("floods")
     write_toy_model(repo, "m", MODEL, **CONFIG)
     write_toy_model(repo, "words", FLOOD_WORDS, **FLOOD_WORDS_IO)
+    shutil.copytree(ROOT / "model_repository" / "tokenizer", repo / "tokenizer")
     server = ServerProcess(repo, "--frontends", request.param)
     yield server
     server.stop()
 
 
-def _assert_calm(good: GoodCaller, rss: PeakRss, size: int) -> None:
+def _front_ends(server: Any) -> set[int]:
+    """The pids of the server's front-end processes (none in one process)."""
+    import psutil
+
+    return {
+        child.pid
+        for child in psutil.Process(server.process.pid).children()
+        if "tensorserve.frontends.process" in " ".join(child.cmdline())
+    }
+
+
+def _assert_calm(good: GoodCaller, rss: PeakRss, size: int, front_ends: set[int]) -> None:
     assert not good.failures, good.failures[:3]
     assert good.latencies, "the good caller got no answer at all"
     assert max(good.latencies) < GOOD_WORST_S, f"worst {max(good.latencies):.2f} s"
     grown = rss.grown()
     assert grown <= 4 * size + RSS_SLACK, f"grew {grown >> 20} MiB for a {size >> 20} MiB body"
+    assert _front_ends(rss.server) == front_ends, "a front end was killed and replaced"
 
 
 @pytest.mark.parametrize("attack", list(FLOODS))
@@ -598,6 +613,7 @@ def test_a_flood_is_refused_while_a_good_caller_is_served(flood_server: Any, att
     body, headers, phrase = FLOODS[attack]
     host = flood_server.url
     route = f"{host}/v2/models/words/infer"
+    front_ends = _front_ends(flood_server)
     rss = PeakRss(flood_server)
     with GoodCaller(flood_server.port) as good:
         for _ in range(3):
@@ -608,7 +624,7 @@ def test_a_flood_is_refused_while_a_good_caller_is_served(flood_server: Any, att
             caught.value.close()
             assert 400 <= caught.value.code < 500, reply[:300]
             assert phrase in reply.decode("utf-8", "replace"), reply[:300]
-    _assert_calm(good, rss, len(body))
+    _assert_calm(good, rss, len(body), front_ends)
 
 
 def test_a_grpc_flood_is_refused_while_a_good_caller_is_served(flood_server: Any) -> None:
@@ -629,6 +645,7 @@ def test_a_grpc_flood_is_refused_while_a_good_caller_is_served(flood_server: Any
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         # A server that has answered gRPC before: its first call's set-up is no flood's.
         assert stub.ModelInfer(words([b"ab"]), timeout=60).raw_output_contents
+        front_ends = _front_ends(flood_server)
         rss = PeakRss(flood_server)
         with GoodCaller(flood_server.port) as good:
             for _ in range(3):
@@ -637,4 +654,41 @@ def test_a_grpc_flood_is_refused_while_a_good_caller_is_served(flood_server: Any
                 error: Any = caught.value
                 assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
                 assert "bytes_contents holds" in error.details()
-    _assert_calm(good, rss, flood.ByteSize())
+    _assert_calm(good, rss, flood.ByteSize(), front_ends)
+
+
+def test_long_texts_to_the_tokenizer_are_served_while_a_good_caller_is_served(
+    flood_server: Any,
+) -> None:
+    """Eight texts of 1 MiB at once (one batch): the tokenizer cuts each
+    before encoding, so they cost milliseconds, not seconds and a GB (before:
+    8 such texts took the scheduler's RSS to 1.6 GB and held others 7.3 s)."""
+    import threading
+    import urllib.request
+
+    text = ("lorem ipsum, dolor sit amet " * (1 << 20))[: 1 << 20]
+    data = json.dumps(
+        {"inputs": [{"name": "TEXT", "datatype": "BYTES", "shape": [1, 1], "data": [text]}]}
+    ).encode()
+    route = f"{flood_server.url}/v2/models/tokenizer/infer"
+    answers: list[Any] = []
+
+    def ask() -> None:
+        request = urllib.request.Request(route, data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            answers.append(json.loads(reply.read()))
+
+    front_ends = _front_ends(flood_server)
+    rss = PeakRss(flood_server)
+    with GoodCaller(flood_server.port) as good:
+        askers = [threading.Thread(target=ask) for _ in range(8)]
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join(60)
+    assert len(answers) == 8
+    for answer in answers:
+        ids = next(o for o in answer["outputs"] if o["name"] == "input_ids")
+        assert ids["shape"] == [1, 512]  # truncated to max_length, [CLS] ... [SEP]
+    _assert_calm(good, rss, 8 * len(data), front_ends)
