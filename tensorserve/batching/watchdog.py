@@ -38,6 +38,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The "auto" limit picks an outcome (a worker killed, a thread's callers
+# answered 500), so it errs late. Why these two numbers:
+# - AUTO_FACTOR: it multiplies the slowest recent *real* batch, the largest
+#   that traffic formed, not a typical one. What still slows such a batch on
+#   a healthy model is the host (a neighbour, a container's CPU quota, a GC
+#   pause), by small factors; 50x is a margin chosen, not measured, over
+#   those. The asymmetry is what is measured: a false kill costs a worker
+#   restart and a crash search (35 ms to the next answer and the re-runs,
+#   benchmarks/worker_crash.py), a late one only the hung callers' wait.
+# - AUTO_MIN_S: a first batch of a new shape compiles kernels or grows the
+#   allocator (seconds on a GPU); below 30 s "auto" would kill those. A
+#   number in [faults] watchdog_ms replaces both for a model that knows.
 AUTO_MIN_S = 30.0
 AUTO_FACTOR = 50.0
 # "The slowest batch so far" halves every this many seconds without a batch as
