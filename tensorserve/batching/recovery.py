@@ -34,10 +34,9 @@ batch of B (each level runs two halves, one of which is good). With the
 per-model switch ``[faults] split_failed_batches = false`` the whole batch
 fails, as every other batching server does.
 
-This module only plans: no threads, no futures. The scheduler runs the
-retries before any new batch (``Scheduler.retries``), a trial whenever an
-instance is idle and the last batch was not one (``Scheduler.trials``), puts
-cleared items back in its queue, and settles the outcomes.
+This module only plans: no threads, no futures. The scheduler runs what
+``Reruns`` hands it (the retries before any new batch, a trial every other
+batch), puts cleared items back at its queue's head, and settles the outcomes.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ from tensorserve.errors import (
 if TYPE_CHECKING:
     from tensorserve.batching.results import Batch
 
-# A batch whose worker died before running it is sent again whole; an item
+# A batch whose worker died before running it goes back to the queue; an item
 # caught in that more often than this fails (a worker that keeps dying).
 MAX_RERUNS = 3
 
@@ -98,9 +97,12 @@ class Reruns:
     """What recovery has the scheduler run besides its queue, and when: the
     parts of a poisoned batch first, before any new batch; a crash's trials
     every other batch (the slot after a trial serves the queue, so a search
-    costs the queue one slot a trial). Either goes alone, on an idle
-    instance: it may fail again, and a batch sent behind it would only come
-    back unrun. The scheduler's loop's alone."""
+    costs the queue one slot a trial: with a worker killer every second on
+    the flat 100 ms probe, good callers kept 81-84% of their clean goodput,
+    against 58-66% when the search ran before any new batch;
+    ``benchmarks/crash_probe.py --killer-every-s 1.0``). Either goes alone, on
+    an idle instance: it may fail again, and a batch sent behind it would
+    only come back unrun. The scheduler's loop's alone."""
 
     def __init__(self) -> None:
         self.retries: deque[list[Pending]] = deque()
