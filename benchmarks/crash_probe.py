@@ -8,8 +8,16 @@ A flat-cost model (100 ms a forward of up to 16 items, whatever the batch:
 a GPU-like model), ``isolation = "process"``, eager dispatch, served by
 ``python -m tensorserve serve`` in a child process. 16 closed-loop callers
 each send one short item after another (y = 2x checked); with the killer,
-one more caller sends an item that makes the model call ``os._exit``, waits
-for its 500, sleeps ``--killer-pause-s`` (1 s) and repeats. Each round runs
+one more caller sends an item that makes the model call ``os._exit``. Two
+killers:
+
+    waiting (the default)     send, wait for the 500, sleep ``--killer-pause-s``
+                              (1 s), repeat: one search at a time (issue #37)
+    --killer-every-s 1.0      send one every second on a timer, whatever is
+                              answered: searches overlap, suspects of several
+                              crashes meet in one queue (issue #51)
+
+Each round runs
 ``--seconds`` clean, then as long with the killer, and prints per load:
 
     good/s, good failed, killer 500s, worker restarts (/metrics), batches and
@@ -99,8 +107,10 @@ CALLERS = 16
 GOAL_RATIO = 0.5
 ANSWER_TIMEOUT_S = 60.0  # a good request unanswered this long counts as hung
 START_TIMEOUT_S = 120.0
-# The server's log line for a recovered batch (batching/pipeline.py).
-RETRY_LINE = re.compile(r"a batch of (\d+) failed .*; running it again as ([\d +]+)$")
+# The server's log line for a recovered batch (batching/results.py).
+RETRY_LINE = re.compile(
+    r"a batch of (\d+) failed .*; running it again as ([\d +]+|-)(?:; (\d+) back to the queue)?$"
+)
 # How a dead worker was replaced (runtime/isolated.py): a swap for the loaded
 # standby, or a new worker started while the callers wait.
 SWAP_LINE = "the standby worker"
@@ -123,7 +133,8 @@ def answer_is_right(content: bytes, x: np.ndarray) -> bool:
 def retry_splits(log_lines: list[str]) -> list[str]:
     """``"9 -> 4 + 5"`` for each recovered batch the server logged."""
     found = (RETRY_LINE.search(line.rstrip()) for line in log_lines)
-    return [f"{m.group(1)} -> {m.group(2).strip()}" for m in found if m]
+    return [f"{m.group(1)} -> {m.group(2).strip()}" + (f" (+{m.group(3)} back)" if m.group(3) else "")
+            for m in found if m]
 
 
 def worker_restarts(metrics_text: str) -> int:
@@ -151,6 +162,17 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
         "batch_sizes": {k: v for k, v in sizes.items() if v},  # histogram bucket bound: batches
         "recoveries": {k: v for k, v in recoveries.items() if v},
     }
+
+
+def merged(windows: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping windows as one (killers on a timer overlap)."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(windows):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
 
 
 def in_windows(times: list[float], windows: list[tuple[float, float]]) -> int:
@@ -186,24 +208,40 @@ async def good_caller(session: aiohttp.ClientSession, url: str, seed: int, rows:
             tally.good_failed["200 wrong rows"] += 1
 
 
+async def kill_once(session: aiohttp.ClientSession, url: str, x: np.ndarray, tally: Tally) -> None:
+    sent = time.monotonic()
+    try:
+        async with session.post(url + ROUTE, data=body(x), headers=HEADERS) as response:
+            await response.read()
+            status = response.status
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        status = 0
+    tally.killers.append((sent, time.monotonic(), status))
+
+
 async def killer(session: aiohttp.ClientSession, url: str, rows: int, pause_s: float,
-                 until: float, tally: Tally) -> None:
+                 every_s: float | None, until: float, tally: Tally) -> None:
+    """Waiting (``every_s`` None): send, wait for the answer, sleep ``pause_s``.
+    On a timer: send every ``every_s`` whatever is answered, so killers overlap
+    whenever a search takes longer than ``every_s``."""
     x = np.full((rows, 4), 50.0, np.float32)
     x[0, 0] = KILL_MARKER
-    while time.monotonic() < until:
-        sent = time.monotonic()
-        try:
-            async with session.post(url + ROUTE, data=body(x), headers=HEADERS) as response:
-                await response.read()
-                status = response.status
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            status = 0
-        tally.killers.append((sent, time.monotonic(), status))
-        await asyncio.sleep(pause_s)
+    if every_s is None:
+        while time.monotonic() < until:
+            await kill_once(session, url, x, tally)
+            await asyncio.sleep(pause_s)
+        return
+    sent: list[asyncio.Task[None]] = []
+    next_at = time.monotonic()
+    while next_at < until:
+        sent.append(asyncio.create_task(kill_once(session, url, x, tally)))
+        next_at += every_s
+        await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+    await asyncio.gather(*sent)
 
 
 async def load(url: str, seconds: float, rows: tuple[int, int], with_killer: bool,
-               pause_s: float) -> tuple[Tally, float]:
+               pause_s: float, every_s: float | None) -> tuple[Tally, float]:
     tally = Tally()
     timeout = aiohttp.ClientTimeout(total=ANSWER_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=0)
@@ -212,7 +250,7 @@ async def load(url: str, seconds: float, rows: tuple[int, int], with_killer: boo
         until = started + seconds
         work = [good_caller(session, url, seed, rows, until, tally) for seed in range(CALLERS)]
         if with_killer:
-            work.append(killer(session, url, rows[0], pause_s, until, tally))
+            work.append(killer(session, url, rows[0], pause_s, every_s, until, tally))
         await asyncio.gather(*work)
         return tally, time.monotonic() - started
 
@@ -277,7 +315,7 @@ def measure(url: str, log: Path, args: argparse.Namespace, with_killer: bool) ->
     restarts_before = worker_restarts(get(f"{url}/metrics").decode())
     log_lines_before = len(log.read_text().splitlines())
     tally, seconds = asyncio.run(load(url, args.seconds, tuple(args.rows), with_killer,
-                                      args.killer_pause_s))
+                                      args.killer_pause_s, args.killer_every_s))
     stats = stats_delta(stats_before, json.loads(get(stats_url))["batching"])
     restarts = worker_restarts(get(f"{url}/metrics").decode()) - restarts_before
     new_lines = log.read_text().splitlines()[log_lines_before:]
@@ -291,12 +329,13 @@ def measure(url: str, log: Path, args: argparse.Namespace, with_killer: bool) ->
         **stats, "retry_splits": splits,
     }  # fmt: skip
     if with_killer:
-        windows = [(sent, answered) for sent, answered, _ in tally.killers]
+        answers = [(sent, answered) for sent, answered, _ in tally.killers]
+        windows = merged(answers)
         in_search_s = sum(end - start for start, end in windows)
         good_in = in_windows(tally.good_done, windows)
         result |= {
             "killer_statuses": dict(Counter(str(status) for _, _, status in tally.killers)),
-            "killer_answer_s": [round(end - start, 2) for start, end in windows],
+            "killer_answer_s": [round(end - start, 2) for start, end in answers],
             "share_of_time_in_search": round(in_search_s / seconds, 2),
             "good_per_s_in_search": round(good_in / in_search_s, 1) if in_search_s else None,
             "good_per_s_outside": round((len(tally.good_done) - good_in)
@@ -336,12 +375,18 @@ def main() -> int:
     parser.add_argument("--max-queue-delay-ms", type=float, default=None,
                         help="config's max_queue_delay_ms (unset: its default; soak.py: 2)")
     parser.add_argument("--killer-pause-s", type=float, default=1.0,
-                        help="the killer's sleep after each 500")
+                        help="the killer's sleep after each 500 (waiting mode, the default)")
+    parser.add_argument("--killer-every-s", type=float, default=None,
+                        help="send a killer every this many seconds, not waiting for answers "
+                             "(issue #51's load: 1.0)")
     parser.add_argument("--worker-template", action=argparse.BooleanOptionalAction, default=True,
                         help="[faults] worker_template (off: every new worker loads the model)")
     parser.add_argument("--goal", type=float, default=GOAL_RATIO,
                         help="least ratio (with the killer / clean) that passes")
     parser.add_argument("--out", default="benchmarks/results/crash_probe.json")
+    parser.add_argument("--server-log", default=None,
+                        help="keep the server's log here (its lines carry times: the phases "
+                             "of each search)")
     args = parser.parse_args()
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -359,6 +404,8 @@ def main() -> int:
                 rounds.append({"clean": clean, "with_killer": mixed, "ratio": round(ratio, 3)})
         finally:
             stop_server(server)
+            if args.server_log:
+                Path(args.server_log).write_text(log.read_text())
     print_table(rounds)
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -367,7 +414,7 @@ def main() -> int:
         "callers": CALLERS, "seconds": args.seconds, "rows": args.rows,
         "max_queue_delay_ms": args.max_queue_delay_ms, "worker_template": args.worker_template,
         "goal_ratio": args.goal,
-        "killer_pause_s": args.killer_pause_s,
+        "killer_pause_s": args.killer_pause_s, "killer_every_s": args.killer_every_s,
         "rounds": rounds,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

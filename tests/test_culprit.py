@@ -30,39 +30,39 @@ def per_item(size: int) -> float:
     return 0.01 * size
 
 
-def test_the_arithmetic_of_both_searches_for_a_flat_cost() -> None:
-    # 16 items, 100 ms a forward, 35 ms a restart: halves twice (two forwards
-    # and one restart each), then the crashed 4 one at a time (four forwards,
-    # one restart), against 16 forwards and one restart.
-    assert culprit.best_seconds(16, flat, SWAP_S) == pytest.approx(2 * (0.2 + SWAP_S) + 0.4 + SWAP_S)
-    assert culprit.singles_seconds(16, flat, SWAP_S) == pytest.approx(1.6 + SWAP_S)
+def test_the_expected_cost_of_a_search_of_one_or_two_suspects() -> None:
+    # A lone suspect must crash alone: one forward and one restart. Two: trial
+    # one (a forward); half the time it crashes (a restart, and it is
+    # condemned), half the time the other must still crash alone.
+    assert culprit.expected_seconds(1, flat, SWAP_S) == pytest.approx(0.1 + SWAP_S)
+    assert culprit.expected_seconds(2, flat, SWAP_S) == pytest.approx(
+        0.1 + 0.5 * SWAP_S + 0.5 * (0.1 + SWAP_S)
+    )
 
 
-@pytest.mark.parametrize("n", [8, 16, 64])
-def test_a_flat_cost_halves(n: int) -> None:
+@pytest.mark.parametrize(("n", "size"), [(5, 2), (8, 4), (16, 8), (64, 32)])
+def test_a_flat_cost_tests_half_the_suspects(n: int, size: int) -> None:
+    assert culprit.next_trial(n, flat, SWAP_S) == size
     assert culprit.choose(n, flat, SWAP_S) == "halves"
 
 
+def test_a_flat_cost_tests_the_last_four_one_at_a_time() -> None:
+    # One at a time stops at the culprit: 0.285 s expected against 0.303 s for
+    # a half of 2, which needs one more trial whichever way it goes.
+    assert culprit.next_trial(4, flat, SWAP_S) == 1
+    assert culprit.expected_seconds(4, flat, SWAP_S) == pytest.approx(0.285, abs=1e-3)
+
+
 @pytest.mark.parametrize("n", [2, 3, 8, 16, 64])
-def test_a_cost_per_item_runs_the_items_one_at_a_time(n: int) -> None:
-    assert culprit.choose(n, per_item, SWAP_S) == "singles"
+def test_a_cost_per_item_tests_one_item_at_a_time(n: int) -> None:
+    assert culprit.next_trial(n, per_item, SWAP_S) == 1
     assert culprit.choose(n, per_item, 0.0) == "singles"
 
 
-def test_a_restart_that_costs_a_model_load_runs_one_at_a_time_even_for_a_flat_cost() -> None:
-    assert culprit.choose(16, flat, MODEL_LOAD_S) == "singles"
-    # The break-even for 16, near R = 0.6 s: halves once, then the crashed 8
-    # one at a time, cost 0.2 + R + 0.8 + R = 1.0 s + 2R; singles 1.6 s + R.
-    assert culprit.choose(16, flat, 0.59) == "halves"
-    assert culprit.choose(16, flat, 0.61) == "singles"
-
-
-def test_a_tie_kills_fewer_workers() -> None:
-    # Two items: halves are singles with the same cost; four: halves run as
-    # many forwards as singles and kill one worker more.
-    assert culprit.choose(2, flat, SWAP_S) == "singles"
-    assert culprit.choose(4, flat, SWAP_S) == "singles"
-    assert culprit.choose(4, flat, 0.0) == "singles"
+def test_a_restart_that_costs_a_model_load_tests_one_item_at_a_time() -> None:
+    # Each halving risks a restart; at 4.5 s a forward of 100 ms is nothing.
+    assert culprit.next_trial(16, flat, MODEL_LOAD_S) == 1
+    assert culprit.next_trial(16, flat, 0.0) == 8
 
 
 # ------------------------------------------------------------------ Recovery.plan
@@ -79,36 +79,38 @@ def _taught(seconds: object) -> BatchCostModel:
     return model
 
 
-def _crash(recovery: Recovery, n: int) -> list[int]:
+def _crash(recovery: Recovery, n: int) -> tuple[int, int]:
+    """A crashed batch of ``n``: the sizes of its first trial and of the rest."""
     entries = _entries(n)
     batch = Batch(entries, 0.0, error=WorkerCrashed("died", ran=True))
     plan = recovery.plan(batch)
-    assert plan is not None and not plan.outcomes
-    assert sorted(e.item for part in plan.retries for e in part) == list(range(n))
+    assert plan is not None and not plan.outcomes and not plan.retries and not plan.cleared
+    (trial,) = plan.trials
+    assert [e.item for e in [*trial.suspects, *trial.rest]] == list(range(n))
     assert all(e.crashes == 1 for e in entries)
-    return [len(part) for part in plan.retries]
+    return len(trial.suspects), len(trial.rest)
 
 
-def test_recovery_halves_a_crashed_batch_of_a_flat_cost_model() -> None:
+def test_recovery_tests_half_of_a_crashed_batch_of_a_flat_cost_model() -> None:
     stats = BatchStats()
     recovery = Recovery("m", True, stats, _taught(lambda size: 0.1), lambda: SWAP_S)
-    assert _crash(recovery, 16) == [8, 8]
+    assert _crash(recovery, 16) == (8, 8)
     assert stats.recoveries == {"halves": 1}
 
 
-def test_recovery_runs_one_at_a_time_for_a_cost_per_item() -> None:
+def test_recovery_tests_one_item_at_a_time_for_a_cost_per_item() -> None:
     stats = BatchStats()
     recovery = Recovery("m", True, stats, _taught(lambda size: 0.001 * size), lambda: SWAP_S)
-    assert _crash(recovery, 16) == [1] * 16
+    assert _crash(recovery, 16) == (1, 15)
     assert stats.recoveries == {"singles": 1}
 
 
 @pytest.mark.parametrize("case", ["no cost model", "nothing learnt", "no restart measured"])
-def test_recovery_runs_one_at_a_time_until_both_costs_are_known(case: str) -> None:
+def test_recovery_tests_one_at_a_time_until_both_costs_are_known(case: str) -> None:
     cost = {"no cost model": None, "nothing learnt": BatchCostModel()}.get(
         case, _taught(lambda size: 0.1)
     )
     restart = None if case == "no restart measured" else SWAP_S
     stats = BatchStats()
-    assert _crash(Recovery("m", True, stats, cost, lambda: restart), 16) == [1] * 16
+    assert _crash(Recovery("m", True, stats, cost, lambda: restart), 16) == (1, 15)
     assert stats.recoveries == {"singles": 1}

@@ -51,9 +51,10 @@ class ScriptedInstance:
     restart_seconds: float | None = None
     sent: list[Sent] = field(default_factory=list)
     repaired: list[int] = field(default_factory=list)
+    lost: Callable[[int], None] | None = None  # the scheduler's (attach)
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        pass
+    def attach(self, loop: asyncio.AbstractEventLoop, lost: Callable[[int], None]) -> None:
+        self.lost = lost
 
     def dispatch(self, features: dict[str, Any], instance: int, parameters: Any, done: Any) -> int:
         self.sent.append(Sent(np.asarray(features["x"]).copy(), done))
@@ -196,6 +197,56 @@ def test_a_dead_instance_is_restored_before_its_unrun_batch_runs_again(loop) -> 
     assert instance.sent[1].rows == [1.0, 2.0]
     settle(loop, instance.sent[1].succeed)
     assert [f.result()["y"][0] for f in futures] == [2.0, 4.0]
+
+
+def _crash(instance: ScriptedInstance, index: int) -> Callable[[], None]:
+    return lambda: instance.sent[index].done(None, WorkerCrashed("died", ran=True))
+
+
+def test_a_crashs_suspects_run_alone_and_the_cleared_ride_with_new_items(loop) -> None:
+    instance, clock = ScriptedInstance(), Clock()
+    batcher = scheduler(loop, instance, clock, max_batch_size=4, policy=make_policy("fifo", None))
+    killer, *good = submit(loop, batcher, 13.0, 1.0, 2.0, 3.0)
+    settle(loop, _crash(instance, 0))
+    loop.run_until_complete(asyncio.wait_for(_until(lambda: len(instance.sent) == 2), 10))
+    # No restart measured yet: the suspects are tried one at a time, alone.
+    assert instance.sent[1].rows == [13.0]
+    later = submit(loop, batcher, 7.0)
+    assert len(instance.sent) == 2  # nothing goes behind a trial
+    settle(loop, _crash(instance, 1))  # it crashed alone: the killer; 1, 2, 3 are cleared
+    loop.run_until_complete(asyncio.wait_for(_until(lambda: len(instance.sent) == 3), 10))
+    # The cleared items lead the queue and ride in one batch with the newcomer.
+    assert instance.sent[2].rows == [1.0, 2.0, 3.0, 7.0]
+    settle(loop, instance.sent[2].succeed)
+    with pytest.raises(ModelFailure, match="crashed the model's worker process"):
+        killer.result()
+    assert [f.result()["y"][0] for f in [*good, *later]] == [2.0, 4.0, 6.0, 14.0]
+    assert instance.repaired == [0, 0]
+    assert batcher.scheduler.wait_idle(0)
+
+
+def test_a_trial_that_runs_answers_its_items_and_an_ordinary_batch_goes_next(loop) -> None:
+    instance, clock = ScriptedInstance(), Clock()
+    batcher = scheduler(loop, instance, clock, max_batch_size=4, policy=make_policy("fifo", None))
+    first, *_others = submit(loop, batcher, 1.0, 2.0, 13.0)
+    settle(loop, _crash(instance, 0))
+    loop.run_until_complete(asyncio.wait_for(_until(lambda: len(instance.sent) == 2), 10))
+    later = submit(loop, batcher, 7.0)
+    settle(loop, instance.sent[1].succeed)  # the trial of [1.0] ran: answered
+    assert first.result()["y"][0] == 2.0
+    # The slot after a trial serves the queue; the next trial waits for it.
+    assert [sent.rows for sent in instance.sent][2:] == [[7.0]]
+    settle(loop, instance.sent[2].succeed)
+    assert [sent.rows for sent in instance.sent][3:] == [[2.0]]
+    assert later[0].result()["y"][0] == 14.0
+
+
+def test_a_worker_lost_while_idle_is_repaired_before_any_batch_comes(loop) -> None:
+    instance, clock = ScriptedInstance(), Clock()
+    scheduler(loop, instance, clock, max_batch_size=4)
+    assert instance.lost is not None
+    settle(loop, lambda: instance.lost(0))  # type: ignore[misc]
+    loop.run_until_complete(asyncio.wait_for(_until(lambda: instance.repaired == [0]), 10))
 
 
 def test_an_item_past_its_deadline_is_answered_and_never_dispatched(loop) -> None:

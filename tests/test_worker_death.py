@@ -170,7 +170,9 @@ def test_a_worker_killed_by_a_real_time_signal_mid_batch_answers_all_eight_calle
             scheduler = model.batcher.scheduler
             hold.touch()
             calls = [asyncio.ensure_future(model.infer(_x(v))) for v in range(1, 9)]
-            await wait_until_async(pid_file.exists, "the batch of 8 running", 30)
+            # exists() alone can see the file before its pid is written (a load seen once)
+            running = lambda: pid_file.exists() and pid_file.read_text().strip() != ""
+            await wait_until_async(running, "the batch of 8 running", 30)
             assert [len(b.entries) for b in scheduler.running[0]] == [8]
             worker = int(pid_file.read_text())
             os.kill(worker, SIGRT1)
@@ -308,3 +310,26 @@ def test_the_watchdogs_kill_and_readiness_never_ask_the_template() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_worker_that_dies_idle_is_replaced_before_any_batch_comes(tmp_path: Path) -> None:
+    """Its socket's EOF starts the repair (``LoopExecutor.attach``'s ``lost``):
+    the next caller finds a worker up, not a dead one to replace first."""
+    write_toy_model(
+        tmp_path, "idle", "import torch\nclass Model(torch.nn.Module):\n"
+        "    def forward(self, x):\n        return x * 2\n",
+        **{**ECHO, "isolation": "process", "faults": {"standby_worker": False}},
+    )  # fmt: skip
+
+    async def run() -> None:
+        async with ServedModel.from_repository(tmp_path, "idle") as model:
+            executor: Any = model.executor
+            assert (await model.infer(_x(1)))["y"].tolist() == [[2.0] * 4] * 3
+            first = executor.workers[0].pid
+            os.kill(first, signal.SIGKILL)  # idle: no batch will find it dead
+            await wait_until_async(lambda: executor.restarts == 1, "the worker replaced", 30)
+            assert executor.workers[0].pid not in (None, first)
+            assert executor.workers[0].alive
+            assert (await model.infer(_x(3)))["y"].tolist() == [[6.0] * 4] * 3
+
+    asyncio.run(run())

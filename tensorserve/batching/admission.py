@@ -189,6 +189,18 @@ class AdmissionQueue:
             self._deadlines = [d for d in self._deadlines if d[2].queued]
             heapq.heapify(self._deadlines)
 
+    def requeue(self, entries: Sequence[Pending]) -> None:
+        """Put entries taken before back at the queue's head, oldest first (a
+        crashed batch's cleared items: batching.recovery): they were admitted
+        once, so no limit refuses them, and they ride in the next batch."""
+        self._waiting[:0] = entries
+        self._volumes[:0] = [entry.volume for entry in entries]
+        for entry in entries:
+            entry.queued = True
+            if entry.deadline is not None:
+                self._admitted += 1
+                heapq.heappush(self._deadlines, (entry.deadline, self._admitted, entry))
+
     def refuse_if_late(self, level: int | None, items: int, count: bool = True) -> None:
         """``WouldMissTarget`` if ``items`` at priority ``level`` would miss the
         latency target. ``level`` None: the highest there is, which has the
@@ -225,11 +237,12 @@ class AdmissionQueue:
         (``DeadlineExceeded``: a caller with a deadline but no timer of its
         own, ``submit_many(timeout=...)``, is answered by this). O(log n) an
         item, from the deadlines' heap."""
-        heap, expired = self._deadlines, []
+        heap, found = self._deadlines, {}
         while heap and heap[0][0] < now:
             entry = heapq.heappop(heap)[2]
-            if entry.queued:
-                expired.append(entry)
+            if entry.queued:  # a requeued entry is in the heap twice: once in found
+                found[id(entry)] = entry
+        expired = list(found.values())
         self.withdraw(expired)
         return [(entry, self._deadline_error(), True) for entry in expired]
 

@@ -1,28 +1,33 @@
-"""How to find the item that crashed a worker: run the crashed batch's items
-again in halves, or one at a time, whichever is expected to cost the model
-less time. Pure arithmetic: no clocks, no threads (``Recovery`` asks).
+"""How to find the item that crashed a worker: which of a crash's suspects
+to try next, alone. Pure arithmetic: no clocks, no threads (``Recovery`` asks).
 
-A crashed batch of ``n`` items holds (we assume) one item that kills any
-worker that runs it. Every other item must still run once, and the culprit
-must crash a worker alone to be condemned. With ``F(k)`` the seconds a
-forward of ``k`` of these items costs (the learnt cost model) and ``R`` the
-seconds a worker restart costs (measured by the executor):
+A crashed batch's items are its *suspects*; we assume one of them kills any
+worker that runs it. The search runs one *trial* at a time: a few suspects
+in a batch of their own, between the queue's ordinary batches. A trial that
+runs clears its items (they are answered); one that crashes leaves the
+other suspects cleared (they go back to the queue's head and ride with new
+items); either way the search goes on in the half that holds the culprit,
+which must crash a worker alone to be condemned. So only one trial of each
+level runs, and a good item runs once more at most.
 
-    singles(n) = n * F(1) + R
-        every item alone; only the culprit's run crashes.
-    halves(n)  = F(ceil(n/2)) + F(floor(n/2)) + R + best(ceil(n/2))
-        both halves run, the one with the culprit crashes, and the search
-        goes on in it (at worst the larger half).
-    best(1) = 0  (a lone item that crashed again is condemned)
-    best(n) = min(singles(n), halves(n))
+With ``F(k)`` the seconds a forward of ``k`` suspects costs (the learnt cost
+model), ``R`` what a worker restart costs (measured by the executor), and
+the culprit equally likely to be any suspect, the expected seconds a search
+of ``n`` suspects takes when it tries ``h`` of them next:
 
-Halves are chosen only when strictly cheaper: on a tie, singles kill fewer
-workers. A flat-cost model (a GPU: F(k) = 100 ms whatever k) with a 35 ms
-restart, n = 16: halves twice, then the crashed 4 one at a time,
-2 * (0.2 + 0.035) + (0.4 + 0.035) = 0.905 s against singles 1.635 s (at
-4 items, halves cost 0.4 s + 2R, singles 0.4 s + R).
-A model that costs per item (F(k) = k * f) never halves: the halves alone
-cost ~2n * f against n * f for singles, and log2(n) restarts against one.
+    cost(n, h) = F(h) + h/n * (R + E'(h)) + (n-h)/n * E(n-h)
+        the trial runs; with chance h/n it held the culprit (a restart, and
+        the search goes on in it; E'(1) = 0: it crashed alone), else the
+        culprit is in the other n-h
+    E(1) = F(1) + R          a lone suspect must crash alone to be condemned
+    E(n) = min(cost(n, 1), cost(n, n // 2))
+
+``h = 1`` is a search one item at a time (it stops at the culprit); ``n // 2``
+halves. On a tie, one at a time (it kills fewer workers). A flat-cost model
+(a GPU: F = 100 ms whatever k) with a 35 ms restart halves down to 5
+suspects, then tries one at a time (E(4): 0.285 s one at a time, 0.303 s
+in halves); a model that costs per item (F(k) = k * 10 ms) tries one at a
+time from the start (each trial costs a tenth of a halving's).
 """
 
 from __future__ import annotations
@@ -35,31 +40,35 @@ Search = Literal["halves", "singles"]
 ForwardSeconds = Callable[[int], float]  # F(k): the seconds a forward of k of the items costs
 
 
-def singles_seconds(n: int, forward_s: ForwardSeconds, restart_s: float) -> float:
-    """Expected seconds to run ``n`` crashed items one at a time."""
-    return n * forward_s(1) + restart_s
+def next_trial(n: int, forward_s: ForwardSeconds, restart_s: float) -> int:
+    """How many of ``n`` suspects to trial next: 1 or ``n // 2``."""
+    return _plans(forward_s, restart_s)(n)[1]
 
 
 def choose(n: int, forward_s: ForwardSeconds, restart_s: float) -> Search:
-    """The cheaper way to search a crashed batch of ``n`` items."""
-    plans = _plans(forward_s, restart_s)
-    return "halves" if plans(n)[1] < singles_seconds(n, forward_s, restart_s) else "singles"
+    """The cheaper way to search ``n`` suspects, as the stats name it."""
+    return "halves" if next_trial(n, forward_s, restart_s) > 1 else "singles"
 
 
-def best_seconds(n: int, forward_s: ForwardSeconds, restart_s: float) -> float:
-    """Expected seconds of the cheaper search, choosing again at every level."""
+def expected_seconds(n: int, forward_s: ForwardSeconds, restart_s: float) -> float:
+    """E(n): the expected seconds of the cheaper search, choosing at every trial."""
     return _plans(forward_s, restart_s)(n)[0]
 
 
-def _plans(forward_s: ForwardSeconds, restart_s: float) -> Callable[[int], tuple[float, float]]:
-    """``plans(n) -> (best(n), halves(n))`` for one cost model."""
+def _plans(forward_s: ForwardSeconds, restart_s: float) -> Callable[[int], tuple[float, int]]:
+    """``plans(n) -> (E(n), the trial size that reaches it)`` for one cost model.
+    Two candidates a level keep it O(n) forwards' costs for a batch of n."""
 
     @cache
-    def plans(n: int) -> tuple[float, float]:
+    def plans(n: int) -> tuple[float, int]:
         if n <= 1:
-            return 0.0, 0.0
-        larger, smaller = (n + 1) // 2, n // 2
-        halves = forward_s(larger) + forward_s(smaller) + restart_s + plans(larger)[0]
-        return min(singles_seconds(n, forward_s, restart_s), halves), halves
+            return forward_s(1) + restart_s, 1
+
+        def cost(h: int) -> float:
+            held = restart_s + (plans(h)[0] if h > 1 else 0.0)
+            return forward_s(h) + h / n * held + (n - h) / n * plans(n - h)[0]
+
+        singles, halves = cost(1), cost(n // 2)
+        return (halves, n // 2) if halves < singles else (singles, 1)
 
     return plans

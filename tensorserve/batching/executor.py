@@ -122,8 +122,11 @@ class LoopExecutor(Executor, Protocol):
     only hands the batch over, never blocking, and the reply is read as it
     arrives."""
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The scheduler's loop: ``dispatch`` is called, and ``done`` runs, on it."""
+    def attach(self, loop: asyncio.AbstractEventLoop, lost: Callable[[int], None]) -> None:
+        """The scheduler's loop: ``dispatch`` is called, and ``done`` runs, on
+        it. ``lost(instance)``, on the loop too, as soon as an instance's
+        worker is seen dead, running a batch or idle: the scheduler has it
+        ``repair``ed at once, not when its next batch would find it dead."""
 
     def dispatch(
         self,

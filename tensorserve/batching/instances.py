@@ -48,8 +48,9 @@ class InstanceThreads:
         ]
         self._threads: list[threading.Thread | None] = [None] * executor.instance_count
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Nothing to watch on the loop: each thread reports through ``done``."""
+    def attach(self, loop: asyncio.AbstractEventLoop, lost: Callable[[int], None]) -> None:
+        """Nothing to watch on the loop: each thread reports through ``done``
+        (a thread is never lost on its own: ``lost`` is not called)."""
 
     def dispatch(
         self,

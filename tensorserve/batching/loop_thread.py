@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 from collections.abc import Callable
 
@@ -70,3 +71,35 @@ class SchedulerLoop:
             self.loop.call_soon_threadsafe(self.loop.stop)
             if self._thread is not threading.current_thread():
                 self._thread.join()
+
+
+class Alarm:
+    """One callback on the loop, at the soonest time it was asked for: a
+    later ask while one is set changes nothing (it comes back sooner
+    already). It fires once, and can then be set again. The loop's alone."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+        self._loop = loop
+        self._callback = callback
+        self._timer: asyncio.TimerHandle | None = None
+        self._at = math.inf
+
+    def within(self, seconds: float) -> None:
+        """Call back in ``seconds`` at the latest (``math.inf``: no change)."""
+        if seconds == math.inf:
+            return
+        at = self._loop.time() + seconds
+        if self._timer is not None:
+            if self._at <= at:
+                return
+            self._timer.cancel()
+        self._at, self._timer = at, self._loop.call_at(at, self._fire)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._at = None, math.inf
+
+    def _fire(self) -> None:
+        self._timer, self._at = None, math.inf
+        self._callback()

@@ -20,7 +20,7 @@ from tensorserve.errors import ModelFailure, as_model_failure
 from tensorserve.tensors.results import RowResult
 
 if TYPE_CHECKING:
-    from tensorserve.batching.recovery import Recovery
+    from tensorserve.batching.recovery import Plan, Recovery
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ class Batch:
     pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
     unpad_started: float = 0.0  # perf_counter() when un-padding began (for its span)
     unpad_seconds: float | None = None
+    # A trial of a crash's suspects (batching.recovery.Trial): the crash's other
+    # suspects, whose fate its outcome decides; None for an ordinary batch.
+    rest: list[Pending] | None = None
 
 
 class BatchResults:
@@ -92,21 +95,17 @@ class BatchResults:
         self._record(batch, outcomes)
         return outcomes
 
-    def conclude(
-        self, batch: Batch, recovery: Recovery
-    ) -> tuple[list[Outcome], list[list[Pending]]]:
+    def conclude(self, batch: Batch, recovery: Recovery) -> Plan:
         """A finished batch's answers, and the parts of a failed one to run
         again (``recovery`` plans them). Whatever goes wrong here, every
         caller gets an answer."""
-        retries: list[list[Pending]] = []
         try:
             plan = recovery.plan(batch)
             if plan is not None:
                 # It ran, so it counts, with the items that failed for good.
-                outcomes, retries = plan.outcomes, plan.retries
-                self._record(batch, outcomes)
+                self._record(batch, plan.outcomes)
             else:
-                outcomes = self.outcomes(batch)
+                plan = recovery.ended(batch, self.outcomes(batch))
                 if batch.error is None and recovery.ceiling.fitted():
                     log.info(
                         "model %s: trying batches of up to %d padded elements again",
@@ -116,16 +115,19 @@ class BatchResults:
         except BaseException as exc:  # a bug in un-padding, stats or the cost model
             log.exception("batcher %s: finishing a batch failed", self.name)
             error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
-            outcomes, retries = [(entry, error, True) for entry in batch.entries], []
-        if retries:
+            every = [*batch.entries, *(batch.rest or ())]
+            return recovery.answer([(entry, error, True) for entry in every])
+        parts = [*plan.retries, *(trial.suspects for trial in plan.trials)]
+        if batch.error is not None and (parts or plan.cleared):
             log.warning(
-                "model %s: a batch of %d failed (%s); running it again as %s",
+                "model %s: a batch of %d failed (%s); running it again as %s; %d back to the queue",
                 self.name,
                 len(batch.entries),
                 batch.error,
-                " + ".join(str(len(part)) for part in retries),
+                " + ".join(str(len(part)) for part in parts) or "-",
+                len(plan.cleared),
             )
-        return outcomes, retries
+        return plan
 
     def _rows(self, batch: Batch) -> Sequence[Any]:
         """One result (or Exception) per entry."""

@@ -8,7 +8,7 @@ instance, receives its completion, un-pads it and answers its callers:
                                                                   │
          caller ◀─ settle ◀─ un-pad ◀─ _completed ◀── done ◀──────┘
                                             │
-                       retries (recovery) ◀─┘   the next batch: _pump
+     retries, trials, cleared (recovery) ◀─┘   the next batch: _pump
 
 An instance only runs a padded batch and calls ``done``: a worker process
 (``LoopExecutor``: its socket is written and read by this loop, never
@@ -20,17 +20,16 @@ batch is formed only if it cannot grow any more (``AdmissionQueue.take``).
 Who owns what: what ``__init__`` sets below ``lock`` is the loop's alone;
 the queue is shared with admitting callers (any thread) under ``lock``; the
 watchdog is a timer on this loop; statistics lock themselves. Failed batches
-come back here too: their parts to run again go before any new batch.
+come back here too: what recovery plans runs first, or every other batch
+(``recovery.Reruns``); items a crash's trial cleared rejoin the queue's head.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 
 from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Outcome, Pending
@@ -38,14 +37,14 @@ from tensorserve.batching.collate import Collator
 from tensorserve.batching.delivery import settle
 from tensorserve.batching.executor import BatchOutputs, Executor, LoopExecutor
 from tensorserve.batching.instances import InstanceThreads
-from tensorserve.batching.loop_thread import SchedulerLoop
+from tensorserve.batching.loop_thread import Alarm, SchedulerLoop
 from tensorserve.batching.policy import BatchCostModel
-from tensorserve.batching.recovery import Recovery
+from tensorserve.batching.recovery import Recovery, Reruns
 from tensorserve.batching.results import Batch, BatchResults
 from tensorserve.batching.stats import BatchStats
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.batching.tracer import BatchTracer
-from tensorserve.batching.watchdog import SlowestBatch, Watchdog
+from tensorserve.batching.watchdog import SlowestBatch, Watchdog, abandoned
 from tensorserve.errors import ModelFailure, ModelNotReady, WorkerCrashed
 from tensorserve.pools import control_pool
 
@@ -85,14 +84,8 @@ class Scheduler:
         # that needs none: recovery reads it to choose how to find a culprit.
         cost = options.policy.cost or BatchCostModel()
         self.results = BatchResults(collator, options.policy, stats, name, cost, self.target)
-        self.recovery = Recovery(
-            name,
-            options.split_failed_batches,
-            stats,
-            cost,
-            lambda: executor.restart_seconds,
-            executor.free_memory_bytes,
-        )
+        restart_s, free = (lambda: executor.restart_seconds), executor.free_memory_bytes
+        self.recovery = Recovery(name, options.split_failed_batches, stats, cost, restart_s, free)
         self.watchdog = Watchdog(self, options.watchdog_s)
         self.tracer: BatchTracer | None = None  # set before start when tracing is on
         # Shared with admitting callers: the queue and these flags.
@@ -105,15 +98,14 @@ class Scheduler:
         # The loop's alone (other threads only read a copy, for health).
         self.running: list[list[Batch]] = [[] for _ in range(count)]  # dispatched, oldest first
         self.depth = 2 if executor.overlaps else 1  # batches an instance may hold at once
-        self.retries: deque[list[Pending]] = deque()  # failed batches' parts, run first
+        self.reruns = Reruns()  # failed batches' parts and crashes' trials (recovery)
         self.repairing: set[int] = set()  # instances being restored (a new worker)
         self.hung: list[Batch | None] = [None] * count  # forwards the watchdog gave up on
         self.free_at = [0.0] * count  # perf_counter() when each last finished a batch
         self.slowest = SlowestBatch()  # the longest recent batch (the watchdog's "auto")
         self.home: SchedulerLoop | None = None  # the loop it runs on (start)
         self.before_forming: Callable[[], None] | None = None  # as a batch ends (pacing.py)
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = math.inf
+        self._alarm: Alarm | None = None  # when the oldest item's queue delay is up (start)
 
     @property
     def slowest_s(self) -> float:
@@ -123,7 +115,8 @@ class Scheduler:
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Run on ``loop`` (the server's), or on a private loop of its own."""
         self.home = SchedulerLoop(loop, f"{self.name}-scheduler")
-        self.instances.attach(self.home.loop)
+        self._alarm = Alarm(self.home.loop, self._pump)
+        self.instances.attach(self.home.loop, self._repair)
         self.accepting = True
         self.watchdog.start(self.home.loop)
 
@@ -147,8 +140,8 @@ class Scheduler:
 
     def _stop_on_loop(self) -> None:
         self.watchdog.stop()
-        if self._timer is not None:
-            self._timer.cancel()
+        if self._alarm is not None:
+            self._alarm.cancel()
         self.instances.detach()
         # A close whose wait timed out: nothing will answer these any more.
         closed = ModelNotReady(f"model {self.name!r} closed before this item's batch finished")
@@ -211,10 +204,10 @@ class Scheduler:
         selection, so an arriving item (False) only checks for a full one."""
         try:
             while (instance := self.free_instance()) is not None:
-                entries = self._next_entries(instance, cut_short)
+                entries, rest = self._next_entries(instance, cut_short)
                 if not entries:
                     break
-                self._dispatch(entries, instance)
+                self._dispatch(entries, instance, rest)
                 cut_short = True
         except BaseException as exc:  # noqa: BLE001 - a bug here must answer every caller
             self._fatal(exc)
@@ -228,51 +221,39 @@ class Scheduler:
                 best, fewest = instance, len(running)
         return best
 
-    def _next_entries(self, instance: int, cut_short: bool) -> list[Pending]:
+    def _next_entries(
+        self, instance: int, cut_short: bool
+    ) -> tuple[list[Pending], list[Pending] | None]:
+        """The next batch for the instance, and for a trial its crash's other
+        suspects (``Batch.rest``): recovery's reruns come first when due."""
         ahead = bool(self.running[instance])
-        if self.retries:
-            # A part of a failed batch may fail again: one sent behind it
-            # would only come back unrun. It goes alone, on an idle instance.
-            return [] if ahead else self.retries.popleft()
+        if (rerun := self.reruns.first(ahead)) is not None:
+            return rerun
         with self.lock:
             now = self.clock()
             due_in = self.queue.due_in(now, ahead=ahead, closing=self.closing)
             if ahead:  # only a batch that cannot grow goes behind a running one
                 if due_in > 0 and not cut_short:
-                    return []
-                return self.queue.take(now, leave_growing=due_in > 0)
+                    return [], None
+                return self.queue.take(now, leave_growing=due_in > 0), None
             if due_in > 0:
-                self._arm_timer(due_in)
-                return []
-            return self.queue.take(now)
+                assert self._alarm is not None
+                self._alarm.within(due_in)  # come back when the oldest item is due
+                return self.reruns.instead(ahead)
+            return self.queue.take(now), None
 
-    def _arm_timer(self, due_in: float) -> None:
-        """Come back when the oldest item's queue delay is up."""
-        assert self.home is not None
-        if due_in == math.inf:
-            return
-        loop = self.home.loop
-        at = loop.time() + due_in
-        if self._timer is not None:
-            if self._timer_at <= at:
-                return  # it comes back sooner already
-            self._timer.cancel()
-        self._timer_at = at
-        self._timer = loop.call_at(at, self._timer_fired)
-
-    def _timer_fired(self) -> None:
-        self._timer, self._timer_at = None, math.inf
-        self._pump()
-
-    def _dispatch(self, entries: list[Pending], instance: int) -> None:
+    def _dispatch(self, entries: list[Pending], instance: int, rest: list[Pending] | None) -> None:
         """Drop the entries nobody waits for any more, pad the rest and hand
         them to the instance; a batch that fails before it runs ends here."""
         now = self.clock()
         live, expired = self.queue.expire(entries, now)
         settle(expired)
         if not live:
+            if rest:  # a trial whose callers all left: the culprit may be among its rest
+                self.reruns.trials.appendleft(self.recovery.search(rest))
             return
-        batch = Batch(live, now, instance=instance)
+        self.reruns.tried_last = rest is not None
+        batch = Batch(live, now, instance=instance, rest=rest)
         self.running[instance].append(batch)
         done = self._done(batch)
         try:
@@ -321,11 +302,9 @@ class Scheduler:
             self.free_at[instance] = now
             if self.hung[instance] is batch:
                 self.hung[instance] = None  # the forward came back after all
-            if isinstance(error, WorkerCrashed) and instance not in self.repairing:
+            if isinstance(error, WorkerCrashed):
                 self._repair(instance)
-            if batch.abandoned:
-                # Its callers were answered when the watchdog gave up on it:
-                # nothing of it is answered, retried or learnt from again.
+            if batch.abandoned:  # answered then: nothing of it is answered or learnt again
                 log.warning(
                     "model %s: a batch of %d the watchdog gave up on came back after %.1f s "
                     "(%s); its callers were answered then, this outcome is dropped",
@@ -336,14 +315,18 @@ class Scheduler:
                     self.slowest.observe(batch.seconds)
                 self._finish(batch)
         except BaseException as exc:  # noqa: BLE001 - a bug here must answer every caller
-            self._fatal(exc, batch.entries)
+            self._fatal(exc, [*batch.entries, *(batch.rest or ())])
         if self.before_forming is not None:
             self.before_forming()
         self._pump()
 
     def _repair(self, instance: int) -> None:
-        """Restore the instance (a new worker) off the loop; no batch goes to it meanwhile."""
+        """Restore the instance (a new worker) off the loop; no batch goes to it
+        meanwhile. After a crashed batch, and from the executor (``attach``) as
+        soon as a worker is seen dead, idle too: not when a batch finds it dead."""
         assert self.home is not None
+        if instance in self.repairing:
+            return
         self.repairing.add(instance)
         restored = self.home.loop.run_in_executor(control_pool(), self.executor.repair, instance)
 
@@ -354,21 +337,21 @@ class Scheduler:
         restored.add_done_callback(back)
 
     def _finish(self, batch: Batch) -> None:
-        """Answer the batch's callers; a batch that failed as a whole may
-        instead come back in parts (``BatchResults.conclude``), run first."""
-        outcomes, retries = self.results.conclude(batch, self.recovery)
-        self.retries.extend(retries)
+        """Answer the batch's callers, or plan its recovery (``BatchResults.conclude``)."""
+        plan = self.results.conclude(batch, self.recovery)
+        self.reruns.add(plan)
         with self.lock:
+            self.queue.requeue(plan.cleared)
             self.queue.memory_limit = self.recovery.ceiling.limit
         if self.tracer is not None:
             try:
                 self.tracer.batch_finished(batch)
             except Exception:  # a span is never worth a caller's answer
                 log.exception("model %s: recording a batch's spans failed", self.name)
-        settle(outcomes)
+        settle(plan.outcomes)
 
     def _note_idle(self) -> None:
-        busy = any(self.running) or bool(self.retries) or bool(self.repairing)
+        busy = any(self.running) or bool(self.reruns or self.repairing)
         with self.lock:
             self._idle = not busy
             if self._idle and not len(self.queue):
@@ -382,27 +365,14 @@ class Scheduler:
         completions are dropped (``_completed``). The instance takes no batch
         until the forward returns, and once every instance is stuck the
         queue is answered too."""
-        error = ModelFailure(
-            f"model {self.name!r}: the batch ran longer than the watchdog's {limit:g} s and was "
-            f"abandoned; the model is not ready while every instance is stuck"
-        )
-        behind = ModelFailure(
-            f"model {self.name!r}: this item's batch was queued behind one that ran longer "
-            f"than the watchdog's {limit:g} s on the same instance, and was abandoned with it"
-        )
         held, self.running[batch.instance] = self.running[batch.instance], []
         for each in held:
             each.abandoned = True
         self.hung[batch.instance] = batch
-        with self.lock:
+        with self.lock:  # a trial's other suspects never ran: they run elsewhere
+            self.queue.requeue([entry for each in held for entry in each.rest or ()])
             stranded = self.queue.drain() if all(self.hung) else []
-        stuck = ModelNotReady(
-            f"model {self.name!r} is not ready: every instance is stuck in a batch"
-        )
-        settle(
-            [(e, error if each is batch else behind, True) for each in held for e in each.entries]
-            + [(e, stuck, True) for e in stranded]
-        )
+        settle(abandoned(self.name, limit, batch, held, stranded))
 
     def _fatal(self, exc: BaseException, holding: list[Pending] | None = None) -> None:
         """A bug in the scheduler: answer every caller, queued, running, to be
@@ -422,10 +392,9 @@ class Scheduler:
         for instance, running in enumerate(self.running):
             for batch in running:
                 batch.abandoned = True  # answered here: a late completion is dropped
-                stranded += batch.entries
+                stranded += [*batch.entries, *(batch.rest or ())]
             self.running[instance] = []
-        stranded += [*holding, *(entry for part in self.retries for entry in part)]
-        self.retries.clear()
+        stranded += [*holding, *self.reruns.drain()]
         settle([(entry, error, True) for entry in stranded])
         self._note_idle()
         return len(stranded)

@@ -30,9 +30,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tensorserve.errors import ModelNotReady
+from tensorserve.errors import ModelFailure, ModelNotReady
 
 if TYPE_CHECKING:
+    from tensorserve.batching.admission import Outcome, Pending
     from tensorserve.batching.results import Batch
     from tensorserve.batching.scheduler import Scheduler
 
@@ -61,6 +62,29 @@ SLOWEST_HALF_LIFE_S = 600.0
 STALL_FACTOR = 4.0  # readiness: stalled once a batch has run this many times the slowest so far,
 STALL_MIN_S = 1.0  # and at least this long
 CHECK_EVERY_S = 0.1
+
+
+def abandoned(
+    name: str, limit: float, hung: Batch, held: list[Batch], stranded: list[Pending]
+) -> list[Outcome]:
+    """The answers when the scheduler gives up on ``hung`` (a forward in a
+    thread past ``limit``): its callers; those of the batches ``held`` with
+    it on its instance, queued behind it; and ``stranded``, the queue's once
+    every instance is stuck."""
+    error = ModelFailure(
+        f"model {name!r}: the batch ran longer than the watchdog's {limit:g} s and was "
+        f"abandoned; the model is not ready while every instance is stuck"
+    )
+    behind = ModelFailure(
+        f"model {name!r}: this item's batch was queued behind one that ran longer "
+        f"than the watchdog's {limit:g} s on the same instance, and was abandoned with it"
+    )
+    stuck = ModelNotReady(f"model {name!r} is not ready: every instance is stuck in a batch")
+    return [
+        (entry, error if batch is hung else behind, True)
+        for batch in held
+        for entry in batch.entries
+    ] + [(entry, stuck, True) for entry in stranded]
 
 
 class SlowestBatch:

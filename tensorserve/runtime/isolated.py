@@ -24,6 +24,7 @@ one, a new worker loads.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -131,8 +132,10 @@ class ProcessExecutor:
         alive = any(worker.alive for worker in self.workers)
         return None if alive else "its worker process is being replaced"
 
-    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+    def attach(self, loop: asyncio.AbstractEventLoop, lost: Callable[[int], None]) -> None:
         self.loop = loop
+        for instance, worker in enumerate(self.workers):
+            worker.on_lost = functools.partial(lost, instance)
 
     def dispatch(
         self,
@@ -178,7 +181,7 @@ class ProcessExecutor:
         old.stop()
         spare = self.standby.take() if self.standby is not None else None
         if spare is not None:
-            spare.label = old.label
+            spare.label, spare.on_lost = old.label, old.on_lost
             self.workers[instance] = spare
             log.warning("%s: the standby worker %d took over", old.label, spare.pid)
         else:

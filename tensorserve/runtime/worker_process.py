@@ -30,7 +30,7 @@ import signal
 import socket
 import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +86,9 @@ class WorkerProcess:
         self.generation = 0  # counts starts: a batch sent to a dead worker is lost
         self.killed_because: str | None = None  # the watchdog killed it, and why
         self._channel: WorkerChannel | None = None  # the socket as the loop drives it
+        # Called on the loop once this handle's worker is seen dead, busy or
+        # idle (its instance's: ProcessExecutor sets it; a spare has none).
+        self.on_lost: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ any thread
     @property
@@ -202,6 +205,11 @@ class WorkerProcess:
         lost = self._take(generation)
         if lost.generation == self.generation:
             self._channel = None
+        if lost.process is not None and self.on_lost is not None:
+            try:
+                self.on_lost()  # the scheduler starts the repair now, busy or idle
+            except Exception:  # the batches below must still be answered
+                log.exception("%s: reporting a lost worker to the scheduler failed", self.label)
 
         def fail(reported: asyncio.Future[WorkerCrashed] | None) -> None:
             crash = self._reported(reported)
