@@ -106,6 +106,16 @@ class WouldMissTarget(ServerBusy):
     rejection = "would_miss_target"
 
 
+class MemoryTight(ServerBusy):
+    """One item ran out of the device's memory, but a batch at least as large
+    fit since memory last ran out: memory is tight for now (another process,
+    fragmentation), not too small for the item (that is ``OutOfMemory``'s
+    413). Retry after ``retry_after`` seconds, or on another replica."""
+
+    code = "memory_tight"
+    rejection = "memory_tight"
+
+
 class RequestTooLarge(TensorServeError):
     """A request that could never be admitted, however long it waited (more
     items than the model's queue holds): split it; retrying cannot help."""
@@ -189,6 +199,7 @@ CODES: dict[str, type[TensorServeError]] = {
         ModelNotReady,
         ServerBusy,
         WouldMissTarget,
+        MemoryTight,
         RequestTooLarge,
         DeadlineExceeded,
         ModelFailure,

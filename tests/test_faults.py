@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tensorserve import ModelFailure, ModelNotReady, OutOfMemory, RowErrors, ServedModel
+from tensorserve.errors import MemoryTight
 from tensorserve.batching.recovery import MemoryCeiling
 from tensorserve.batching.watchdog import Watchdog
 from tests.helpers import ECHO, HangOn, wait_until, write_toy_model
@@ -256,6 +257,37 @@ def test_the_memory_ceiling_halves_below_a_failure_and_grows_back_slowly() -> No
     assert ceiling.limit == 501
     ceiling.ran_out(600)
     assert ceiling.limit == 300
+
+
+def test_a_lone_item_that_fit_before_is_a_503_when_memory_is_only_briefly_tight() -> None:
+    """413 says "this item never fits": only when nothing as large has fit
+    since memory last ran out. An item no larger than a batch that fit is
+    the device's moment (another process, fragmentation): 503 memory_tight,
+    retried later. The evidence is spent on it: the same item running out
+    again before anything as large fits is a 413."""
+    limit = [1000]
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > limit[0]:
+            raise torch.OutOfMemoryError(f"tried to allocate {x.numel() * 4} bytes")
+        return x * 2
+
+    model = ServedModel.from_function(fn, inputs=X_IN, outputs=Y_OUT, **ONE_BATCH)
+    with model:
+        assert model.infer_sync(_item(1.0, 30))["y"].tolist() == [2.0] * 30  # 30 elements fit
+        limit[0] = 10  # memory gets tight
+        with pytest.raises(MemoryTight) as tight:
+            model.infer_sync(_item(2.0, 20))
+        with pytest.raises(OutOfMemory):  # no new evidence: too large for now
+            model.infer_sync(_item(3.0, 20))
+        limit[0] = 1000  # memory back
+        assert model.infer_sync(_item(4.0, 20))["y"].tolist() == [8.0] * 20
+    assert tight.value.code == "memory_tight"
+    assert tight.value.message == (
+        "model 'function': the device's memory was too tight for this item just now: it pads to "
+        "20 elements, and a batch at least as large fit since memory last ran out "
+        "(OutOfMemoryError: tried to allocate 80 bytes); retry"
+    )
 
 
 # ---------------------------------------------------------------------- a hung model thread

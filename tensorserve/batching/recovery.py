@@ -53,6 +53,7 @@ from tensorserve.batching.stats import BatchStats
 from tensorserve.errors import (
     BatchOutOfMemory,
     DeviceLost,
+    MemoryTight,
     ModelFailure,
     OutOfMemory,
     RowErrors,
@@ -161,15 +162,26 @@ class MemoryCeiling:
         self._fitted = 0
         self._free_bytes = free_bytes
         self._free_when_out: int | None = None  # bytes free after the last batch ran out
+        # The largest padded batch that fit since memory last ran out: the
+        # evidence that an item this size fits when memory is not tight.
+        self.largest_fit = 0
 
-    def ran_out(self, padded_elements: int) -> None:
+    def ran_out(self, padded_elements: int) -> bool:
+        """A batch of this size ran out of memory. True if one at least as
+        large fit since the last time memory ran out: memory is tight for
+        now, not too small for it (413 or 503 for a lone item). That evidence
+        is spent here: the same item running out again before anything as
+        large fits is then too large (memory may have shrunk for good)."""
         below = max(1, padded_elements // 2)
         self.limit = below if self.limit is None else min(self.limit, below)
         self._fitted = 0
         self._free_when_out = self._free_bytes()
+        transient, self.largest_fit = padded_elements <= self.largest_fit, 0
+        return transient
 
-    def fitted(self) -> bool:
-        """A batch fit; True when the limit just went up."""
+    def fitted(self, padded_elements: int = 0) -> bool:
+        """A batch of this size fit; True when the limit just went up."""
+        self.largest_fit = max(self.largest_fit, padded_elements)
         if self.limit is None:
             return False
         self._fitted += 1
@@ -240,7 +252,14 @@ class Recovery:
             return self._rerun(entries, error, batch.rest)
         if isinstance(error, BatchOutOfMemory):
             padded = batch.padded.padded_elements if batch.padded is not None else 0
-            self.ceiling.ran_out(padded)
+            transient = self.ceiling.ran_out(padded)
+            if len(entries) == 1 and transient:
+                tight = MemoryTight(
+                    f"model {self.name!r}: the device's memory was too tight for this item just "
+                    f"now: it pads to {padded} elements, and a batch at least as large fit "
+                    f"since memory last ran out ({error}); retry"
+                )
+                return Plan([(entries[0], tight, True)])
             if len(entries) == 1:
                 alone = OutOfMemory(
                     f"model {self.name!r}: this item does not fit in memory even alone: it "

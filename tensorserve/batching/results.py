@@ -106,7 +106,8 @@ class BatchResults:
                 self._record(batch, plan.outcomes)
             else:
                 plan = recovery.ended(batch, self.outcomes(batch))
-                if batch.error is None and recovery.ceiling.fitted():
+                fit = batch.padded.padded_elements if batch.padded is not None else 0
+                if batch.error is None and recovery.ceiling.fitted(fit):
                     log.info(
                         "model %s: trying batches of up to %d padded elements again",
                         self.name,

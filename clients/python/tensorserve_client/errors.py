@@ -15,7 +15,8 @@ feature at fault.
     ├── ServerUnavailable           503  try again later; retried with backoff
     │   ├── ModelNotReady           503  model_not_ready: loading, failed or unloaded
     │   └── ServerBusy         503, 429  server_busy: a bounded queue is full
-    │       └── WouldMissTarget  503     would_miss_target: the latency target would be missed
+    │       ├── WouldMissTarget  503     would_miss_target: the latency target would be missed
+    │       └── MemoryTight      503     memory_tight: the device's memory is tight for now
     ├── Timeout                          also a builtin TimeoutError
     │   ├── DeadlineExceeded        504  deadline_exceeded: the server dropped the item
     │   └── RequestTimeout               no answer within the client's timeout
@@ -46,6 +47,7 @@ __all__ = [
     "Forbidden",
     "InternalError",
     "InvalidInput",
+    "MemoryTight",
     "ModelControlDisabled",
     "ModelFailure",
     "ModelNotFound",
@@ -140,6 +142,11 @@ class WouldMissTarget(ServerBusy):
     ahead (503 would_miss_target): retry later or on another replica."""
 
 
+class MemoryTight(ServerBusy):
+    """One item ran out of the device's memory while a batch at least as large
+    had fit (503 memory_tight): memory is tight for now; retry later."""
+
+
 class Timeout(TensorServeError, builtins.TimeoutError):
     """The request took too long, on the server or on the way."""
 
@@ -187,6 +194,7 @@ CODES: dict[str, tuple[int, type[TensorServeError]]] = {
     "model_not_ready": (503, ModelNotReady),
     "server_busy": (503, ServerBusy),
     "would_miss_target": (503, WouldMissTarget),
+    "memory_tight": (503, MemoryTight),
     "deadline_exceeded": (504, DeadlineExceeded),
     "model_failure": (500, ModelFailure),
     "internal": (500, InternalError),
