@@ -16,8 +16,9 @@ from tensorserve.errors import DeadlineExceeded, ServerBusy
 
 
 def entry(volume: int, enqueued: float = 0.0, deadline: float | None = None) -> Pending:
-    return Pending(item=volume, volume=volume, future=Future(), loop=None,
-                   enqueued=enqueued, deadline=deadline)
+    return Pending(
+        item=volume, volume=volume, future=Future(), loop=None, enqueued=enqueued, deadline=deadline
+    )
 
 
 def padded_elements(items: list[int]) -> int:
@@ -112,7 +113,9 @@ def test_batches_are_counted_against_the_cap_only_when_the_largest_could_pass_it
 
 
 def test_the_length_aware_policy_groups_similar_lengths_and_an_overdue_item_goes_first() -> None:
-    queue = make_queue(max_batch_size=2, max_queue_delay_ms=5, policy=make_policy("length_aware", None))
+    queue = make_queue(
+        max_batch_size=2, max_queue_delay_ms=5, policy=make_policy("length_aware", None)
+    )
     old, a, b, c = entry(100, enqueued=0.0), entry(3, 0.001), entry(90, 0.002), entry(4, 0.003)
     queue.admit([old, a, b, c], 0.0)
     # Not overdue yet: the two short ones form the tightest batch.
@@ -152,7 +155,9 @@ def test_expire_answers_late_items_and_drops_those_whose_caller_left() -> None:
     gone.future.cancel()
     kept, expired = queue.expire([live, late, gone], now=6.0)
     assert kept == [live]
-    assert [(e, type(err), failed) for e, err, failed in expired] == [(late, DeadlineExceeded, True)]
+    assert [(e, type(err), failed) for e, err, failed in expired] == [
+        (late, DeadlineExceeded, True)
+    ]
     assert "model 'toy': item waited past its deadline" in str(expired[0][1])
     assert live.future.running()  # marked running: a late cancel() cannot race the result
 
@@ -193,4 +198,5 @@ def test_the_fields_of_an_entry_are_in_the_order_admission_passes_them() -> None
     assert [f.name for f in fields(Pending)] == [
         "item", "volume", "future", "loop", "enqueued", "deadline", "reruns", "crashes",
         "priority", "parameters", "trace", "request", "answered", "queued",
+        "out_of_memory",
     ]  # fmt: skip

@@ -94,6 +94,7 @@ class Pending:
     # watchdog gave up on, whose forward raises later, is not retried).
     answered: bool = False
     queued: bool = False  # in its model's queue (AdmissionQueue), not withdrawn or taken
+    out_of_memory: int = 0  # batches it was in that ran out of memory
 
     def caller_left(self) -> bool:
         """True if nobody waits for this item's answer any more: it was

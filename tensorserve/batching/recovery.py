@@ -253,7 +253,12 @@ class Recovery:
         if isinstance(error, BatchOutOfMemory):
             padded = batch.padded.padded_elements if batch.padded is not None else 0
             transient = self.ceiling.ran_out(padded)
-            if len(entries) == 1 and transient:
+            for entry in entries:
+                entry.out_of_memory += 1
+            # Alone from the start (not the last of a split, whose siblings of
+            # its size fit: the item itself is the cause) and as large as a
+            # batch that fit: memory is tight now, not too small.
+            if len(entries) == 1 and transient and entries[0].out_of_memory == 1:
                 tight = MemoryTight(
                     f"model {self.name!r}: the device's memory was too tight for this item just "
                     f"now: it pads to {padded} elements, and a batch at least as large fit "

@@ -144,7 +144,10 @@ PROVOKE: dict[str, Callable[[Client], Any]] = {
     # Listing the models finds the folder copied in after start-up: not loaded.
     "model_not_ready": lambda c: (c.models(), c.infer("pending", x(1.0))),
     "request_too_large": lambda c: c.infer_batch("slow", [{"ms": [0.0]}] * 2),
-    "out_of_memory": lambda c: c.infer("coded", x(2000.0)),
+    # Larger than anything that fit: too large, 413. As large as a batch that
+    # fit just before: memory is tight for now, 503 (batching/recovery.py).
+    "out_of_memory": lambda c: c.infer("coded", {"x": np.full((64, 4), 2000.0, np.float32)}),
+    "memory_tight": lambda c: (c.infer("coded", x(1.0)), c.infer("coded", x(2000.0))),
     "model_failure": lambda c: c.infer("coded", x(-1.0)),
     "internal": lambda c: c.infer("coded", x(7.0)),
     "model_control_disabled": lambda c: c.unload("coded"),
