@@ -51,7 +51,7 @@ from tensorserve.errors import (
 from tensorserve.repository.config import parse_config
 from tensorserve.runtime.executor import ThreadExecutor
 from tests.conftest import ServerProcess
-from tests.helpers import MSGPACK, body, write_toy_model
+from tests.helpers import MSGPACK, body, wait_until, write_toy_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -189,10 +189,8 @@ class Harness:
             leaving = asyncio.run_coroutine_threadsafe(self.model.infer_many([item]), self._loop)
         else:
             leaving = self.model.submit_many([item])[0]
-        deadline = time.monotonic() + ANSWER_WITHIN_S
-        while self.model.batcher.queue_depth <= depth:  # queued: now it leaves
-            assert time.monotonic() < deadline, "the leaving caller was never queued"
-            time.sleep(0.005)
+        queue = self.model.batcher
+        wait_until(lambda: queue.queue_depth > depth, "the leaving caller queued", ANSWER_WITHIN_S)
         assert leaving.cancel()
 
     async def _infer(self, item: Any, answer: Answer, timeout: float | None) -> None:
@@ -213,11 +211,8 @@ class Harness:
         answer.result = error if error is not None else float(future.result()["y"][0, 0])
 
     def wait_answered(self, answers: list[Answer] | None = None) -> None:
-        deadline = time.monotonic() + ANSWER_WITHIN_S
-        for answer in answers or self.answers:
-            while not answer.at:
-                assert time.monotonic() < deadline, f"row {answer.value} unanswered"
-                time.sleep(0.005)
+        waiting = answers or self.answers
+        wait_until(lambda: all(a.at for a in waiting), "every row answered", ANSWER_WITHIN_S)
 
     # -- what the model saw
     def forwards(self) -> list[tuple[float, list[float]]]:
@@ -230,16 +225,15 @@ class Harness:
         return runs
 
     def wait_running(self, value: float) -> None:
-        deadline = time.monotonic() + ANSWER_WITHIN_S
-        while not any(value in values for _, values in self.forwards()):
-            assert time.monotonic() < deadline, f"row {value} never reached the model"
-            time.sleep(0.005)
+        wait_until(
+            lambda: any(value in values for _, values in self.forwards()),
+            f"row {value} reaching the model",
+            ANSWER_WITHIN_S,
+        )
 
     def wait_queued(self, items: int) -> None:
-        deadline = time.monotonic() + ANSWER_WITHIN_S
-        while self.model.batcher.queue_depth < items:
-            assert time.monotonic() < deadline, f"{items} rows never queued"
-            time.sleep(0.005)
+        queue = self.model.batcher
+        wait_until(lambda: queue.queue_depth >= items, f"{items} rows queued", ANSWER_WITHIN_S)
 
     def release(self) -> None:
         self.gate.unlink(missing_ok=True)
@@ -451,10 +445,8 @@ def test_every_caller_is_answered_exactly_once(
         h.wait_queued(2)
         closer = threading.Thread(target=h.model.batcher.close)  # what is queued still runs
         closer.start()
-        deadline = time.monotonic() + ANSWER_WITHIN_S
-        while h.model.batcher.scheduler.accepting:
-            assert time.monotonic() < deadline, "close never began"
-            time.sleep(0.005)
+        scheduler = h.model.batcher.scheduler
+        wait_until(lambda: not scheduler.accepting, "the close beginning", ANSWER_WITHIN_S)
         with pytest.raises(ModelNotReady, match="not accepting requests"):
             h.model.submit_many([{"x": np.ones((3, 4), np.float32)}])
         h.release()
@@ -475,10 +467,7 @@ def test_every_caller_is_answered_exactly_once(
         assert not again, f"row {answer.value} ran {len(again)} more times after its answer"
     if ready_after:
         h.release()
-        deadline = time.monotonic() + ANSWER_WITHIN_S
-        while h.model.health() is not None:
-            assert time.monotonic() < deadline, f"not ready again: {h.model.health()}"
-            time.sleep(0.01)
+        wait_until(lambda: h.model.health() is None, "the model ready again", ANSWER_WITHIN_S)
         assert (
             float(h.model.infer_sync({"x": np.full((2, 4), 42.0, np.float32)})["y"][0, 0]) == 84.0
         )
@@ -573,8 +562,8 @@ def test_a_front_ends_callers_are_answered_exactly_once(
     for answer in answers:
         again = [at for at, values in runs if answer.value in values and at > answer.at]
         assert not again, f"row {answer.value} ran again after its answer"
-    deadline = time.monotonic() + ANSWER_WITHIN_S
-    while httpx.get(f"{server.url}/v2/models/faulty/ready").status_code != 200:
-        assert time.monotonic() < deadline, "the model never became ready again"
-        time.sleep(0.01)
+    ready = f"{server.url}/v2/models/faulty/ready"
+    wait_until(
+        lambda: httpx.get(ready).status_code == 200, "the model ready again", ANSWER_WITHIN_S
+    )
     log.unlink(missing_ok=True)  # the next cell's rows reuse the same values
