@@ -161,6 +161,9 @@ def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
         "mean_batch_size": items / batches if batches else 0.0,
         "batch_sizes": {k: v for k, v in sizes.items() if v},  # histogram bucket bound: batches
         "recoveries": {k: v for k, v in recoveries.items() if v},
+        # since the server started: the most times one item was sent again
+        # because a batch ahead of it killed its worker (recovery.MAX_RERUNS)
+        "most_reruns": after.get("most_reruns", 0),
     }
 
 
@@ -360,7 +363,7 @@ def print_table(rounds: list[dict[str, Any]]) -> None:
               f" -> {mixed['batches']} ({mixed['mean_batch_size']:.1f})")
         print(f"{'':>5} restarts: {mixed['standby_swaps']} standby swaps, "
               f"{mixed['workers_started_while_waiting']} new workers started while callers waited; "
-              f"recoveries {mixed['recoveries']}")
+              f"recoveries {mixed['recoveries']}; most reruns of one item {mixed['most_reruns']}")
         splits = Counter(mixed["retry_splits"]).most_common()
         print(f"{'':>5} retries (batch -> parts: times): "
               + ", ".join(f"{split}: {times}" for split, times in splits))

@@ -102,6 +102,9 @@ class BatchStats:
     # (a poison, a crash, the watchdog), rows (RowErrors), rerun (a batch its
     # worker died before running), oom (split after running out of memory).
     recoveries: dict[str, int] = field(default_factory=dict)
+    # The most times one item was sent again because its worker died before
+    # running it: how close innocent items come to recovery.MAX_RERUNS.
+    most_reruns: int = 0
     # (monotonic time finished, seconds from submit to outcome), per item
     recent_items: deque[tuple[float, float]] = field(
         default_factory=lambda: deque(maxlen=WINDOW_ITEMS)
@@ -278,6 +281,10 @@ class BatchStats:
         with self._lock:
             self.recoveries[kind] = self.recoveries.get(kind, 0) + 1
 
+    def record_reruns(self, times: int) -> None:
+        with self._lock:
+            self.most_reruns = max(self.most_reruns, times)
+
     def histogram_snapshot(self) -> dict[str, Buckets]:
         """Copies of the histograms (for the Prometheus collector)."""
         with self._lock:
@@ -311,6 +318,7 @@ class BatchStats:
                     self.real_elements / self.padded_elements if self.padded_elements else 1.0
                 ),
                 "recoveries": dict(self.recoveries),
+                "most_reruns": self.most_reruns,
                 "batch_size_histogram": {
                     str(bound): count
                     for bound, count in zip(
