@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from tensorserve import ServedModel
 from tensorserve_bench.items import ItemFactory, specs_from_config
 from tensorserve_bench.lengths import uniform
 from tensorserve_bench.results import save
+
+from tensorserve import ServedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 REPOSITORY = ROOT / "model_repository"
