@@ -231,6 +231,12 @@ class ModelConfig(_Strict):
     )
     dynamic_batching: DynamicBatching = Field(default_factory=DynamicBatching)
     parameters: dict[str, Any] = Field(default_factory=dict, description="Model(**parameters).")
+    weights: Literal["file", "init"] = Field(
+        "file",
+        description="file: a model.py whose module has parameters or buffers loads them from "
+        "model.safetensors, and without that file fails to load. init: the module serves the "
+        "values Model(**parameters) gives them (tests and toys); a weights file is then an error.",
+    )
     input: list[InputSpec] = Field(min_length=1)
     output: list[OutputSpec] = Field(min_length=1)
     request_parameter: list[RequestParameterSpec] = Field(
@@ -265,6 +271,7 @@ class ModelConfig(_Strict):
             request_parameters=bool(self.request_parameter),
             bytes_tensors=[s.name for s in (*self.input, *self.output) if s.dt.is_bytes],
             ensemble_scheduling=self.ensemble_scheduling is not None,
+            weights_init=self.weights == "init",
         )
         if problem is not None:
             raise ValueError(problem)
