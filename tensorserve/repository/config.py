@@ -218,11 +218,10 @@ class ModelConfig(_Strict):
     )
     isolation: Literal["auto", "thread", "process"] = Field(
         "auto",
-        description="thread: each instance runs in a thread of the server process. process: "
-        "each instance runs in a worker process of its own, so the event loop never holds "
-        "the GIL the forward needs (costs one socket copy of the padded inputs and the "
-        "outputs per batch; repository models only). auto: process for a repository model "
-        "on the CPU when 2 or more CPUs are available, else thread. See docs/threading.md.",
+        description="thread: each instance runs in a thread of the server. process: in a "
+        "worker process of its own, so the event loop never holds the GIL the forward needs "
+        "(a socket copy of the batch each way; repository models only). auto: "
+        "process on the CPU with 2 or more CPUs, else thread (docs/threading.md).",
     )
     instance_group: list[InstanceGroup] = Field(
         default_factory=list,
