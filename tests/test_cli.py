@@ -327,28 +327,24 @@ def _requirements() -> tuple[set[str], dict[str, set[str]]]:
     return names, extras
 
 
-def _hints() -> dict[str, str]:
+def _hints(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Every install hint the command line may print."""
     import tensorserve.cli
     from tensorserve.repository.onnx_model import INSTALL_HINT
     from tensorserve.tracing import INSTALL
 
-    with_missing = argparse.ArgumentParser().add_subparsers()
-    saved = tensorserve.cli.metadata.entry_points
-    tensorserve.cli.metadata.entry_points = lambda group: []  # type: ignore[assignment]
-    try:
-        missing = tensorserve.cli.add_installed_commands(with_missing)
-    finally:
-        tensorserve.cli.metadata.entry_points = saved
+    with_entry_points(monkeypatch)  # no bench installed
+    missing = tensorserve.cli.add_installed_commands(argparse.ArgumentParser().add_subparsers())
     return {"bench missing": missing["bench"], "otel": INSTALL, "onnx": INSTALL_HINT,
             "grpc": tensorserve.cli.GRPC_MISSING}
 
 
-def test_every_install_hint_works_from_a_fresh_clone() -> None:
+def test_every_install_hint_works_from_a_fresh_clone(monkeypatch: pytest.MonkeyPatch) -> None:
     """A hint installs a package some index has, or a folder of the repository
     (``-e bench``, ``-e '.[otel]'``) with the extra it names: tensorserve and
     tensorserve-bench are on no index."""
     known, extras = _requirements()
-    hints = _hints()
+    hints = _hints(monkeypatch)
     assert set(hints) == {"bench missing", "otel", "onnx", "grpc"}
     checked = 0
     for what, hint in hints.items():
