@@ -3,7 +3,7 @@
 ``bench`` lives in its own distribution, tensorserve-bench (bench/ in the
 repository): tooling, not product. Any distribution adds commands through
 the ``tensorserve.commands`` entry-point group; a known command whose
-distribution is missing says which to install and exits 2.
+distribution is missing says how to install it and exits 2.
 
 ``serve``'s flags are generated from ``Settings``: one per field, with its
 type, choices, description, default and environment variable, so a setting
@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from tensorserve import __version__
 from tensorserve.settings import MODEL_OVERRIDES, Settings
 from tensorserve.tracing import missing_sdk
 
@@ -32,8 +33,20 @@ ENV_PREFIX = str(Settings.model_config.get("env_prefix", ""))
 # Each entry point of this group is ``add_parser(subparsers)`` for one command.
 COMMANDS_GROUP = "tensorserve.commands"
 # Commands that other distributions bring, named so that asking for one that
-# is not installed says what to install: {command: distribution}.
-OPTIONAL_COMMANDS = {"bench": "tensorserve-bench"}
+# is not installed says what to install: {command: (distribution, the pip
+# arguments that install it from the repository's root)}. tensorserve-bench is
+# on no package index: it is the repository's bench/ folder.
+OPTIONAL_COMMANDS = {"bench": ("tensorserve-bench", "-e bench")}
+GRPC_MISSING = (
+    "the gRPC front end needs grpcio and protobuf ({}): pip install grpcio 'protobuf<7', "
+    "or serve HTTP only with --grpc-port -1 (TENSORSERVE_GRPC_PORT=-1)"
+)
+# What `tensorserve --help` says first: for users (the module docstring is for
+# maintainers).
+DESCRIPTION = (
+    "Serve a Triton-style model repository with dynamic batching (serve), watch a "
+    "running server (top), and measure one under load (bench, when installed)."
+)
 
 
 def flag_name(field: str) -> str:
@@ -148,12 +161,7 @@ def serve(settings: Settings) -> int:
         try:
             from tensorserve.grpc.server import GrpcFrontEnd  # grpcio: only when serving gRPC
         except ImportError as exc:
-            print(
-                f"tensorserve serve: error: the gRPC front end needs grpcio and protobuf "
-                f"({exc}): pip install grpcio 'protobuf<7', or serve HTTP only with "
-                f"--grpc-port -1 (TENSORSERVE_GRPC_PORT=-1)",
-                file=sys.stderr,
-            )
+            print(f"tensorserve serve: error: {GRPC_MISSING.format(exc)}", file=sys.stderr)
             return 1
         front_ends.append(GrpcFrontEnd)
     try:
@@ -175,8 +183,9 @@ def add_installed_commands(sub: Any) -> dict[str, str]:
     """Add the parser of every command in ``COMMANDS_GROUP``; return, for
     each optional command that could not be added, why and what to install."""
     missing = {
-        command: f"tensorserve {command} needs the {distribution} package: pip install {distribution}"
-        for command, distribution in OPTIONAL_COMMANDS.items()
+        command: f"tensorserve {command} needs the {distribution} package; from the "
+        f"repository's root: pip install {pip_args}"
+        for command, (distribution, pip_args) in OPTIONAL_COMMANDS.items()
     }
     for entry in metadata.entry_points(group=COMMANDS_GROUP):
         if entry.name in sub.choices:
@@ -184,11 +193,13 @@ def add_installed_commands(sub: Any) -> dict[str, str]:
         try:
             add_parser = entry.load()
         except ImportError as exc:  # a broken install must not stop `tensorserve serve`
-            distribution = OPTIONAL_COMMANDS.get(entry.name, "the package that brings it")
-            missing[entry.name] = (
-                f"tensorserve {entry.name} could not be loaded ({exc}): "
-                f"pip install --force-reinstall {distribution}"
-            )
+            if entry.name in OPTIONAL_COMMANDS:
+                distribution, pip_args = OPTIONAL_COMMANDS[entry.name]
+                fix = f"from the repository's root: pip install --force-reinstall {pip_args}"
+            else:  # a third party's command: its own package says how to install it
+                distribution = entry.dist.name if entry.dist is not None else "its package"
+                fix = f"reinstall {distribution}"
+            missing[entry.name] = f"tensorserve {entry.name} could not be loaded ({exc}); {fix}"
             continue
         add_parser(sub)
         missing.pop(entry.name, None)
@@ -200,7 +211,8 @@ def add_installed_commands(sub: Any) -> dict[str, str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = OneLineErrors(prog="tensorserve", description=__doc__.splitlines()[0])
+    parser = OneLineErrors(prog="tensorserve", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"tensorserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
     serve_parser = add_serve_parser(sub)
     from tensorserve.top import add_parser as add_top_parser

@@ -111,3 +111,12 @@ def available_cpus(
     if quota is None:
         return cores
     return max(1, min(cores, math.ceil(quota)))
+
+
+# ``--frontends auto``: the CPUs less one (the scheduler process's), 1 to this.
+MAX_AUTO_FRONTENDS = 8
+
+
+def auto_frontends(cpus: int) -> int:
+    """The front-end processes ``--frontends auto`` starts on ``cpus`` CPUs."""
+    return max(1, min(MAX_AUTO_FRONTENDS, cpus - 1))

@@ -262,11 +262,10 @@ class Settings(BaseSettings):
     # Who may change what is served (docs/operations.md, "Model control").
     model_control_mode: Literal["none", "explicit", "poll"] = Field(
         "none",
-        description="none: the models found at start-up serve, and the repository API's load "
-        "and unload answer 403; explicit: the repository API loads, reloads and unloads "
-        "models; poll: the server reloads models whose files change, loads new model "
-        "folders and unloads removed ones, every repository_poll_secs (the API's load and "
-        "unload answer 403).",
+        description="none: the models found at start-up serve; the repository API's load and "
+        "unload answer 403. explicit: that API loads, reloads and unloads models. poll: every "
+        "repository_poll_secs the server reloads changed models, loads new folders and "
+        "unloads removed ones (the API answers 403).",
     )
     repository_poll_secs: float = Field(
         15.0,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,12 @@ from tensorserve_bench.server import override_flags
 from tensorserve.cli import add_serve_parser, main, settings_from_args
 from tensorserve.repository.config import DynamicBatching, ModelConfig
 from tensorserve.settings import BOUNDS, MAX_TIMEOUT_MS, MODEL_OVERRIDES, Settings
+from tests.conftest import ROOT
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 # The flags the docs and the tests use: generated, they must keep these names.
 DOCUMENTED_FLAGS = {
@@ -250,7 +258,8 @@ def test_without_tensorserve_bench_the_bench_command_says_what_to_install(
     with_entry_points(monkeypatch)
     assert main(["bench", "tagger", "--serve", "--help"]) == 2
     assert capsys.readouterr().err == (
-        "tensorserve bench needs the tensorserve-bench package: pip install tensorserve-bench\n"
+        "tensorserve bench needs the tensorserve-bench package; from the repository's root: "
+        "pip install -e bench\n"
     )
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -263,7 +272,9 @@ def test_a_broken_bench_install_does_not_stop_serve_and_says_so(
     with_entry_points(monkeypatch, ("bench", "tensorserve_bench_missing.cli:add_parser"))
     assert main(["bench", "tagger"]) == 2
     error = capsys.readouterr().err
-    assert "could not be loaded" in error and "pip install --force-reinstall tensorserve-bench" in error
+    assert error.startswith("tensorserve bench could not be loaded (No module named "
+                            "'tensorserve_bench_missing'); from the repository's root: "
+                            "pip install --force-reinstall -e bench")
     assert isinstance(serve_parser().parse_args(["--port", "8080"]), argparse.Namespace)
 
 
@@ -272,3 +283,86 @@ def test_the_installed_bench_is_the_bench_command() -> None:
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert "usage: tensorserve bench" in out.stdout and "--concurrency" in out.stdout
+
+
+def test_version_prints_the_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == "tensorserve 0.1.0\n"
+    import tensorserve
+
+    assert tensorserve.__version__ == "0.1.0"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["top", "--help"],
+                                  ["bench", "--help"]])
+def test_help_is_written_for_users(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """No reStructuredText markup and no notes about the code's imports."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: tensorserve {argv[0] if len(argv) > 1 else ''}".rstrip())
+    assert "``" not in text
+    assert "imported" not in text and "module level" not in text
+
+
+# --------------------------------------------------------------- hints
+PYPROJECTS = {".": ROOT / "pyproject.toml", "bench": ROOT / "bench" / "pyproject.toml"}
+# Packages a hint may name from an index: what our pyprojects depend on, and
+# onnxruntime's CUDA build (which cannot be a dependency beside onnxruntime).
+EXTRA_PACKAGES = {"onnxruntime-gpu"}
+
+
+def _requirements() -> tuple[set[str], dict[str, set[str]]]:
+    """(every package a pyproject of ours names, {folder: its extras})."""
+    names: set[str] = set(EXTRA_PACKAGES)
+    extras: dict[str, set[str]] = {}
+    for folder, path in PYPROJECTS.items():
+        project = tomllib.loads(path.read_text())["project"]
+        optional = project.get("optional-dependencies", {})
+        extras[folder] = set(optional)
+        for requirement in [*project["dependencies"], *(r for rs in optional.values() for r in rs)]:
+            names.add(re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0].lower())
+    return names, extras
+
+
+def _hints(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Every install hint the command line may print."""
+    import tensorserve.cli
+    from tensorserve.repository.onnx_model import INSTALL_HINT
+    from tensorserve.tracing import INSTALL
+
+    with_entry_points(monkeypatch)  # no bench installed
+    missing = tensorserve.cli.add_installed_commands(argparse.ArgumentParser().add_subparsers())
+    return {"bench missing": missing["bench"], "otel": INSTALL, "onnx": INSTALL_HINT,
+            "grpc": tensorserve.cli.GRPC_MISSING}
+
+
+def test_every_install_hint_works_from_a_fresh_clone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hint installs a package some index has, or a folder of the repository
+    (``-e bench``, ``-e '.[otel]'``) with the extra it names: tensorserve and
+    tensorserve-bench are on no index."""
+    known, extras = _requirements()
+    hints = _hints(monkeypatch)
+    assert set(hints) == {"bench missing", "otel", "onnx", "grpc"}
+    checked = 0
+    for what, hint in hints.items():
+        for command in re.findall(r"pip install ([^,;()]+)", hint):
+            words = shlex.split(command.strip())
+            editable = False
+            for word in words:
+                if word.startswith("-"):
+                    editable = editable or word == "-e"
+                    continue
+                if editable:
+                    folder, _, extra = word.partition("[")
+                    assert folder in PYPROJECTS, f"{what}: {hint!r} installs {folder}"
+                    assert extra.rstrip("]") in extras[folder] | {""}, f"{what}: {hint!r}"
+                    editable = False
+                else:
+                    name = re.split(r"[\[<>=]", word, maxsplit=1)[0].lower()
+                    assert name in known and not name.startswith("tensorserve"), (
+                        f"{what}: {hint!r} names {name}, which no index has for us")
+                checked += 1
+    assert checked == 5  # -e bench; -e .[otel]; onnxruntime; grpcio, protobuf

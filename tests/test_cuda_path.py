@@ -528,7 +528,9 @@ EMBED_IDS_MODEL = """
         def forward(self, x):
             return self.embed(x.long()).sum(-1)
 """
-IDS_ON_CUDA = {**ECHO_1D, "inputs": {"x": {"dtype": "int64", "shape": [-1]}}, "device": "cuda"}
+# weights = "init": the embedding's own random values (no weights file to write).
+IDS_ON_CUDA = {**ECHO_1D, "inputs": {"x": {"dtype": "int64", "shape": [-1]}}, "device": "cuda",
+               "weights": "init"}
 
 
 @pytest.mark.cuda

@@ -8,6 +8,7 @@ and is skipped)."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import httpx
@@ -17,7 +18,12 @@ from tensorserve_bench.server import ServerProcess as BareServer
 
 from tensorserve import ServedModel
 from tensorserve.repository.config import parse_config
-from tensorserve.runtime.cuda_diagnosis import describe, driver_version, parse_proc_version
+from tensorserve.runtime.cuda_diagnosis import (
+    cuda_missing,
+    describe,
+    driver_version,
+    parse_proc_version,
+)
 from tests.helpers import ECHO, POISON_MODEL, wait_until, write_toy_model
 
 pytestmark = pytest.mark.timeout(180)
@@ -75,20 +81,27 @@ def test_the_server_device_replaces_only_what_a_model_leaves_to_auto() -> None:
         ("KIND_CPU", None), ("KIND_CPU", None), ("KIND_CPU", None)]
 
 
-def test_auto_on_the_cpu_warns_once_per_model(caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_on_the_cpu_warns_once_per_process_naming_the_flag_that_silences_it(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     if torch.cuda.is_available():
         pytest.skip("auto resolves to CUDA here")
+    import tensorserve.serving.model
+
+    monkeypatch.setattr(tensorserve.serving.model, "_no_cuda_said", threading.Lock())  # unsaid
     spec = {k: v for k, v in ECHO.items() if k not in ("inputs", "outputs")}
+    io = {"inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 4]}],
+          "outputs": [{"name": "y", "dtype": "float32", "shape": [-1, 4]}]}
     with caplog.at_level(logging.WARNING, logger="tensorserve.serving.model"):
-        model = ServedModel.from_function(
-            lambda x: x, inputs=[{"name": "x", "dtype": "float32", "shape": [-1, 4]}],
-            outputs=[{"name": "y", "dtype": "float32", "shape": [-1, 4]}], device="auto", **spec,
-        )
+        models = [ServedModel.from_function(lambda x: x, **io, device=device, **spec)
+                  for device in ("cpu", "auto", "auto", "auto")]
     warnings = [r.getMessage() for r in caplog.records if r.name == "tensorserve.serving.model"]
-    assert len(warnings) == 1
-    assert warnings[0].startswith('model function: device = "auto" found no CUDA, so it runs on')
+    assert warnings == [
+        f'device = "auto" found no CUDA, so models run on the CPU ({cuda_missing()}); '
+        "--device cpu silences this warning, --device cuda makes it an error"
+    ]
     assert f"torch {torch.__version__}" in warnings[0]
-    assert model.devices == ["cpu"]
+    assert [model.devices for model in models] == [["cpu"]] * 4
 
 
 # ---------------------------------------------------------------------- a real server

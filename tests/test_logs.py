@@ -188,3 +188,20 @@ def test_json_lines_carry_the_fields_and_the_traceback() -> None:
     assert line["request_id"] == "json-1" and line["message"] == "failed here"
     assert line["level"] == "ERROR" and line["status"] == 500
     assert "ValueError: boom" in line["exc"]
+
+
+def test_the_startup_line_shows_the_frontends_in_effect(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tensorserve.dataplane import logs
+
+    monkeypatch.setattr(logs, "available_cpus", lambda: 2)
+    with caplog.at_level(logging.INFO, logger="tensorserve"):
+        logs.log_startup(Settings(frontends="auto"))
+        logs.log_startup(Settings(frontends=3))
+    auto, three = (r for r in caplog.records if "starting:" in r.getMessage())
+    assert ", frontends=auto → 1 (2 CPUs), " in auto.getMessage()
+    assert auto.settings["frontends"] == "auto → 1 (2 CPUs)"  # type: ignore[attr-defined]
+    assert ", frontends=3, " in three.getMessage()
+    assert logs.effective_frontends("auto", cpus=16) == "auto → 8 (16 CPUs)"
+    assert logs.effective_frontends("auto", cpus=1) == "auto → 1 (1 CPU)"

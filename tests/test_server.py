@@ -209,8 +209,8 @@ async def test_body_over_the_limit_gets_413(aiohttp_client: Any, tmp_path: Path)
 
 @pytest.fixture
 async def toy_client(aiohttp_client: Any, tmp_path: Path) -> Any:
-    """A repository with a poisonable model, a model that fails to import, and
-    one whose weights don't match."""
+    """A repository with a poisonable model, a model that fails to import, one
+    whose weights don't match and one without its weights."""
     write_toy_model(tmp_path, "echo", POISON_MODEL, **ECHO)
     write_toy_model(tmp_path, "broken", "import torch\nraise ImportError('no such thing')\n", **ECHO)
     folder = write_toy_model(tmp_path, "mismatch", """
@@ -224,6 +224,11 @@ async def toy_client(aiohttp_client: Any, tmp_path: Path) -> Any:
     """, **ECHO)
     from safetensors.torch import save_file
     save_file({"proj.weight": torch.zeros(4, 3), "other": torch.zeros(1)}, str(folder / "1" / "model.safetensors"))
+    # The same module with no weights file at all: refused, never random weights.
+    (folder.parent / "noweights").mkdir()
+    for name in ("config.toml", "1/model.py"):
+        (folder.parent / "noweights" / name).parent.mkdir(exist_ok=True)
+        (folder.parent / "noweights" / name).write_text((folder / name).read_text())
     bad_dtype = {"x": {**ECHO["inputs"]["x"], "dtype": "float33"}}
     write_toy_model(tmp_path, "badconfig", POISON_MODEL, **{**ECHO, "inputs": bad_dtype})
     app = create_app(Settings(model_repository=tmp_path), wait_for_models=True)
@@ -236,6 +241,10 @@ async def test_a_broken_model_is_not_ready_with_its_reason_and_others_serve(toy_
     assert "missing keys: proj.bias" in reasons["mismatch"]
     assert "unexpected keys: other" in reasons["mismatch"]
     assert "proj.weight: shape [4, 3] in file, [4, 4] in model" in reasons["mismatch"]
+    assert reasons["noweights"].endswith(
+        "noweights/1: the module has 2 parameters or buffers (proj.weight, proj.bias) but no "
+        "model.safetensors to load them from; add the file, or set weights = 'init' in "
+        "config.toml to serve the values Model(**parameters) gives them")
     assert reasons["badconfig"] == "badconfig/config.toml: input[0].dtype: unknown dtype 'float33'; " \
         "expected one of bool, uint8, uint16, uint32, uint64, int8, int16, int32, int64, float16, " \
         "float32, float64, bfloat16, bytes"

@@ -346,7 +346,7 @@ def test_tracing_without_the_sdk_exits_2_saying_what_to_install(tmp_path: Path) 
                             text=True, timeout=60, env=os.environ)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "pip install 'tensorserve[otel]'" in lines[0], result.stderr
+    assert len(lines) == 1 and "from the repository's root: pip install -e '.[otel]'" in lines[0], result.stderr
 
 
 def test_a_server_without_tracing_never_imports_opentelemetry() -> None:

@@ -76,11 +76,21 @@ def _variant(text: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), parse_assignments(rest)
 
 
+# What `tensorserve bench --help` says first (the module docstring is for maintainers).
+DESCRIPTION = """Measure a model under load and write the result.
+
+    tensorserve bench tagger --url http://127.0.0.1:8000 --concurrency 1,8,32,64
+    tensorserve bench tagger --serve --protocol binary --concurrency 32
+    tensorserve bench tagger --in-process --variant fifo:policy=fifo \\
+        --variant length_aware:policy=length_aware --output results/policies.json
+"""
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench",
         help="measure throughput, latency and batching under load",
-        description=__doc__,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="model name")

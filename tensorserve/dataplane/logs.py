@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
+from tensorserve.host import auto_frontends, available_cpus
+
 REQUEST_ID: ContextVar[str] = ContextVar("tensorserve_request_id", default="-")
 HEADER = "X-Request-ID"  # gRPC: the same name, as metadata (lower case)
 MAX_ID_LENGTH = 128
@@ -162,6 +164,7 @@ STARTUP_SETTINGS = (
     "host",
     "port",
     "grpc_port",
+    "frontends",
     "model_repository",
     "log_level",
     "log_format",
@@ -175,6 +178,15 @@ STARTUP_SETTINGS = (
 )
 
 
+def effective_frontends(frontends: int | str, cpus: int | None = None) -> str:
+    """``--frontends`` as the startup line shows it: a number as given, and
+    ``auto`` with what it became here (``auto → 1 (2 CPUs)``)."""
+    if frontends != "auto":
+        return str(frontends)
+    cpus = available_cpus() if cpus is None else cpus
+    return f"auto → {auto_frontends(cpus)} ({cpus} CPU{'s' if cpus != 1 else ''})"
+
+
 def log_startup(settings: Any) -> None:
     """The first line of a server's log: version, Python, the settings that
     matter, and every per-model override given. (The listening address, with
@@ -182,6 +194,7 @@ def log_startup(settings: Any) -> None:
     from tensorserve import __version__
 
     chosen = {name: getattr(settings, name) for name in STARTUP_SETTINGS}
+    chosen["frontends"] = effective_frontends(settings.frontends)
     chosen.update(settings.model_overrides())
     logging.getLogger("tensorserve").info(
         "tensorserve %s (Python %s) starting: %s",

@@ -32,13 +32,12 @@ from tensorserve.dataplane.assembly import build_plane, models_served
 from tensorserve.frontends.hub import FrontEndHub
 from tensorserve.frontends.liveness import Stuck
 from tensorserve.frontends.process import SETTINGS_ENV
-from tensorserve.host import available_cpus
+from tensorserve.host import auto_frontends, available_cpus
 from tensorserve.http.server import CLOSE_TIMEOUT_S, cannot_listen, check_repository, tune_process
 from tensorserve.settings import Settings
 
 log = logging.getLogger(__name__)
 
-MAX_AUTO_FRONTENDS = 8
 # Pauses before restarting a front end that died soon after it started.
 RESTART_PAUSES_S = (0.5, 1.0, 2.0, 5.0, 10.0)
 STABLE_S = 10.0  # a front end up this long had started well: restarted at once
@@ -48,7 +47,7 @@ def frontend_count(settings: Settings) -> int:
     """``--frontends``: a number, or ``auto``: the CPUs this process may use
     less one (for the scheduler process), 1 to 8."""
     if settings.frontends == "auto":
-        return max(1, min(MAX_AUTO_FRONTENDS, available_cpus() - 1))
+        return auto_frontends(available_cpus())
     return settings.frontends
 
 

@@ -218,11 +218,10 @@ class ModelConfig(_Strict):
     )
     isolation: Literal["auto", "thread", "process"] = Field(
         "auto",
-        description="thread: each instance runs in a thread of the server process. process: "
-        "each instance runs in a worker process of its own, so the event loop never holds "
-        "the GIL the forward needs (costs one socket copy of the padded inputs and the "
-        "outputs per batch; repository models only). auto: process for a repository model "
-        "on the CPU when 2 or more CPUs are available, else thread. See docs/threading.md.",
+        description="thread: each instance runs in a thread of the server. process: in a "
+        "worker process of its own, so the event loop never holds the GIL the forward needs "
+        "(a socket copy of the batch each way; repository models only). auto: "
+        "process on the CPU with 2 or more CPUs, else thread (docs/threading.md).",
     )
     instance_group: list[InstanceGroup] = Field(
         default_factory=list,
@@ -231,6 +230,12 @@ class ModelConfig(_Strict):
     )
     dynamic_batching: DynamicBatching = Field(default_factory=DynamicBatching)
     parameters: dict[str, Any] = Field(default_factory=dict, description="Model(**parameters).")
+    weights: Literal["file", "init"] = Field(
+        "file",
+        description="file: a model.py whose module has parameters or buffers loads them from "
+        "model.safetensors, and without that file fails to load. init: the module serves the "
+        "values Model(**parameters) gives them (tests and toys); a weights file is then an error.",
+    )
     input: list[InputSpec] = Field(min_length=1)
     output: list[OutputSpec] = Field(min_length=1)
     request_parameter: list[RequestParameterSpec] = Field(
@@ -265,6 +270,7 @@ class ModelConfig(_Strict):
             request_parameters=bool(self.request_parameter),
             bytes_tensors=[s.name for s in (*self.input, *self.output) if s.dt.is_bytes],
             ensemble_scheduling=self.ensemble_scheduling is not None,
+            weights_init=self.weights == "init",
         )
         if problem is not None:
             raise ValueError(problem)

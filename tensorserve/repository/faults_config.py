@@ -19,11 +19,10 @@ class Faults(BaseModel):
     )
     watchdog_ms: float | Literal["auto"] = Field(
         "auto",
-        description="Longest one batch may run. Past it a worker process is killed and "
-        "replaced (the batch is retried split); a forward in a thread cannot be stopped: its "
-        "instance takes no batch until it returns, and its callers are answered. auto: 50x "
-        "the slowest batch so far, at least 30 s (off for a "
-        "compiled model: compiling a new shape is not a hang); 0: off.",
+        description="Longest one batch may run: past it a worker process is killed and "
+        "replaced (the batch retried split); a thread's forward cannot be stopped, so its "
+        "instance takes no batch until it returns (its callers are answered). auto: 50x the "
+        "slowest batch, at least 30 s (off when compiled); 0: off.",
     )
     standby_worker: bool | Literal["auto"] = Field(
         "auto",

@@ -2,7 +2,7 @@
 
     <repository>/<model>/config.toml
     <repository>/<model>/<version>/model.py          class Model(torch.nn.Module)
-    <repository>/<model>/<version>/model.safetensors optional weights
+    <repository>/<model>/<version>/model.safetensors its weights (parameters, buffers)
 
 or, by the config's ``platform`` (``repository/platforms.py``), a model file
 in the version folder: ``model.onnx`` (``onnx_model.py``), ``model.pt`` or
@@ -10,7 +10,9 @@ in the version folder: ``model.onnx`` (``onnx_model.py``), ``model.pt`` or
 the padded features as keyword arguments, as a model.py's forward does.
 
 The highest numeric version is served. Weights come from safetensors only;
-nothing is ever unpickled. Every failure raises ``ConfigError`` with a
+nothing is ever unpickled. A module with parameters or buffers and no weights
+file fails to load, unless its config says ``weights = "init"``: forgotten
+weights would otherwise serve random answers. Every failure raises ``ConfigError`` with a
 sentence naming the file and what is wrong. torch is imported by what loads
 a model, not by this module: discovery serves a front-end process too.
 """
@@ -170,8 +172,22 @@ def _load_module(source: ModelSource, version: int, config: ModelConfig) -> torc
             f"{type(exc).__name__}: {exc}"
         ) from exc
     weights = folder / WEIGHTS_FILE
-    if weights.is_file():
+    if config.weights == "init":
+        if weights.is_file():
+            raise ConfigError(
+                f"{source.name}/{version}/{WEIGHTS_FILE}: config.toml says weights = 'init' "
+                f"(the module's own initial values), so remove this file or that setting"
+            )
+    elif weights.is_file():
         load_weights(module, weights)
+    elif tensors := list(module.state_dict()):
+        # Random weights would serve wrong answers with nothing in the logs.
+        raise ConfigError(
+            f"{source.name}/{version}: the module has {len(tensors)} parameters or buffers "
+            f"({', '.join(tensors[:3])}{', ...' if len(tensors) > 3 else ''}) but no "
+            f"{WEIGHTS_FILE} to load them from; add the file, or set weights = 'init' in "
+            f"config.toml to serve the values Model(**parameters) gives them"
+        )
     module.eval()
     return module
 

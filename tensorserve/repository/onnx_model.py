@@ -9,7 +9,7 @@ out-of-memory splits, worker processes.
 At load the graph's own signature is checked against config.toml (names,
 ranks, fixed and variable axes, dtypes), so a mismatch fails the model with
 one sentence instead of failing every batch. onnxruntime is an extra
-(``pip install 'tensorserve[onnx]'``, or ``onnxruntime-gpu``), imported only
+(``pip install onnxruntime``, or ``onnxruntime-gpu``), imported only
 here, when such a model loads.
 """
 
@@ -29,7 +29,8 @@ from tensorserve.repository.platforms import OnnxRuntimeOptions
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'tensorserve[onnx]' (or onnxruntime-gpu on a CUDA machine)"
+# What the onnx extra installs, spelled so that it works without a checkout too.
+INSTALL_HINT = "pip install onnxruntime (or onnxruntime-gpu on a CUDA machine)"
 # ONNX Runtime's element types, as config.toml names them (bfloat16 has no numpy type).
 ORT_DTYPES = {
     "tensor(float)": "float32", "tensor(double)": "float64", "tensor(float16)": "float16",

@@ -55,6 +55,7 @@ def platform_problem(
     request_parameters: bool,
     bytes_tensors: list[str],
     ensemble_scheduling: bool,
+    weights_init: bool = False,
 ) -> str | None:
     """Why a config asks for what its platform cannot do, as one sentence
     (None: nothing). A model file takes its inputs only, and is already
@@ -68,6 +69,8 @@ def platform_problem(
         return None
     if compile != "off":
         return f"compile needs a model.py, not platform = {platform!r}"
+    if weights_init:
+        return f"weights = 'init' is for a model.py, not platform = {platform!r}"
     if request_parameters:
         return (
             f"request_parameter needs a model.py (forward's keyword arguments), not "

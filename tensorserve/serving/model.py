@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -64,6 +65,9 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self: Python 3.11
 
 log = logging.getLogger(__name__)
+# Held once this process said that ``device = "auto"`` found no CUDA: every
+# model left to auto runs on the CPU for the same reason.
+_no_cuda_said = threading.Lock()
 
 
 def _watchdog_seconds(config: ModelConfig) -> float | str | None:
@@ -117,14 +121,13 @@ class ServedModel:
         # What the config leaves to the server (a budget of "auto", lengths
         # unrounded) suits this device: the batcher and collator see the result.
         self.config = config = for_device(config, self.device.type)
-        if placements[0].device == "auto" and self.device.type == "cpu":
-            # Said once per model load: a GPU node whose driver is too old for
-            # this torch, or a pod without its GPU, would otherwise serve on
-            # the CPU, slowly, with nothing in the logs.
+        auto_on_cpu = placements[0].device == "auto" and self.device.type == "cpu"
+        if auto_on_cpu and _no_cuda_said.acquire(blocking=False):
+            # A GPU node whose driver is too old for this torch, or a pod without
+            # its GPU, would otherwise serve on the CPU, slowly, with nothing in the logs.
             log.warning(
-                'model %s: device = "auto" found no CUDA, so it runs on the CPU (%s); '
-                "--device cuda makes this an error",
-                name,
+                'device = "auto" found no CUDA, so models run on the CPU (%s); --device cpu '
+                "silences this warning, --device cuda makes it an error",
                 cuda_missing(),
             )
         self.stats = BatchStats()

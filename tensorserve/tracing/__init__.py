@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from tensorserve.ensemble.tracer import StepTracer
     from tensorserve.settings import Settings
 
-INSTALL = "pip install 'tensorserve[otel]' (in a checkout: pip install -e '.[otel]')"
+# A command that works from a fresh clone (tensorserve is on no package index).
+INSTALL = "from the repository's root: pip install -e '.[otel]'"
 Attributes = Mapping[str, "str | int | float | bool"]
 
 
