@@ -313,15 +313,12 @@ class ModelConfig(_Strict):
 
     @property
     def tokenizes_text(self) -> bool:
-        """A Hugging Face checkpoint whose input is TEXT: the server
-        tokenizes each item before it is queued (``serving/text.py``)."""
+        """A checkpoint whose TEXT the server tokenizes before it is queued."""
         return self.transformers is not None and self.transformers.inputs == "text"
 
     @property
     def unpads_like_inputs(self) -> bool:
-        """Whether its variable outputs follow its own inputs' lengths (not
-        an ensemble's, whose steps give them, nor a text model's, whose
-        tokens the server makes)."""
+        """Its variable outputs follow its inputs (not an ensemble's steps, nor tokens)."""
         return self.platform != "ensemble" and not self.tokenizes_text
 
     @property
@@ -396,7 +393,6 @@ def load_config(path: Path) -> ModelConfig:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
     if data.get("platform") == TRANSFORMERS_PLATFORM:
-        # Its inputs and outputs come from the checkpoint; every check that
-        # needs them runs after, on the result.
+        # Inputs and outputs from the checkpoint; the checks that need them run after.
         data = apply_derived(data, path.parent, source)
     return parse_config(data, source)

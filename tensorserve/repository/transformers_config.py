@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tensorserve.errors import ConfigError
 
@@ -283,18 +283,22 @@ def same_tensors(declared: list[dict[str, Any]], derived: list[dict[str, Any]]) 
     return None if got == want else f"declares {got} but the checkpoint gives {want}"
 
 
+def options_of(data: dict[str, Any], label: str) -> TransformersOptions:
+    """The ``[transformers]`` table, or ``ConfigError`` naming its bad field."""
+    try:
+        return TransformersOptions.model_validate(data.get("transformers") or {})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"transformers.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"{label}: {problems}") from None
+
+
 def apply_derived(data: dict[str, Any], model_folder: Path, label: str) -> dict[str, Any]:
     """``data`` (a parsed config.toml) with the derived inputs and outputs in
     place: declared ones are kept when they match the checkpoint, refused
     with one sentence when they do not."""
-    raw = data.get("transformers")
-    if not isinstance(raw, dict):
-        return data  # the schema says [transformers] is missing or malformed
-    try:
-        options = TransformersOptions.model_validate(raw)
-    except Exception:  # noqa: BLE001 - the schema reports it, naming the field
-        return data
-    derived = derive(model_folder, options, label)
+    derived = derive(model_folder, options_of(data, label), label)
     out = dict(data)
     for kind in ("input", "output"):
         declared = data.get(kind)
@@ -304,5 +308,5 @@ def apply_derived(data: dict[str, Any], model_folder: Path, label: str) -> dict[
                 raise ConfigError(f"{label}: [[{kind}]] {problem}")
         else:
             out[kind] = derived[kind]
-    out["transformers"] = {**raw, "max_length": derived["max_length"]}
+    out["transformers"] = {**data["transformers"], "max_length": derived["max_length"]}
     return out

@@ -21,6 +21,7 @@ imported only here, when such a model loads.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ from tensorserve.repository.transformers_config import (
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'tensorserve[transformers]'"
+# transformers resolves its attributes lazily, and two threads importing
+# through it at once may see a half-made module ("no attribute 'AutoModel'"):
+# the registry loads models in parallel, so loads take turns here.
+_LOADING = threading.Lock()
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -119,6 +124,11 @@ def load_transformers(folder: Path, config: ModelConfig, label: str) -> Transfor
     ``to(device)`` puts it on its device in its dtype."""
     options = config.transformers
     assert options is not None  # the schema requires [transformers] on this platform
+    if options.inputs == "text":  # what runs a batch takes the tokens, never the text
+        raise ConfigError(
+            f"{label}: its TEXT is tokenized before it is queued, so it is served by "
+            f"tensorserve.serving.text.TextServedModel, which loads it with ids inputs"
+        )
     problem = checkpoint_problem(folder, options)
     if problem is not None:
         raise ConfigError(f"{label} {problem}")
@@ -128,12 +138,13 @@ def load_transformers(folder: Path, config: ModelConfig, label: str) -> Transfor
     }
     sentence = options.task == "sentence-embedding" and (folder / "modules.json").is_file()
     try:
-        if sentence:
-            library = import_transformers(label, sentence_transformers=True)
-            network = library.SentenceTransformer(str(folder), device="cpu", **common)
-            _check_sentence_size(network, folder, label)
-        else:
-            network = _load_network(import_transformers(label), folder, options, common)
+        with _LOADING:
+            if sentence:
+                library = import_transformers(label, sentence_transformers=True)
+                network = library.SentenceTransformer(str(folder), device="cpu", **common)
+                _check_sentence_size(network, folder, label)
+            else:
+                network = _load_network(import_transformers(label), folder, options, common)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers raises many types

@@ -42,7 +42,6 @@ from tensorserve.batching.batcher import Batcher
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
-from tensorserve.errors import ConfigError
 from tensorserve.repository.config import (
     VARIABLE,
     DynamicBatching,
@@ -95,10 +94,6 @@ Result = dict[str, np.ndarray]
 
 
 class ServedModel:
-    # A text model (``serving/text.py``) tokenizes before it queues; this
-    # class queues what it is given.
-    tokenizes_text = False
-
     def __init__(
         self,
         name: str,
@@ -205,11 +200,6 @@ class ServedModel:
     ) -> ServedModel:
         """Load one version of a repository model: here (``isolation = "thread"``)
         or in worker processes that load it themselves (``"process"``)."""
-        if config.tokenizes_text and not cls.tokenizes_text:
-            raise ConfigError(
-                f"{source.name}: its TEXT input is tokenized before it is queued: serve it "
-                f"with tensorserve.serving.text.TextServedModel"
-            )
         threads = intra_op_threads or default_intra_op_threads()
         config, placements = resolve_placement(config)
         config = resolve_isolation(config, placements)

@@ -60,7 +60,6 @@ def tokenized_config(config: ModelConfig, source: ModelSource, version: int) -> 
 class TextServedModel(ServedModel):
     """A ``ServedModel`` that tokenizes each text before it is queued."""
 
-    tokenizes_text = True
     tokenized: ModelConfig  # what the batcher runs ("auto" resolved)
     encoder: TextEncoder
 
