@@ -16,6 +16,7 @@ server's ``[transformers]`` extra).
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,9 @@ class Size:
     labels: int = 3
 
 
-def tokenizer(size: Size, max_length: int) -> Any:
+def tokenizer(size: Size, max_length: int, corpus: Sequence[str] = CORPUS) -> Any:
     """A lower-casing WordPiece tokenizer (BERT's pipeline) trained on
-    ``CORPUS``, as ``transformers`` wraps it (``BertTokenizerFast``)."""
+    ``corpus``, as ``transformers`` wraps it (``BertTokenizerFast``)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -63,7 +64,7 @@ def tokenizer(size: Size, max_length: int) -> Any:
     raw.normalizer = normalizers.BertNormalizer(lowercase=True)
     raw.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     raw.train_from_iterator(
-        CORPUS, trainers.WordPieceTrainer(vocab_size=size.vocab, special_tokens=specials)
+        corpus, trainers.WordPieceTrainer(vocab_size=size.vocab, special_tokens=specials)
     )
     cls, sep = raw.token_to_id("[CLS]"), raw.token_to_id("[SEP]")
     raw.post_processor = processors.TemplateProcessing(
@@ -75,7 +76,12 @@ def tokenizer(size: Size, max_length: int) -> Any:
 
 
 def write_checkpoint(
-    folder: str | Path, task: str, size: Size = Size(), seed: int = 0, max_length: int = 64
+    folder: str | Path,
+    task: str,
+    size: Size = Size(),
+    seed: int = 0,
+    max_length: int = 64,
+    corpus: Sequence[str] = CORPUS,
 ) -> Path:
     """``folder`` holding config.json, model.safetensors and the tokenizer's
     files for ``task`` (a feature extractor for both embedding tasks)."""
@@ -83,7 +89,7 @@ def write_checkpoint(
 
     transformers = _library("transformers")
     folder = Path(folder)
-    words = tokenizer(size, max_length)
+    words = tokenizer(size, max_length, corpus)
     config = transformers.BertConfig(
         vocab_size=len(words),
         hidden_size=size.hidden,
