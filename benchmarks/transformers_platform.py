@@ -18,6 +18,8 @@ concurrency in the same run, alternating:
 
     python benchmarks/transformers_platform.py                # c = 32, 64; ~2 minutes
     python benchmarks/transformers_platform.py --hidden 768 --layers 12 --heads 12   # BERT-base
+    python benchmarks/transformers_platform.py --frontends 2 --targets transformers \
+        --out benchmarks/results/transformers_platform_frontends2.json
 
 Prints a table of items/s, p50 and p99 per target and concurrency, and the
 models' mean batch sizes (``/v2/models/{name}/stats``). Saves everything to
@@ -194,6 +196,10 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--isolation", default="auto", choices=["auto", "thread", "process"])
+    parser.add_argument(
+        "--frontends", type=int, default=0, help="serve --frontends N (0: one process)"
+    )
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
@@ -203,10 +209,14 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         write_repository(Path(scratch), size, args)
-        server = ServerProcess(scratch, ["--grpc-port", "-1"], ready_timeout=180).start()
+        flags = ["--grpc-port", "-1"]
+        if args.frontends:
+            flags += ["--frontends", str(args.frontends)]
+        server = ServerProcess(scratch, flags, ready_timeout=180).start()
         try:
             for concurrency in args.concurrency:
-                for target, model in TARGETS.items():
+                for target in args.targets:
+                    model = TARGETS[target]
                     run = asyncio.run(
                         closed_loop(
                             server.url, model, corpus, concurrency, args.warmup, args.duration
@@ -219,7 +229,7 @@ def main() -> None:
                         f"errors {run['errors']}",
                         flush=True,
                     )
-            batches = {target: mean_batch(server.url, model) for target, model in TARGETS.items()}
+            batches = {target: mean_batch(server.url, TARGETS[target]) for target in args.targets}
         finally:
             server.stop()
     print()
