@@ -180,6 +180,26 @@ async def closed_loop(
     }  # fmt: skip
 
 
+def tokenize_cost(tokenizer_json: Path, corpus: list[str], max_length: int) -> dict[str, float]:
+    """In-process: microseconds per text of what the server runs before
+    queueing (``TextEncoder.encode``: the cut rule, then ``encode_batch``),
+    one text per call as a one-text request is, and 32 per call."""
+    from tensorserve.text.encoder import TextEncoder
+
+    encoder = TextEncoder.from_file(str(tokenizer_json), max_length)
+    sample = corpus[:2048]
+    started = time.perf_counter()
+    for text in sample:
+        encoder.encode([text])
+    single = (time.perf_counter() - started) / len(sample)
+    started = time.perf_counter()
+    for i in range(0, len(sample), 32):
+        encoder.encode(sample[i : i + 32])
+    batched = (time.perf_counter() - started) / len(sample)
+    tokens = sum(len(e.input_ids) for e in encoder.encode(sample[:256])) / 256
+    return {"encode_1_us": single * 1e6, "encode_32_us": batched * 1e6, "mean_tokens": tokens}
+
+
 def mean_batch(url: str, model: str) -> float:
     with urllib.request.urlopen(f"{url}/v2/models/{model}/stats") as response:
         return float(json.load(response)["batching"]["avg_batch_size"])
@@ -209,6 +229,9 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
         write_repository(Path(scratch), size, args)
+        tokenizing = tokenize_cost(
+            Path(scratch, TARGETS["transformers"], "1", "tokenizer.json"), corpus, args.max_length
+        )
         flags = ["--grpc-port", "-1"]
         if args.frontends:
             flags += ["--frontends", str(args.frontends)]
@@ -240,6 +263,11 @@ def main() -> None:
             f"{run['p50_ms']:8.2f} {run['p99_ms']:8.2f}"
         )
     print("mean batch size: " + ", ".join(f"{t} {b:.1f}" for t, b in batches.items()))
+    print(
+        f"tokenizing before queueing, in-process: {tokenizing['encode_1_us']:.1f} us/text one "
+        f"at a time, {tokenizing['encode_32_us']:.1f} us/text 32 at a time; "
+        f"{tokenizing['mean_tokens']:.0f} tokens/text"
+    )
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
         check=False,
@@ -256,6 +284,7 @@ def main() -> None:
                        "max_length": args.max_length},
         "runs": runs,
         "mean_batch_size": batches,
+        "tokenize_in_process": tokenizing,
     }  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
