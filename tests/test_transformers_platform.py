@@ -16,6 +16,7 @@ server with ``--frontends 2`` tokenizes in the scheduler process.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -38,7 +39,12 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from tensorserve.errors import ConfigError  # noqa: E402
 from tensorserve.repository.loader import discover, load_model, read_config  # noqa: E402
-from tensorserve.repository.transformers_config import usable_positions  # noqa: E402
+from tensorserve.repository.transformers_config import (  # noqa: E402
+    TransformersOptions,
+    usable_positions,
+)
+from tensorserve.repository.transformers_model import device_dtype  # noqa: E402
+from tensorserve.serving.text import TextServedModel  # noqa: E402
 from tensorserve.text.encoder import TextEncoder  # noqa: E402
 from tests.helpers import MSGPACK  # noqa: E402
 
@@ -88,6 +94,10 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
         else:
             write_checkpoint(folder, task, seed=seed)
         (repo / name / "config.toml").write_text(_config(task, isolation, extra))
+    # The tagger's checkpoint again, taking token ids (as an ensemble's tokenizer step gives them).
+    shutil.copytree(repo / "tagger", repo / "tagger_ids")
+    config = _config("token-classification", "thread", 'inputs = "ids"')
+    (repo / "tagger_ids" / "config.toml").write_text(config)
     return repo
 
 
@@ -221,6 +231,65 @@ def test_64_callers_over_grpc_get_the_librarys_rows(
         client.close()
 
 
+def test_token_ids_in_are_padded_with_the_pad_id_and_cut_back_per_caller(
+    server: ServerProcess, reference: Reference
+) -> None:
+    texts = _texts(16, seed=5)
+    reference("tagger", "")  # loads its model and tokenizer
+    tokenizer = reference.tokenizers["tagger"]
+    items = []
+    for text in texts:
+        ids = np.asarray(tokenizer(text, truncation=True, max_length=MAX_LENGTH).input_ids)
+        items.append({"input_ids": _wire(ids), "attention_mask": _wire(np.ones_like(ids))})
+    reply = httpx.post(
+        f"{server.url}/v2/models/tagger_ids/infer",
+        content=msgpack.packb({"items": items}),  # one request: its texts share batches
+        headers=MSGPACK,
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.content[:300]
+    for text, row in zip(texts, msgpack.unpackb(reply.content)["outputs"], strict=True):
+        logits = np.frombuffer(row["logits"]["data"], "float32").reshape(row["logits"]["shape"])
+        np.testing.assert_allclose(logits, reference("tagger", text), rtol=0, atol=TOLERANCE)
+
+
+def _wire(array: np.ndarray) -> dict[str, Any]:
+    return {"dtype": "int64", "shape": list(array.shape), "data": array.astype(np.int64).tobytes()}
+
+
+def test_in_process_the_text_model_tokenizes_and_says_what_it_truncated(
+    repository: Path, reference: Reference
+) -> None:
+    texts = ["hello world", "the quick brown fox " * 20]
+    with TextServedModel.from_repository(repository, "classifier", isolation="thread") as model:
+        rows = model.infer_many_sync(
+            [{"TEXT": np.array([t.encode()], dtype=object)} for t in texts]
+        )
+    for text, row in zip(texts, rows, strict=True):
+        np.testing.assert_allclose(row["logits"], reference("classifier", text), atol=TOLERANCE)
+    assert [row.parameters["truncated"] for row in rows] == [False, True]  # type: ignore[attr-defined]
+
+
+def test_the_weights_take_the_dtype_asked_for_on_their_device(tmp_path: Path) -> None:
+    default = TransformersOptions(task="feature-extraction")
+    assert device_dtype(default, torch.device("cuda")) == torch.float16  # no GPU needed
+    assert device_dtype(default, torch.device("cpu")) == torch.float32
+    asked = TransformersOptions(task="feature-extraction", torch_dtype="bfloat16")
+    assert device_dtype(asked, torch.device("cuda")) == torch.bfloat16
+    repo = _one_model(
+        tmp_path,
+        'platform = "huggingface_transformers"\n[transformers]\ntask = "feature-extraction"\n'
+        'inputs = "ids"\ntorch_dtype = "bfloat16"\n',
+        task="feature-extraction",
+    )
+    source = discover(repo)["m"]
+    model = load_model(source, None, read_config(source)).module
+    assert model.network.config._attn_implementation == "sdpa"
+    assert next(model.network.parameters()).dtype == torch.float32  # loaded on the CPU as is
+    model.to(torch.device("cpu"))  # what the executor does: to the device, in its dtype
+    assert next(model.network.parameters()).dtype == torch.bfloat16
+
+
 def test_metadata_and_config_show_the_derived_tensors(server: ServerProcess) -> None:
     client = triton_http.InferenceServerClient(server.url.removeprefix("http://"))
     try:
@@ -279,7 +348,8 @@ def _one_model(tmp_path: Path, config: str, task: str = "text-classification") -
 
 def test_three_lines_serve_a_checkpoint_and_ids_inputs_take_the_pad_id(tmp_path: Path) -> None:
     repo = _one_model(
-        tmp_path, 'platform = "huggingface_transformers"\n[transformers]\ntask = "text-classification"\n'
+        tmp_path,
+        'platform = "huggingface_transformers"\n[transformers]\ntask = "text-classification"\n',
     )
     config = read_config(discover(repo)["m"])
     assert [(s.name, s.dtype, s.shape, s.utf8) for s in config.input] == [
@@ -294,7 +364,11 @@ def test_three_lines_serve_a_checkpoint_and_ids_inputs_take_the_pad_id(tmp_path:
     config = read_config(discover(repo)["m"])
     ids, mask = config.input
     assert (ids.name, ids.shape, ids.pad_value, ids.max_length, ids.max_value) == (
-        "input_ids", [-1], 0, 16, 199
+        "input_ids",
+        [-1],
+        0,
+        16,
+        199,
     )
     assert (mask.name, mask.pad_value, mask.max_value) == ("attention_mask", 0, 1)
     assert config.unpad_source(config.output[0]) == "input_ids"
@@ -320,7 +394,9 @@ def test_three_lines_serve_a_checkpoint_and_ids_inputs_take_the_pad_id(tmp_path:
     ],
     ids=["declared-mismatch", "typo", "too-long"],
 )
-def test_a_config_that_does_not_fit_is_one_sentence(tmp_path: Path, extra: str, message: str) -> None:
+def test_a_config_that_does_not_fit_is_one_sentence(
+    tmp_path: Path, extra: str, message: str
+) -> None:
     head = 'platform = "huggingface_transformers"\n'
     if extra.startswith("[[output]]"):
         text = head + extra + '[transformers]\ntask = "text-classification"\n'
@@ -334,7 +410,8 @@ def test_a_config_that_does_not_fit_is_one_sentence(tmp_path: Path, extra: str, 
 
 def test_no_weights_pickled_weights_and_remote_code_are_refused(tmp_path: Path) -> None:
     repo = _one_model(
-        tmp_path, 'platform = "huggingface_transformers"\n[transformers]\ntask = "text-classification"\n'
+        tmp_path,
+        'platform = "huggingface_transformers"\n[transformers]\ntask = "text-classification"\n',
     )
     folder = repo / "m" / "1"
     weights = folder / "model.safetensors"
@@ -346,7 +423,9 @@ def test_no_weights_pickled_weights_and_remote_code_are_refused(tmp_path: Path) 
         "never unpickles: save it with save_pretrained(safe_serialization=True)"
     )
     (folder / "pytorch_model.bin").unlink()
-    with pytest.raises(ConfigError, match=r"^m/config.toml: m/1 holds no weights \(model.safetensors\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^m/config.toml: m/1 holds no weights \(model.safetensors\)$"
+    ):
         read_config(discover(repo)["m"])
     write_checkpoint(folder, "text-classification")
     checkpoint = json.loads((folder / "config.json").read_text())
@@ -380,7 +459,12 @@ def test_without_the_extra_the_load_says_the_pip_line(
 
 
 def test_usable_positions_leave_out_robertas_padding_offset() -> None:
-    assert usable_positions({"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1}) == 512
+    assert (
+        usable_positions(
+            {"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1}
+        )
+        == 512
+    )
     assert usable_positions({"model_type": "bert", "max_position_embeddings": 512}) == 512
 
 

@@ -73,6 +73,7 @@ class TextServedModel(ServedModel):
         on_fatal: Callable[[BaseException], None] | None = None,
         intra_op_threads: int | None = None,
     ) -> TextServedModel:
+        # derived at load (repository/transformers_config.py): never unset here
         assert config.transformers is not None and config.transformers.max_length is not None
         version = resolve_version(source, version)
         inner = transformer_folder(source.path / str(version), source.name)
@@ -134,10 +135,7 @@ class TextServedModel(ServedModel):
         results = await self.batcher.infer_many(
             items, timeout=timeout, priority=level, parameters=values
         )
-        return [
-            RowResult(result, {**row_parameters(result), TRUNCATED: e.truncated})
-            for result, e in zip(results, encoded, strict=True)
-        ]
+        return _with_truncation(results, encoded)
 
     def infer_many_sync(
         self,
@@ -153,18 +151,14 @@ class TextServedModel(ServedModel):
             tokens, timeout=timeout, priority=level, parameters=values
         )
         try:
-            return [f.result(timeout) for f in futures]
+            return _with_truncation([f.result(timeout) for f in futures], encoded)
         finally:
             for f in futures:
                 f.cancel()
 
-    def warmup_items(self) -> list[list[dict[str, np.ndarray]]]:
+    def warmup_items(self, config: ModelConfig | None = None) -> list[list[dict[str, np.ndarray]]]:
         """The grid of the tokenized model: ids of the warm-up lengths."""
-        public, self.config = self.config, self.tokenized
-        try:
-            return super().warmup_items()
-        finally:
-            self.config = public
+        return super().warmup_items(config or self.tokenized)
 
     def warmup(self) -> None:
         for batch in self.warmup_items():
@@ -173,6 +167,14 @@ class TextServedModel(ServedModel):
                 future.result(600)
         self.stats.reset()
         self.batcher.warmed_up()
+
+
+def _with_truncation(results: Sequence[Result], encoded: Sequence[EncodedText]) -> list[Result]:
+    """Each caller's result with ``truncated`` among its output parameters."""
+    return [
+        RowResult(result, {**row_parameters(result), TRUNCATED: e.truncated})
+        for result, e in zip(results, encoded, strict=True)
+    ]
 
 
 def _public(tokenized: ModelConfig, declared: ModelConfig) -> ModelConfig:
