@@ -156,8 +156,7 @@ def server(repository: Path) -> Iterator[ServerProcess]:
     process.stop()
 
 
-def _calls(seed: int) -> list[tuple[str, str]]:
-    names = list(MODELS)
+def _calls(seed: int, names: list[str] = list(MODELS)) -> list[tuple[str, str]]:
     return [(names[i % len(names)], text) for i, text in enumerate(_texts(CALLERS, seed))]
 
 
@@ -195,8 +194,8 @@ def _grpc_call(client: Any, name: str, text: str) -> tuple[np.ndarray, dict[str,
     return result.as_numpy(OUTPUT[MODELS[name][0]])[0], {"truncated": truncated[0]}
 
 
-def _check_all(call: Any, reference: Reference, seed: int) -> None:
-    calls = _calls(seed)
+def _check_all(call: Any, reference: Reference, seed: int, names: list[str] = list(MODELS)) -> None:
+    calls = _calls(seed, names)
     with ThreadPoolExecutor(CALLERS) as pool:
         got = list(pool.map(lambda c: call(*c), calls))
     truncated = 0
@@ -329,11 +328,16 @@ def test_bytes_that_are_not_text_are_a_400_naming_the_input(server: ServerProces
 
 
 def test_front_ends_send_text_and_the_scheduler_process_tokenizes(
-    repository: Path, reference: Reference
+    repository: Path, reference: Reference, tmp_path: Path
 ) -> None:
-    process = ServerProcess(str(repository), ["--frontends", "2"], ready_timeout=150).start()
+    names = ["st_embedder", "tagger"]  # a pooled output and a per-token one, in threads: lean
+    for name in names:
+        shutil.copytree(repository / name, tmp_path / name)
+        task, _, extra = MODELS[name]
+        (tmp_path / name / "config.toml").write_text(_config(task, "thread", extra))
+    process = ServerProcess(str(tmp_path), ["--frontends", "2"], ready_timeout=150).start()
     try:
-        _check_all(lambda name, text: _msgpack_call(process.url, name, text), reference, seed=4)
+        _check_all(lambda name, text: _msgpack_call(process.url, name, text), reference, 4, names)
     finally:
         process.stop()
 
