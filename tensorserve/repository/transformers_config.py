@@ -110,8 +110,11 @@ def transformer_folder(folder: Path, label: str) -> Path:
     modules = folder / "modules.json"
     if not modules.is_file():
         return folder
-    entries = json.loads(modules.read_text())
-    for entry in entries:
+    try:
+        entries = json.loads(modules.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{label}: modules.json is not readable JSON: {exc}") from None
+    for entry in entries if isinstance(entries, list) else []:
         if str(entry.get("type", "")).endswith("Transformer"):
             return folder / entry.get("path", "")
     raise ConfigError(f"{label}: modules.json names no Transformer module")
@@ -130,7 +133,7 @@ def checkpoint_problem(folder: Path, options: TransformersOptions) -> str | None
                 f"save it with save_pretrained(safe_serialization=True)"
             )
         return "holds no weights (model.safetensors)"
-    config = json.loads((inner / "config.json").read_text())
+    config = _read_json(inner / "config.json", str(folder))
     if config.get("auto_map") and not options.trust_remote_code:
         return (
             "needs the Python code it ships (config.json has auto_map); set "
