@@ -15,9 +15,11 @@ server with ``--frontends 2`` tokenizes in the scheduler process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -267,6 +269,23 @@ def test_in_process_the_text_model_tokenizes_and_says_what_it_truncated(
     for text, row in zip(texts, rows, strict=True):
         np.testing.assert_allclose(row["logits"], reference("classifier", text), atol=TOLERANCE)
     assert [row.parameters["truncated"] for row in rows] == [False, True]  # type: ignore[attr-defined]
+
+
+async def test_tokenizing_runs_on_the_request_pool_never_on_the_loop(repository: Path) -> None:
+    model = TextServedModel.from_repository(repository, "classifier", isolation="thread")
+    threads: list[str] = []
+    encode = model.encoder.encode
+
+    def spy(texts: list[str]) -> Any:
+        threads.append(threading.current_thread().name)
+        return encode(texts)
+
+    model.encoder.encode = spy  # type: ignore[method-assign]
+    async with model:
+        texts = [np.array([t.encode()], dtype=object) for t in ("hello", "dog " * 100)]
+        await asyncio.gather(*(model.infer_many([{"TEXT": text}]) for text in texts))
+    assert len(threads) == 2
+    assert all(name.startswith("tensorserve-request") for name in threads), threads
 
 
 def test_the_weights_take_the_dtype_asked_for_on_their_device(tmp_path: Path) -> None:
