@@ -380,6 +380,12 @@ def test_three_lines_serve_a_checkpoint_and_ids_inputs_take_the_pad_id(tmp_path:
     ]
     assert [(s.name, s.dtype, s.shape) for s in config.output] == [("logits", "float32", [3])]
     assert config.transformers is not None and config.transformers.max_length == 64
+    # A declared input that matches is checked, and the derived one serves (UTF-8 checked).
+    (repo / "m" / "config.toml").write_text(
+        'platform = "huggingface_transformers"\n[[input]]\nname = "TEXT"\ndtype = "bytes"\n'
+        'shape = [1]\n[transformers]\ntask = "text-classification"\n'
+    )
+    assert read_config(discover(repo)["m"]).input[0].utf8
     (repo / "m" / "config.toml").write_text(
         'platform = "huggingface_transformers"\n[transformers]\ntask = "token-classification"\n'
         'inputs = "ids"\nmax_length = 16\n'

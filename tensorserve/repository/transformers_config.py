@@ -299,17 +299,16 @@ def options_of(data: dict[str, Any], label: str) -> TransformersOptions:
 
 def apply_derived(data: dict[str, Any], model_folder: Path, label: str) -> dict[str, Any]:
     """``data`` (a parsed config.toml) with the derived inputs and outputs in
-    place: declared ones are kept when they match the checkpoint, refused
-    with one sentence when they do not."""
+    place. Declared ones are only checked against the checkpoint (one
+    sentence when they do not match): the derived ones serve, so the text
+    is always checked as UTF-8 and the ids padded with the pad id."""
     derived = derive(model_folder, options_of(data, label), label)
     out = dict(data)
     for kind in ("input", "output"):
         declared = data.get(kind)
-        if declared:
-            problem = same_tensors(declared, derived[kind])
-            if problem is not None:
-                raise ConfigError(f"{label}: [[{kind}]] {problem}")
-        else:
-            out[kind] = derived[kind]
+        problem = same_tensors(declared, derived[kind]) if declared else None
+        if problem is not None:
+            raise ConfigError(f"{label}: [[{kind}]] {problem}")
+        out[kind] = derived[kind]
     out["transformers"] = {**data["transformers"], "max_length": derived["max_length"]}
     return out
