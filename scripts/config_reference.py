@@ -36,6 +36,7 @@ from tensorserve.repository.config import (
 from tensorserve.repository.ensemble_config import EnsembleStep
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.repository.platforms import OnnxRuntimeOptions
+from tensorserve.repository.transformers_config import TransformersOptions
 from tensorserve.settings import Settings
 
 PAGE = ROOT / "docs" / "configuration.md"
@@ -139,6 +140,8 @@ def reference() -> str:
         "### `[warmup]`\n\n" + model_table(Warmup),
         '### `[onnxruntime]` (`platform = "onnxruntime_onnx"`)\n\n'
         + model_table(OnnxRuntimeOptions),
+        '### `[transformers]` (`platform = "huggingface_transformers"`)\n\n'
+        + model_table(TransformersOptions),
         '### `[[ensemble_scheduling.step]]` (`platform = "ensemble"`)\n\n'
         + model_table(EnsembleStep),
     ]

@@ -34,6 +34,7 @@ from tensorserve.errors import ModelNotReady
 from tensorserve.frontends.protocol import each_of_run, split_items
 from tensorserve.frontends.requests import RemoteItem, RemoteRequest, ReplySlot
 from tensorserve.frontends.table import Generations
+from tensorserve.serving.text import TextServedModel
 
 if TYPE_CHECKING:
     from tensorserve.frontends.hub import Connection
@@ -112,7 +113,8 @@ class Intake:
         except Exception:  # noqa: BLE001 - each request is then answered on its own
             return None
         if (
-            isinstance(served, Ensemble)
+            # an ensemble's steps, a text model's tokenizing: each request on its own
+            isinstance(served, (Ensemble, TextServedModel))
             # a refusal for the latency target is counted: once per request
             or served.batcher.latency_target is not None
             or not self.generations.current(model, served, generation)
@@ -207,6 +209,13 @@ class Intake:
                 _answer_when_done(
                     connection, rid, _within(context, self.loop.create_task, coroutine)
                 )
+                return
+            if isinstance(served, TextServedModel):
+                # Validated by the front end; tokenized here, off the loop, then queued.
+                text = served.infer_validated(
+                    items, timeout=timeout, level=priority, values=parameters or NO_PARAMETERS
+                )
+                _answer_when_done(connection, rid, _within(context, self.loop.create_task, text))
                 return
             request = RemoteRequest(connection, rid, len(items), request_id)
             request.batcher = batcher = served.batcher

@@ -33,6 +33,11 @@ from tensorserve.repository.platforms import (
     Platform,
     platform_problem,
 )
+from tensorserve.repository.transformers_config import (
+    TRANSFORMERS_PLATFORM,
+    TransformersOptions,
+    apply_derived,
+)
 from tensorserve.repository.value_bounds import bounds_problem
 from tensorserve.settings import BOUNDS, check_device
 from tensorserve.tensors.dtypes import DTYPES, DType
@@ -189,14 +194,19 @@ class ModelConfig(_Strict):
         DEFAULT_PLATFORM,
         description="What a version folder holds (Triton's names): pytorch_tensorserve: "
         "model.py (+ model.safetensors); onnxruntime_onnx: model.onnx; pytorch_libtorch: "
-        "model.pt (TorchScript) or model.pt2 (torch.export); ensemble: an empty folder, "
-        "the steps run other models.",
+        "model.pt or model.pt2; huggingface_transformers: a save_pretrained folder "
+        "([transformers]); ensemble: nothing, the steps run other models.",
     )
     ensemble_scheduling: EnsembleScheduling | None = Field(
         None, description="platform = 'ensemble': its steps (docs/model-repository.md)."
     )
     onnxruntime: OnnxRuntimeOptions | None = Field(
         None, description="Session options of an onnxruntime_onnx model."
+    )
+    transformers: TransformersOptions | None = Field(
+        None,
+        description="What a huggingface_transformers checkpoint does (its task); its inputs "
+        "and outputs are derived from the checkpoint.",
     )
     max_batch_size: int = Field(
         32,
@@ -266,6 +276,8 @@ class ModelConfig(_Strict):
         problem = platform_problem(
             self.platform,
             onnxruntime=self.onnxruntime is not None,
+            transformers=self.transformers is not None,
+            text_input=self.tokenizes_text,
             compile=self.compile,
             request_parameters=bool(self.request_parameter),
             bytes_tensors=[s.name for s in (*self.input, *self.output) if s.dt.is_bytes],
@@ -288,8 +300,9 @@ class ModelConfig(_Strict):
         for parameter in self.request_parameter:
             if parameter.name in inputs:  # both are keyword arguments of forward
                 raise ValueError(f"request_parameter {parameter.name!r} has the name of an input")
-        # An ensemble's outputs take their shapes from its steps (checked at load).
-        for out in self.output if self.platform != "ensemble" else []:
+        # An ensemble's outputs take their shapes from its steps (checked at load);
+        # a text model's per-token outputs follow the tokens the server made.
+        for out in self.output if self.unpads_like_inputs else []:
             if (problem := output_problem(out, self.unpad_source(out), inputs)) is not None:
                 raise ValueError(problem)
         return self
@@ -297,11 +310,21 @@ class ModelConfig(_Strict):
     def unpad_source(self, out: OutputSpec) -> str | None:
         """The input whose true lengths un-pad ``out`` (a ragged one, or an
         ensemble's, whose steps give its shape: none)."""
-        if out.ragged or self.platform == "ensemble":
+        if out.ragged or not self.unpads_like_inputs:
             return None
         if out.unpad_like is not None:
             return out.unpad_like
         return next((s.name for s in self.input if s.variable_axes), None)
+
+    @property
+    def tokenizes_text(self) -> bool:
+        """A checkpoint whose TEXT the server tokenizes before it is queued."""
+        return self.transformers is not None and self.transformers.inputs == "text"
+
+    @property
+    def unpads_like_inputs(self) -> bool:
+        """Its variable outputs follow its inputs (not an ensemble's steps, nor tokens)."""
+        return self.platform != "ensemble" and not self.tokenizes_text
 
     @property
     def batching(self) -> bool:
@@ -374,4 +397,7 @@ def load_config(path: Path) -> ModelConfig:
         raise ConfigError(f"{source}: file not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    if data.get("platform") == TRANSFORMERS_PLATFORM:
+        # Inputs and outputs from the checkpoint; the checks that need them run after.
+        data = apply_derived(data, path.parent, source)
     return parse_config(data, source)

@@ -6,7 +6,8 @@
 
 or, by the config's ``platform`` (``repository/platforms.py``), a model file
 in the version folder: ``model.onnx`` (``onnx_model.py``), ``model.pt`` or
-``model.pt2`` (``torchscript_model.py``). Each loads as a callable that takes
+``model.pt2`` (``torchscript_model.py``), a Hugging Face checkpoint
+(``transformers_model.py``). Each loads as a callable that takes
 the padded features as keyword arguments, as a model.py's forward does.
 
 The highest numeric version is served. Weights come from safetensors only;
@@ -151,6 +152,10 @@ def load_model(
         from tensorserve.repository.onnx_model import load_onnx  # onnxruntime: an extra
 
         model: Callable[..., Any] = load_onnx(path, config, intra_op_threads, label)
+    elif config.platform == "huggingface_transformers":
+        from tensorserve.repository.transformers_model import load_transformers  # an extra
+
+        model = load_transformers(folder, config, f"{source.name}/{version}")
     elif config.platform == "pytorch_libtorch":
         from tensorserve.repository.torchscript_model import load_torchscript
 

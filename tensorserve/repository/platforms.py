@@ -5,6 +5,10 @@ names), and the ONNX Runtime session options a config may set.
     onnxruntime_onnx      <version>/model.onnx, run by an ONNX Runtime session
     pytorch_libtorch      <version>/model.pt (TorchScript, torch.jit.load) or
                           <version>/model.pt2 (a torch.export program)
+    huggingface_transformers
+                          <version>/config.json, model.safetensors and the
+                          tokenizer's files, as save_pretrained writes them
+                          ([transformers]: transformers_config.py)
     ensemble              an empty <version>/: [[ensemble_scheduling.step]] runs
                           other models (tensorserve/ensemble/)
 
@@ -20,7 +24,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Platform = Literal["pytorch_tensorserve", "onnxruntime_onnx", "pytorch_libtorch", "ensemble"]
+Platform = Literal[
+    "pytorch_tensorserve",
+    "onnxruntime_onnx",
+    "pytorch_libtorch",
+    "huggingface_transformers",
+    "ensemble",
+]
 DEFAULT_PLATFORM: Platform = "pytorch_tensorserve"
 
 
@@ -42,6 +52,10 @@ PLATFORMS: dict[str, PlatformFiles] = {
     "pytorch_libtorch": PlatformFiles(
         ("model.pt", "model.pt2"), loads_before_fork=True, python=False
     ),
+    # A torch module once loaded: the template may load it and fork, as for model.py.
+    "huggingface_transformers": PlatformFiles(
+        ("config.json", "modules.json"), loads_before_fork=True, python=False
+    ),
     # Nothing to load: its steps' models run (the registry builds an Ensemble).
     "ensemble": PlatformFiles((), loads_before_fork=False, python=False),
 }
@@ -51,6 +65,8 @@ def platform_problem(
     platform: str,
     *,
     onnxruntime: bool,
+    transformers: bool,
+    text_input: bool,
     compile: str,
     request_parameters: bool,
     bytes_tensors: list[str],
@@ -59,10 +75,13 @@ def platform_problem(
 ) -> str | None:
     """Why a config asks for what its platform cannot do, as one sentence
     (None: nothing). A model file takes its inputs only, and is already
-    compiled its own way; an ensemble runs other models, which declare
+    compiled its own way (a Hugging Face checkpoint takes a TEXT input, which
+    the server tokenizes before the model sees it); an ensemble runs other models, which declare
     their own request parameters (every step is given the request's)."""
     if onnxruntime and platform != "onnxruntime_onnx":
         return "[onnxruntime] is for platform = 'onnxruntime_onnx'"
+    if transformers != (platform == "huggingface_transformers"):
+        return "platform = 'huggingface_transformers' and [transformers] go together"
     if ensemble_scheduling != (platform == "ensemble"):
         return "platform = 'ensemble' and [[ensemble_scheduling.step]] go together"
     if PLATFORMS[platform].python:
@@ -76,6 +95,8 @@ def platform_problem(
             f"request_parameter needs a model.py (forward's keyword arguments), not "
             f"platform = {platform!r}"
         )
+    if text_input:  # the server tokenizes TEXT before the item is queued
+        bytes_tensors = [name for name in bytes_tensors if name != "TEXT"]
     if bytes_tensors and platform != "ensemble":  # bytes reach a forward as numpy arrays
         return (
             f"dtype bytes ({', '.join(map(repr, bytes_tensors))}) needs a model.py, not "

@@ -370,18 +370,19 @@ class ServedModel:
         return self.infer_many_sync([item], timeout=timeout, parameters=parameters)[0]
 
     # ------------------------------------------------------------------ warm-up
-    def warmup_items(self) -> list[list[dict[str, np.ndarray]]]:
+    def warmup_items(self, config: ModelConfig | None = None) -> list[list[dict[str, np.ndarray]]]:
         """Batches over a small grid of sizes and lengths, so the first real
         request pays no allocator growth or lazy initialisation."""
-        grid = self.config.warmup
-        sizes = grid.batch_sizes or sorted({1, max(1, self.config.max_batch_size)})
+        config = config or self.config  # a text model's: the tokenized one
+        grid = config.warmup
+        sizes = grid.batch_sizes or sorted({1, max(1, config.max_batch_size)})
         # A warm-up request must fit the queue, as any request must.
-        sizes = sorted({min(size, self.config.dynamic_batching.max_queue_size) for size in sizes})
+        sizes = sorted({min(size, config.dynamic_batching.max_queue_size) for size in sizes})
         batches = []
         for length in grid.lengths:
             for size in sizes:
                 item = {}
-                for spec in self.config.input:
+                for spec in config.input:
                     limit = spec.max_length or length
                     shape = [min(length, limit) if d == VARIABLE else d for d in spec.shape]
                     item[spec.name] = np.full(shape, _warmup_value(spec), dtype=spec.dt.numpy)

@@ -31,6 +31,7 @@ from tensorserve.repository.config import ModelConfig, load_config
 from tensorserve.repository.loader import ModelSource, discover, read_config, resolve_version
 from tensorserve.serving.entries import ModelState, lookup, ready
 from tensorserve.serving.model import ServedModel
+from tensorserve.serving.text import TextServedModel
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,8 @@ class ModelRegistry:
         config = read_config(source, self.overrides, self.default_device)
         if config.platform == "ensemble":
             return self._build_ensemble(source, config)
-        served = ServedModel.from_source(
+        kind = TextServedModel if config.tokenizes_text else ServedModel
+        served = kind.from_source(
             source,
             None,
             config,
