@@ -254,6 +254,13 @@ def test_tritonclient_http_binary_and_grpc_get_each_items_rows(server: ServerPro
             answer = grpc.infer("packed", _inputs(triton_grpc, one))
             np.testing.assert_array_equal(answer.as_numpy("y")[0], one["x"] * 1000 + len(one["x"]))
             assert answer.as_numpy("first").tolist() == [[one["x"][0]]]
+        config = grpc.get_model_config("packed").config  # in Triton's terms
+        assert [t.allow_ragged_batch for t in config.input] == [True, True]
+        cu = config.batch_input[0]
+        assert (triton_grpc.model_config_pb2.BatchInput.Kind.Name(cu.kind), list(cu.target_name),
+                triton_grpc.model_config_pb2.DataType.Name(cu.data_type), list(cu.source_input)) == (
+            "BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO", ["cu"], "TYPE_INT64", ["x"])  # fmt: skip
+        assert list(config.batch_output[0].target_name) == ["w"]
     finally:
         http.close()
         grpc.close()
