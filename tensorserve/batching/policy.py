@@ -71,14 +71,26 @@ class FifoPolicy:
 
     def select(self, waiting: Waiting, max_batch_size: int) -> list[int]:
         chosen: list[int] = []
-        longest = total = 0
+        longest = 0
         limit = budget_for_next_batch(self)
+        if self.packed and limit:  # a loop of its own: the padded one stays as it was
+            return _first_within_sum(waiting.volumes[:max_batch_size], limit)
         for index, volume in enumerate(waiting.volumes[:max_batch_size]):
-            longest, total = max(longest, volume), total + volume
-            if chosen and limit and (total if self.packed else (len(chosen) + 1) * longest) > limit:
+            longest = max(longest, volume)
+            if chosen and limit and (len(chosen) + 1) * longest > limit:
                 break
             chosen.append(index)
         return chosen
+
+
+def _first_within_sum(volumes: Sequence[int], limit: int) -> list[int]:
+    """The oldest items whose volumes sum within ``limit`` (at least one)."""
+    total = 0
+    for index, volume in enumerate(volumes):
+        total += volume
+        if index and total > limit:
+            return list(range(index))
+    return list(range(len(volumes)))
 
 
 class BatchCostModel:
