@@ -77,3 +77,22 @@ def test_served_rows_equal_the_padded_taggers_rows() -> None:
     for row, reference, one in zip(rows, expected, items):
         assert row["logits"].shape == (len(one), 9)
         np.testing.assert_allclose(row["logits"], reference["logits"], atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_the_nested_attention_serves_the_padded_taggers_rows() -> None:
+    """The path a GPU takes (attention = "auto": a nested jagged tensor with
+    SDPA), served, against the padded tagger on the same GPU."""
+    items = _items()
+    options = {"isolation": "thread", "device": "cuda", "warmup": {"enabled": False}}
+    with (
+        ServedModel.from_repository(EXAMPLES, "packed_tagger", **options) as packed,
+        ServedModel.from_repository(ROOT / "model_repository", "tagger", **options) as padded,
+    ):
+        rows = packed.infer_many_sync([{"input_ids": a} for a in items], timeout=120)
+        expected = padded.infer_many_sync(
+            [{"input_ids": a, "attention_mask": np.ones_like(a)} for a in items], timeout=120
+        )
+    for row, reference in zip(rows, expected):
+        np.testing.assert_allclose(row["logits"], reference["logits"], atol=1e-3, rtol=1e-3)
