@@ -115,7 +115,9 @@ async def closed_loop(
 def repository(folder: Path) -> Path:
     """Both models in one repository: the tagger and its packed twin."""
     shutil.copytree(ROOT / "model_repository" / "tagger", folder / "tagger")
-    shutil.copytree(ROOT / "examples" / "model_repository" / "packed_tagger", folder / "packed_tagger")
+    shutil.copytree(
+        ROOT / "examples" / "model_repository" / "packed_tagger", folder / "packed_tagger"
+    )
     return folder
 
 

@@ -88,7 +88,7 @@ def main() -> None:
                 mine = best[str(tree)]
                 mine[step] = min(us, mine.get(step, us))
     steps = list(next(iter(best.values())))
-    print(f"{'step (us a call, best)':34}" + "".join(f"{str(t):>22}" for t in args.tree))
+    print(f"{'step (us a call, best)':34}" + "".join(f"{t!s:>22}" for t in args.tree))
     for step in steps:
         print(f"{step:34}" + "".join(f"{best[str(t)][step]:22.2f}" for t in args.tree))
     commit = subprocess.run(

@@ -45,20 +45,26 @@ def _config(**fields: Any) -> Any:
         (
             {"input": [{"name": "x", "dtype": "float32", "shape": [4], "allow_ragged_batch": True}],
              "output": [{"name": "y", "dtype": "float32", "shape": [4]}], "batch_input": []},
-            "m/config.toml: input 'x': allow_ragged_batch = true concatenates items along their "
-            "one variable (-1) axis, but shape [4] has 0",
+            (
+                "m/config.toml: input 'x': allow_ragged_batch = true concatenates items along their "
+                "one variable (-1) axis, but shape [4] has 0"
+            ),
         ),
         (
             {"input": [{"name": "x", "dtype": "float32", "shape": [-1, -1],
                         "allow_ragged_batch": True}],
              "output": [{"name": "y", "dtype": "float32", "shape": [-1]}], "batch_input": []},
-            "m/config.toml: input 'x': allow_ragged_batch = true concatenates items along their "
-            "one variable (-1) axis, but shape [-1, -1] has 2",
+            (
+                "m/config.toml: input 'x': allow_ragged_batch = true concatenates items along their "
+                "one variable (-1) axis, but shape [-1, -1] has 2"
+            ),
         ),
         (
             {"max_batch_size": 0, "batch_input": []},
-            "m/config.toml: input 'x': allow_ragged_batch = true packs batches of items; it "
-            "needs max_batch_size >= 1",
+            (
+                "m/config.toml: input 'x': allow_ragged_batch = true packs batches of items; it "
+                "needs max_batch_size >= 1"
+            ),
         ),
         (
             {"batch_input": [{"kind": "BATCH_ELEMENT_COUNT", "target_name": "x",
@@ -69,8 +75,10 @@ def _config(**fields: Any) -> Any:
             {"input": [{"name": "x", "dtype": "float32", "shape": [-1, 2]}],
              "batch_input": [{"kind": "BATCH_ELEMENT_COUNT", "target_name": "n",
                               "source_input": ["x"]}]},
-            "m/config.toml: batch_input 'n': source_input 'x' is not an input with "
-            "allow_ragged_batch = true",
+            (
+                "m/config.toml: batch_input 'n': source_input 'x' is not an input with "
+                "allow_ragged_batch = true"
+            ),
         ),
         (
             {"batch_output": [{"kind": "BATCH_SCATTER_WITH_INPUT_SHAPE", "target_name": ["z"],
@@ -80,9 +88,11 @@ def _config(**fields: Any) -> Any:
         (
             {"batch_input": [{"kind": "BATCH_ROW_COUNT", "target_name": "n",
                               "source_input": ["x"]}]},
-            "m/config.toml: batch_input[0].kind: Input should be 'BATCH_ELEMENT_COUNT', "
-            "'BATCH_ACCUMULATED_ELEMENT_COUNT', 'BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO', "
-            "'BATCH_MAX_ELEMENT_COUNT_AS_SHAPE', 'BATCH_ITEM_SHAPE' or 'BATCH_ITEM_SHAPE_FLATTEN'",
+            (
+                "m/config.toml: batch_input[0].kind: Input should be 'BATCH_ELEMENT_COUNT', "
+                "'BATCH_ACCUMULATED_ELEMENT_COUNT', 'BATCH_ACCUMULATED_ELEMENT_COUNT_WITH_ZERO', "
+                "'BATCH_MAX_ELEMENT_COUNT_AS_SHAPE', 'BATCH_ITEM_SHAPE' or 'BATCH_ITEM_SHAPE_FLATTEN'"
+            ),
         ),
     ],
 )  # fmt: skip
