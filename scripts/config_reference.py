@@ -36,6 +36,7 @@ from tensorserve.repository.config import (
 from tensorserve.repository.ensemble_config import EnsembleStep
 from tensorserve.repository.parameters import RequestParameterSpec
 from tensorserve.repository.platforms import OnnxRuntimeOptions
+from tensorserve.repository.ragged_config import BatchInputSpec, BatchOutputSpec
 from tensorserve.repository.transformers_config import TransformersOptions
 from tensorserve.settings import Settings
 
@@ -136,6 +137,8 @@ def reference() -> str:
         "### `[[instance_group]]`\n\n" + model_table(InstanceGroup),
         "### `[[input]]`\n\n" + model_table(InputSpec),
         "### `[[output]]`\n\n" + model_table(OutputSpec),
+        "### `[[batch_input]]` (packed batches)\n\n" + model_table(BatchInputSpec),
+        "### `[[batch_output]]` (packed batches)\n\n" + model_table(BatchOutputSpec),
         "### `[[request_parameter]]`\n\n" + model_table(RequestParameterSpec),
         "### `[warmup]`\n\n" + model_table(Warmup),
         '### `[onnxruntime]` (`platform = "onnxruntime_onnx"`)\n\n'

@@ -19,12 +19,18 @@ the tagger's own weights (the same seed) as an ONNX graph with dynamic batch and
 ``torch.onnx.export(dynamo=True)``, which needs ``onnxscript``
 (``pip install onnxscript``); without it that model is skipped, saying so.
 
+And it copies the tagger's weights to
+``examples/model_repository/packed_tagger/1/model.safetensors``: the packed
+tagger has the tagger's modules under the same names (only its forward
+differs), so the same file serves both.
+
 Usage::
 
     python scripts/generate_example_weights.py                 # all bundled models
     python scripts/generate_example_weights.py tagger embedder # selected models
     python scripts/generate_example_weights.py --repo /tmp/repo --seed 0
     python scripts/generate_example_weights.py tagger_onnx     # the ONNX export only
+    python scripts/generate_example_weights.py packed_tagger   # the weights' copy only
 
 Reusable from Python (e.g. benchmarks building a bigger variant)::
 
@@ -308,6 +314,13 @@ def export_tagger_onnx(repository: Path, examples: Path, seed: int = 0) -> Path:
     return path
 
 
+def copy_packed_tagger_weights(repository: Path, examples: Path) -> Path:
+    """``<examples>/packed_tagger/1/model.safetensors``: the tagger's own file."""
+    path = Path(examples) / "packed_tagger" / VERSION / "model.safetensors"
+    shutil.copyfile(Path(repository) / "tagger" / VERSION / "model.safetensors", path)
+    return path
+
+
 def model_dirs(repository: Path) -> list[Path]:
     return sorted(
         p
@@ -329,7 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     export_onnx = (args.examples / "tagger_onnx").is_dir() and (
         not args.models or "tagger_onnx" in args.models
     )
-    asked = [m for m in args.models if m != "tagger_onnx"]
+    copy_packed = (args.examples / "packed_tagger").is_dir() and (
+        not args.models or "packed_tagger" in args.models
+    )
+    asked = [m for m in args.models if m not in ("tagger_onnx", "packed_tagger")]
     if args.models and not asked:
         dirs = []  # only the ONNX export was asked for
     elif asked:
@@ -344,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = write_weights(d, seed=args.seed)
         print(f"{d.name}: {path.relative_to(args.repo)} ({path.stat().st_size} bytes)")
+    if copy_packed:
+        path = copy_packed_tagger_weights(args.repo, args.examples)
+        print(f"packed_tagger: {path} (the tagger's weights)")
     if export_onnx:
         try:
             import onnxscript  # noqa: F401  (torch.onnx's exporter)

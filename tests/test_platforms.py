@@ -235,12 +235,14 @@ def test_what_a_platform_cannot_do_is_a_config_error(fields: dict[str, Any], rea
 @pytest.mark.timeout(240)
 def test_the_examples_repository_serves_tagger_onnx_with_the_onnx_extra() -> None:
     """examples/model_repository (the docs serve it with the onnx extra): the
-    bundled tagger exported to ONNX, READY, answering as the tagger does."""
+    bundled tagger exported to ONNX, READY, answering as the tagger does; and
+    packed_tagger, the tagger's weights on packed batches, answering the same."""
     examples = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
     server = ServerProcess(str(examples)).start()  # ready: every model of it loaded
     try:
         models = httpx.get(f"{server.url}/v2/models").json()["models"]
-        assert {m["name"]: m["state"] for m in models} == {"tagger_onnx": "READY"}
+        states = {m["name"]: m["state"] for m in models}
+        assert states == {"packed_tagger": "READY", "tagger_onnx": "READY"}
         rng = np.random.default_rng(3)
         batch = [{"input_ids": rng.integers(1, 4096, n, dtype=np.int64),
                   "attention_mask": np.ones(n, np.int64)} for n in (5, 17, 2)]
@@ -248,5 +250,8 @@ def test_the_examples_repository_serves_tagger_onnx_with_the_onnx_extra() -> Non
         assert [row["logits"].shape for row in rows] == [(5, 9), (17, 9), (2, 9)]
         alone = infer(server.url, "tagger_onnx", batch[2:])[0]
         np.testing.assert_allclose(rows[2]["logits"], alone["logits"], rtol=1e-4, atol=1e-4)
+        packed = infer(server.url, "packed_tagger", [{"input_ids": b["input_ids"]} for b in batch])
+        for row, expected in zip(packed, rows):
+            np.testing.assert_allclose(row["logits"], expected["logits"], rtol=1e-4, atol=1e-4)
     finally:
         server.stop()

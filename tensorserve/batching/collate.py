@@ -85,7 +85,7 @@ def _round_up(value: int, multiple: int | None, limit: int) -> int:
     return max(value, min(-(-value // multiple) * multiple, limit))
 
 
-def _batch_buffer(
+def batch_buffer(
     batch: int, row_shape: list[int], dt: DType, pin_memory: bool
 ) -> tuple[Feature, np.ndarray]:
     """(what the model gets, a numpy view of it to fill): a torch tensor, or
@@ -130,7 +130,7 @@ def pad(
         shapes = np.array([a.shape for a in arrays], dtype=np.int64).reshape(batch, len(spec.shape))
         longest = shapes.max(axis=0) if batch else np.zeros(len(spec.shape), np.int64)
         row_shape = padded_shape(longest, spec, pad_to_multiple_of)
-        buffer, host = _batch_buffer(batch, row_shape, spec.dt, pin_memory)
+        buffer, host = batch_buffer(batch, row_shape, spec.dt, pin_memory)
         if bool((shapes == shapes[0]).all()) and list(shapes[0]) == row_shape:
             np.stack(arrays, out=host)  # nothing to pad: one copy
         else:
@@ -169,7 +169,7 @@ class _Rows:
     ) -> tuple[Feature, np.ndarray, np.ndarray]:
         counts = [len(a) for a in arrays]
         width = padded_shape([max(counts, default=0)], spec, pad_to_multiple_of)[0]
-        buffer, host = _batch_buffer(len(arrays), [width], spec.dt, pin_memory)
+        buffer, host = batch_buffer(len(arrays), [width], spec.dt, pin_memory)
         if self.key is None or self.key[1] != width or self.key[0] != counts:
             self.key, self.mask, self.total = (counts, width), None, sum(counts)
             self.longest = max(counts, default=0)
@@ -305,6 +305,8 @@ class Collator:
 
     def __init__(self, config: ModelConfig, *, pin_memory: bool = False) -> None:
         self.inputs = config.input
+        # The inputs a batch pads (a packed model's ragged ones are concatenated: packing.py).
+        self.padded_inputs = [spec for spec in config.input if not spec.allow_ragged_batch]
         self.outputs = config.output
         self.sources = {out.name: config.unpad_source(out) for out in config.output}
         # The first input with variable axes stands for an item's size.
@@ -339,7 +341,7 @@ class Collator:
     def padded_elements(self, items: Sequence[Item]) -> int:
         """Elements ``pad(items)`` allocates, all features (``padded_shape``)."""
         total = 0
-        for spec in self.inputs:
+        for spec in self.padded_inputs:
             longest = [  # plain Python: this runs each time a batch forms, for a few items
                 max(item[spec.name].shape[axis] for item in items) if dim == VARIABLE else dim
                 for axis, dim in enumerate(spec.shape)

@@ -7,7 +7,8 @@ the indices of the next batch. Two rules bind every policy:
   the batch: no item starves beyond its deadline plus one batch;
 * the batch's padded volume (batch size x padded item size) stays within
   the budget: ``max_batch_tokens`` when one is set, else the one the
-  ``LearntBudget`` measured (a lone item always fits).
+  ``LearntBudget`` measured (a lone item always fits). A ``packed`` model's
+  batch pads nothing: its volume is the sum of its items' (batching/packing.py).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class BatchPolicy(Protocol):
     def max_batch_tokens(self) -> int | None: ...
     @property
     def budget(self) -> LearntBudget | None: ...
+    @property
+    def packed(self) -> bool: ...
     def select(self, waiting: Waiting, max_batch_size: int) -> list[int]: ...
 
 
@@ -64,17 +67,30 @@ class FifoPolicy:
     budget: LearntBudget | None = field(default=None, compare=False)  # when no budget is set
     name: str = "fifo"
     cost: None = None  # arrival order needs no cost model
+    packed: bool = False  # the budget counts summed volumes, not size x longest
 
     def select(self, waiting: Waiting, max_batch_size: int) -> list[int]:
         chosen: list[int] = []
         longest = 0
         limit = budget_for_next_batch(self)
+        if self.packed and limit:  # a loop of its own: the padded one stays as it was
+            return _first_within_sum(waiting.volumes[:max_batch_size], limit)
         for index, volume in enumerate(waiting.volumes[:max_batch_size]):
             longest = max(longest, volume)
             if chosen and limit and (len(chosen) + 1) * longest > limit:
                 break
             chosen.append(index)
         return chosen
+
+
+def _first_within_sum(volumes: Sequence[int], limit: int) -> list[int]:
+    """The oldest items whose volumes sum within ``limit`` (at least one)."""
+    total = 0
+    for index, volume in enumerate(volumes):
+        total += volume
+        if index and total > limit:
+            return list(range(index))
+    return list(range(len(volumes)))
 
 
 class BatchCostModel:
@@ -193,6 +209,7 @@ class LengthAwarePolicy:
     budget: LearntBudget | None = field(default=None, compare=False)  # when no budget is set
     cost: BatchCostModel = field(default_factory=BatchCostModel, compare=False)
     name: str = "length_aware"
+    packed: bool = False  # the budget counts summed volumes, not size x longest
 
     def select(self, waiting: Waiting, max_batch_size: int) -> list[int]:
         n = len(waiting)
@@ -240,7 +257,8 @@ class LengthAwarePolicy:
             if forced is not None:  # only runs that hold it (each column starts at or before it)
                 valid = valid & (forced < np.arange(lo, hi) + sizes)  # (<= most columns)
             if limit:
-                valid = valid & ((sizes * longest <= limit) | (sizes == 1))
+                volume = real if self.packed else sizes * longest
+                valid = valid & ((volume <= limit) | (sizes == 1))
             if coefficients is not None:  # real / cost, as BatchCostModel.cost reads, in place
                 fixed, per_element, per_step = coefficients
                 scores = longest * (per_element * sizes + per_step)  # a column, then the grid
@@ -315,15 +333,17 @@ def budget_for_next_batch(policy: FifoPolicy | LengthAwarePolicy) -> int | None:
     return policy.budget.limit() if policy.budget is not None else None
 
 
-def make_policy(name: str, max_batch_tokens: int | Literal["auto"] | None) -> BatchPolicy:
+def make_policy(
+    name: str, max_batch_tokens: int | Literal["auto"] | None, packed: bool = False
+) -> BatchPolicy:
     """``max_batch_tokens``: a fixed budget, ``"auto"`` (learn one), or
-    ``None``/0 (no budget)."""
+    ``None``/0 (no budget); ``packed``: it counts the items' summed volumes."""
     fixed = max_batch_tokens if isinstance(max_batch_tokens, int) and max_batch_tokens > 0 else None
     budget = LearntBudget() if max_batch_tokens == "auto" else None
     if name == "fifo":
-        return FifoPolicy(fixed, budget)
+        return FifoPolicy(fixed, budget, packed=packed)
     if name == "length_aware":
-        return LengthAwarePolicy(fixed, budget)
+        return LengthAwarePolicy(fixed, budget, packed=packed)
     raise ValueError(f"unknown batching policy {name!r}")
 
 

@@ -156,7 +156,9 @@ class BatchResults:
             longest = max(volumes)
             self.cost.observe(len(entries), longest, batch.seconds)
             if (budget := self.policy.budget) is not None:
-                budget.observe(len(entries) * longest, sum(volumes), batch.seconds)
+                real = sum(volumes)  # a packed batch pads nothing: its volume is its real one
+                volume = real if self.policy.packed else len(entries) * longest
+                budget.observe(volume, real, batch.seconds)
             if self.target is not None:
                 now = time.monotonic()
                 self.target.observe(

@@ -43,6 +43,15 @@ def model_config(data: dict[str, Any]) -> pb.ModelConfigResponse:
         max_batch_size=data["max_batch_size"],
         input=[tensor(mc.ModelInput, t) for t in data["input"]],
         output=[tensor(mc.ModelOutput, t) for t in data["output"]],
+        batch_input=[_batch_input(b) for b in data.get("batch_input", [])],
+        batch_output=[
+            mc.BatchOutput(
+                kind=mc.BatchOutput.Kind.Value(b["kind"]),
+                target_name=b["target_name"],
+                source_input=b["source_input"],
+            )
+            for b in data.get("batch_output", [])
+        ],
         instance_group=[
             mc.ModelInstanceGroup(
                 count=g.get("count", 1),
@@ -51,6 +60,8 @@ def model_config(data: dict[str, Any]) -> pb.ModelConfigResponse:
             for g in data.get("instance_group", [])
         ],
     )
+    for given, t in zip(config.input, data["input"]):
+        given.allow_ragged_batch = bool(t.get("allow_ragged_batch", False))
     scheduling = data.get("ensemble_scheduling")
     if scheduling is not None:  # one of Triton's scheduling choices: not dynamic_batching
         for step in scheduling["step"]:
@@ -65,6 +76,20 @@ def model_config(data: dict[str, Any]) -> pb.ModelConfigResponse:
             "max_queue_delay_microseconds", 0
         )
     return pb.ModelConfigResponse(config=config)
+
+
+def _batch_input(b: dict[str, Any]) -> Any:
+    """A packed model's ``[[batch_input]]`` in Triton's terms (one target name, a
+    list there; the dtype as a ``DataType``)."""
+    return mc.BatchInput(
+        kind=mc.BatchInput.Kind.Value(b["kind"]),
+        target_name=[b["target_name"]],
+        data_type=mc.DataType.Value(_TRITON_TYPES[b["data_type"]]),
+        source_input=b["source_input"],
+    )
+
+
+_TRITON_TYPES = {"int32": "TYPE_INT32", "int64": "TYPE_INT64", "float32": "TYPE_FP32"}
 
 
 def _duration(d: dict[str, int]) -> pb.StatisticDuration:

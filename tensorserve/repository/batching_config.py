@@ -33,7 +33,8 @@ class DynamicBatching(_Strict):
     )
     max_batch_tokens: int | Literal["auto"] = Field(
         "auto",
-        description="Budget on padded volume per batch (batch x padded item size). auto: on "
+        description="Budget on padded volume per batch (batch x padded item size; a packed "
+        "model's: the items' summed lengths). auto: on "
         "a CPU learnt from what the model's batches cost per element (batching/budget.py), on "
         "a GPU max_batch_size items of full length (repository/device_defaults.py); "
         "0: no budget.",

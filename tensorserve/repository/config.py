@@ -33,6 +33,12 @@ from tensorserve.repository.platforms import (
     Platform,
     platform_problem,
 )
+from tensorserve.repository.ragged_config import (
+    BatchInputSpec,
+    BatchOutputSpec,
+    ragged_problem,
+    scatter_sources,
+)
 from tensorserve.repository.transformers_config import (
     TRANSFORMERS_PLATFORM,
     TransformersOptions,
@@ -112,6 +118,11 @@ class InputSpec(TensorSpec):
         False,
         description="A bytes input whose every element must be UTF-8 text (a tokenizer's): "
         "an element that is not is that caller's 400, naming the input, before it is queued.",
+    )
+    allow_ragged_batch: bool = Field(
+        False,
+        description="Pack this input (Triton's ragged batching): the batch's items are "
+        "concatenated along their one -1 axis, with no batch dimension, and never padded.",
     )
 
     @model_validator(mode="after")
@@ -253,6 +264,15 @@ class ModelConfig(_Strict):
         description="Values a request may give in its parameters, passed to forward one per "
         "row (docs/model-repository.md); a request's other parameters are ignored.",
     )
+    batch_input: list[BatchInputSpec] = Field(
+        default_factory=list,
+        description="Tensors describing a packed batch (Triton's batch_input), passed to "
+        "forward as keyword arguments named target_name (docs/model-repository.md).",
+    )
+    batch_output: list[BatchOutputSpec] = Field(
+        default_factory=list,
+        description="Outputs split per caller like a ragged input (= unpad_like on it).",
+    )
     warmup: Warmup = Field(default_factory=Warmup)
     faults: Faults = Field(default_factory=Faults)
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field(
@@ -300,6 +320,8 @@ class ModelConfig(_Strict):
         for parameter in self.request_parameter:
             if parameter.name in inputs:  # both are keyword arguments of forward
                 raise ValueError(f"request_parameter {parameter.name!r} has the name of an input")
+        if (problem := ragged_problem(self)) is not None:
+            raise ValueError(problem)
         # An ensemble's outputs take their shapes from its steps (checked at load);
         # a text model's per-token outputs follow the tokens the server made.
         for out in self.output if self.unpads_like_inputs else []:
@@ -314,6 +336,8 @@ class ModelConfig(_Strict):
             return None
         if out.unpad_like is not None:
             return out.unpad_like
+        if (scattered := scatter_sources(self.batch_output).get(out.name)) is not None:
+            return scattered
         return next((s.name for s in self.input if s.variable_axes), None)
 
     @property
@@ -325,6 +349,11 @@ class ModelConfig(_Strict):
     def unpads_like_inputs(self) -> bool:
         """Its variable outputs follow its inputs (not an ensemble's steps, nor tokens)."""
         return self.platform != "ensemble" and not self.tokenizes_text
+
+    @property
+    def packed(self) -> bool:
+        """Whether any input is packed (``allow_ragged_batch``) rather than padded."""
+        return any(spec.allow_ragged_batch for spec in self.input)
 
     @property
     def batching(self) -> bool:

@@ -66,7 +66,8 @@ class OnnxModel:
         self.options = config.onnxruntime or OnnxRuntimeOptions()
         self.threads = self.options.intra_op_threads or intra_op_threads or 1
         self.device_asked = config.device
-        self.inputs = [spec.name for spec in config.input]
+        # A packed model's batch inputs are graph inputs too.
+        self.inputs = [spec.name for spec in config.input] + [b.name for b in config.batch_input]
         self.outputs = [spec.name for spec in config.output]
         self.providers: list[Any] = ["CPUExecutionProvider"]
         self.cuda_device: torch.device | None = None  # set once a session runs on CUDA
@@ -185,20 +186,34 @@ def check_signature(session: Any, config: ModelConfig, label: str) -> None:
     graph may have outputs the config does not declare (they are not run)."""
     graph_inputs = {arg.name: arg for arg in session.get_inputs()}
     graph_outputs = {arg.name: arg for arg in session.get_outputs()}
-    undeclared = [name for name in graph_inputs if name not in {s.name for s in config.input}]
+    batch_inputs = {b.name: b for b in config.batch_input}
+    declared = {s.name for s in config.input} | set(batch_inputs)
+    undeclared = [name for name in graph_inputs if name not in declared]
     if undeclared:
         raise ConfigError(
             f"{label}: the graph's input(s) {', '.join(undeclared)} are not declared in config.toml"
         )
-    for kind, specs, graph in (
-        ("input", config.input, graph_inputs),
-        ("output", config.output, graph_outputs),
-    ):
-        for spec in specs:
-            _check_tensor(f"{label}: {kind} {spec.name!r}", spec, graph, config.batching)
+    # A packed input, and an output split like one, has no batch axis: its rank is not checked.
+    ragged = {spec.name for spec in config.input if spec.allow_ragged_batch}
+    for spec in config.input:
+        what = f"{label}: input {spec.name!r}"
+        _check_tensor(what, spec, graph_inputs, config.batching, spec.name in ragged)
+    for out in config.output:
+        packed = bool(out.variable_axes) and config.unpad_source(out) in ragged
+        _check_tensor(f"{label}: output {out.name!r}", out, graph_outputs, config.batching, packed)
+    for name, batch_input in batch_inputs.items():
+        arg = graph_inputs.get(name)
+        dtype = None if arg is None else ORT_DTYPES.get(arg.type, arg.type)
+        if dtype != batch_input.data_type:
+            where = "is not in the graph" if arg is None else f"is {dtype} in the graph"
+            raise ConfigError(
+                f"{label}: batch_input {name!r} {where}; config.toml says {batch_input.data_type}"
+            )
 
 
-def _check_tensor(what: str, spec: TensorSpec, graph: dict[str, Any], batching: bool) -> None:
+def _check_tensor(
+    what: str, spec: TensorSpec, graph: dict[str, Any], batching: bool, packed: bool = False
+) -> None:
     arg = graph.get(spec.name)
     if arg is None:
         raise ConfigError(f"{what} is not in the graph, whose names are: {', '.join(graph)}")
@@ -206,8 +221,8 @@ def _check_tensor(what: str, spec: TensorSpec, graph: dict[str, Any], batching: 
     if dtype != spec.dtype:
         raise ConfigError(f"{what} is {dtype} in the graph, {spec.dtype} in config.toml")
     shape: Sequence[Any] | None = arg.shape
-    if shape is None:
-        return  # the graph does not say its rank
+    if shape is None or packed:
+        return  # the graph does not say its rank; or packed: no batch axis to check
     if len(shape) != 1 + len(spec.shape):
         raise ConfigError(
             f"{what} has rank {len(shape)} in the graph (batch axis included), "

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from tensorserve.errors import ConfigError, ModelFailure
-from tensorserve.repository.config import VARIABLE, ModelConfig, TensorSpec
+from tensorserve.repository.config import VARIABLE, InputSpec, ModelConfig, TensorSpec
 
 # torch.export.load keeps its deserializer in a module global: two loads at
 # once (the registry loads models on parallel threads) fail with
@@ -116,7 +116,8 @@ def load_torchscript(path: Path, config: ModelConfig, label: str) -> FileModel:
     schema = program.forward.schema
     arguments = schema.arguments[1:]  # after self
     names = [argument.name for argument in arguments]
-    declared = [spec.name for spec in config.input]
+    # A packed model's batch inputs are forward's arguments too.
+    declared = [spec.name for spec in config.input] + [b.name for b in config.batch_input]
     signature = f"forward({', '.join(names)})"
     unknown = [name for name in declared if name not in names]
     if unknown:
@@ -188,16 +189,18 @@ def _load_exported(path: Path, config: ModelConfig, label: str) -> FileModel:
     signature = program.graph_signature
     placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
     arguments = list(signature.user_inputs)
-    declared = {spec.name: spec for spec in config.input}
+    declared: dict[str, InputSpec | None] = {spec.name: spec for spec in config.input}
+    declared |= {b.name: None for b in config.batch_input}  # built by the server: no spec
     if sorted(arguments) != sorted(declared):
         raise ConfigError(
             f"{label}: the program takes ({', '.join(map(str, arguments))}); "
             f"config.toml declares inputs ({', '.join(declared)})"
         )
     for name in arguments:
-        _check_fake(
-            f"{label}: input {name!r}", declared[str(name)], placeholders[str(name)].meta.get("val")
-        )
+        given = declared[str(name)]
+        if given is not None:
+            value = placeholders[str(name)].meta.get("val")
+            _check_fake(f"{label}: input {name!r}", given, value, given.allow_ragged_batch)
     output_node = next(node for node in program.graph.nodes if node.op == "output")
     returned = list(output_node.args[0])
     if len(returned) != len(config.output):
@@ -205,8 +208,11 @@ def _load_exported(path: Path, config: ModelConfig, label: str) -> FileModel:
             f"{label}: the program returns {len(returned)} tensor(s); config.toml "
             f"declares {len(config.output)} output(s) (mapped by position)"
         )
-    for spec, node in zip(config.output, returned):
-        _check_fake(f"{label}: output {spec.name!r}", spec, getattr(node, "meta", {}).get("val"))
+    ragged = {spec.name for spec in config.input if spec.allow_ragged_batch}
+    for out, node in zip(config.output, returned):
+        packed = bool(out.variable_axes) and config.unpad_source(out) in ragged
+        value = getattr(node, "meta", {}).get("val")
+        _check_fake(f"{label}: output {out.name!r}", out, value, packed)
     return FileModel(
         program.module(),
         [str(name) for name in arguments],
@@ -217,9 +223,9 @@ def _load_exported(path: Path, config: ModelConfig, label: str) -> FileModel:
     )
 
 
-def _check_fake(what: str, spec: TensorSpec, value: Any) -> None:
+def _check_fake(what: str, spec: TensorSpec, value: Any, packed: bool = False) -> None:
     """dtype, rank and fixed axes from the program's example value (dynamic
-    axes are symbols, not ints)."""
+    axes are symbols, not ints). ``packed``: an input with no batch axis."""
     if not isinstance(value, torch.Tensor):
         return
     if value.dtype != spec.dt.torch:
@@ -227,6 +233,13 @@ def _check_fake(what: str, spec: TensorSpec, value: Any) -> None:
             f"{what} is {str(value.dtype).removeprefix('torch.')} in the "
             f"program, {spec.dtype} in config.toml"
         )
+    if packed:  # concatenated items, no batch axis: only the rank to check
+        if value.dim() != len(spec.shape):
+            raise ConfigError(
+                f"{what} has rank {value.dim()} in the program, {len(spec.shape)} in "
+                f"config.toml (packed: allow_ragged_batch, no batch axis)"
+            )
+        return
     if value.dim() != 1 + len(spec.shape):
         raise ConfigError(
             f"{what} has rank {value.dim()} in the program (batch axis "

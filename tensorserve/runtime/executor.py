@@ -102,6 +102,7 @@ class ThreadExecutor:
         self._tensor_outputs = [spec for spec in batched if not spec.dt.is_bytes]
         self._bytes_outputs = [spec for spec in batched if spec.dt.is_bytes]
         self._ragged = [spec for spec in config.output if spec.ragged]
+        self._rows_from = next((s.name for s in config.input if not s.allow_ragged_batch), None)
         self.parameter_specs = {spec.name: spec for spec in config.request_parameter}
         self._contexts = [DeviceContext(device, intra_op_threads) for _ in range(instance_count)]
         # On CUDA, launch returns once the work is queued: the scheduler pads and
@@ -192,7 +193,9 @@ class ThreadExecutor:
                 seconds = None if on_cuda else time.perf_counter() - clock
                 return Launched(None, done, list(result), returned, started, seconds)
             named = named_outputs(result, self.outputs)
-            size = next(iter(features.values())).shape[0]  # every padded feature: batch first
+            # A padded feature's first axis is the batch's rows; a packed one has no
+            # batch axis (with only packed inputs, un-packing counts a ragged output's rows).
+            size = features[self._rows_from].shape[0] if self._rows_from is not None else None
             rows, string_rows = split_rows(named, self._ragged, size)
             cast = {
                 s.name: _as_dtype(named[s.name], s.dt.torch_dtype) for s in self._tensor_outputs

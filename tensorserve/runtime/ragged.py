@@ -22,17 +22,18 @@ from tensorserve.tensors.bytes_tensor import bytes_output
 
 
 def split_rows(
-    named: Mapping[str, Any], specs: Sequence[OutputSpec], batch: int
+    named: Mapping[str, Any], specs: Sequence[OutputSpec], batch: int | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     """Each row of each ragged output under ``"{row}/{name}"``: numeric rows
     as tensors of the declared dtype (still on the device), bytes rows as
     object arrays of ``bytes``. A value that is not one row per item of the
-    batch fails the batch with a sentence naming the output."""
+    batch fails the batch with a sentence naming the output (``batch`` None:
+    a packed batch, whose rows un-packing counts, ``collate.ragged_rows``)."""
     tensors: dict[str, torch.Tensor] = {}
     strings: dict[str, np.ndarray] = {}
     for spec in specs:
         rows = named[spec.name]
-        if not isinstance(rows, (list, tuple)) or len(rows) != batch:
+        if not isinstance(rows, (list, tuple)) or len(rows) != (batch or len(rows)):
             got = f"{len(rows)} rows" if isinstance(rows, (list, tuple)) else type(rows).__name__
             raise ModelFailure(
                 f"ragged output {spec.name!r} must be a list of one tensor per row; got "

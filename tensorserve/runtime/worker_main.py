@@ -63,7 +63,10 @@ def _run_batch(
 ) -> ipc.Message:
     """Reply to one batch: its outputs, one result per item, or the error;
     per-row output parameters (plain scalars) ride in the reply's header."""
-    padded = {spec.name: as_feature(features[spec.name], spec.dt) for spec in config.input}
+    # Every tensor forward takes: the inputs, and a packed batch's batch inputs.
+    forward_takes = [(s.name, s.dt) for s in config.input]
+    forward_takes += [(b.name, b.dt) for b in config.batch_input]
+    padded = {name: as_feature(features[name], dt) for name, dt in forward_takes}
     try:
         started = time.perf_counter()
         executed = executor.collect(executor.launch(padded, 0, parameters))

@@ -40,7 +40,7 @@ import numpy as np
 
 from tensorserve.batching.admission import BatcherOptions
 from tensorserve.batching.batcher import Batcher
-from tensorserve.batching.collate import Collator
+from tensorserve.batching.packing import make_collator
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
 from tensorserve.repository.config import (
@@ -146,7 +146,7 @@ class ServedModel:
             max_batch_size=max(1, config.max_batch_size),  # 0: one item per batch
             max_queue_delay_ms=batching.max_queue_delay_ms,
             dispatch=batching.dispatch,
-            policy=make_policy(batching.policy, batching.max_batch_tokens),
+            policy=make_policy(batching.policy, batching.max_batch_tokens, config.packed),
             max_queue_size=batching.max_queue_size,
             max_batch_elements=batching.max_batch_elements,
             priority_levels=batching.priority_levels,
@@ -156,7 +156,7 @@ class ServedModel:
         )
         self.batcher = Batcher(
             executor,
-            Collator(config, pin_memory=executor.pin_memory),
+            make_collator(config, pin_memory=executor.pin_memory),
             options,
             name=name,
             stats=self.stats,
