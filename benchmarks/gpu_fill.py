@@ -268,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="cuda:N or cpu (default: cuda:0 when CUDA is there, else cpu)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default: "
                         "benchmarks/results/gpu_fill.json, or gpu_fill_cpu.json on a CPU)")
+    parser.add_argument("--server-log", type=Path, default=None,
+                        help="keep the server's log there (default: a temporary file)")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git)")
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"a comma-separated subset of {','.join(MODELS)} (default: all)")
@@ -320,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # on CUDA it is shown the measured one alone unless that is the first.
         env = {"CUDA_VISIBLE_DEVICES": ""} if kind == "cpu" else (
             {"CUDA_VISIBLE_DEVICES": str(gpu_index)} if gpu_index else {})
-        server = ServerProcess(str(repository), env=env, log=folder / "server.log",
+        server = ServerProcess(str(repository), env=env, log=args.server_log or folder / "server.log",
                                ready_timeout=300)  # fmt: skip
         try:
             server.start()

@@ -47,11 +47,14 @@ CSV_US = {"p50 latency": "p50_us", "p99 latency": "p99_us", "Server Queue": "que
 
 def find_perf_analyzer() -> dict[str, str]:
     """perf_analyzer's path and LD_LIBRARY_PATH: from the environment when
-    ``PERF_ANALYZER`` is set (the GPU run carries its own), else installed
-    by scripts/install_perf_analyzer.sh (a venv under benchmarks/.cache)."""
+    ``PERF_ANALYZER`` is set (scripts/gpu_run.sh sets it and, for its
+    libraries alone, ``PERF_ANALYZER_LIBRARY_PATH``), else installed by
+    scripts/install_perf_analyzer.sh (a venv under benchmarks/.cache)."""
     binary = os.environ.get("PERF_ANALYZER")
     if binary:
-        return {"binary": binary, "LD_LIBRARY_PATH": os.environ.get("LD_LIBRARY_PATH", "")}
+        library_path = os.pathsep.join(p for p in (os.environ.get("PERF_ANALYZER_LIBRARY_PATH"),
+                                                   os.environ.get("LD_LIBRARY_PATH")) if p)
+        return {"binary": binary, "LD_LIBRARY_PATH": library_path}
     done = subprocess.run(["bash", str(INSTALL)], capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"installing perf_analyzer failed:\n{done.stderr[-2000:]}")
