@@ -267,11 +267,13 @@ def write_encoder(
     max_batch_size: int = 64,
     text: bool = True,
     name: str = MODEL_NAME,
-    tokenizer_source: str | Path = BUNDLED / TOKENIZER,
+    tokenizer_source: str | Path | None = BUNDLED / TOKENIZER,
 ) -> list[Path]:
     """``repository/name`` (config.toml, 1/model.py, 1/model.safetensors) and,
-    with ``text``, ``text_<name>`` over a copy of the bundled tokenizer.
-    Returns the folders written; weights are written again every call."""
+    with ``text``, ``text_<name>`` over a copy of the bundled tokenizer
+    (``tokenizer_source`` None: no copy, the repository it is served beside
+    brings its own). Returns the folders written; weights are written again
+    every call."""
     repository = Path(repository)
     folder = repository / name
     (folder / "1").mkdir(parents=True, exist_ok=True)
@@ -284,7 +286,7 @@ def write_encoder(
     written = [folder]
     if text:
         tokenizer = repository / TOKENIZER
-        if not tokenizer.exists():
+        if tokenizer_source is not None and not tokenizer.exists():
             shutil.copytree(tokenizer_source, tokenizer,
                             ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
         ensemble = repository / f"text_{name}"
@@ -292,7 +294,7 @@ def write_encoder(
         (ensemble / "config.toml").write_text(TEXT_CONFIG.format(
             model=name, tokenizer=TOKENIZER, max_batch_size=max_batch_size,
             d_model=size.d_model))  # fmt: skip
-        written += [tokenizer, ensemble]
+        written += [tokenizer, ensemble] if tokenizer.exists() else [ensemble]
     return written
 
 
