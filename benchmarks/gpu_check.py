@@ -94,7 +94,7 @@ CUDA_CHECKS = ("syncs_in_forward", "copies_per_batch", "event_waits_block", "bat
 # Concurrent one-item callers, each checking its own rows, per device kind; and for which models.
 MANY_CALLERS = {"cuda": 256, "cpu": 64}
 MANY_CALLER_MODELS = ("tagger", "embedder", "bert_encoder")
-TOKENIZER_FILE = ROOT / "model_repository" / "tokenizer" / "1" / "tokenizer.json"
+TOKENIZER_FILE = Path("tokenizer", "1", "tokenizer.json")  # in the checked repository
 # The bench's BERT-base-size encoder (tensorserve_bench.encoder), written for the check:
 # full size on CUDA (float16 there), 2 layers of d_model 64 on a CPU (seconds, not minutes).
 ENCODER_LAYERS = {"cuda": (12, 768, 12), "cpu": (2, 64, 2)}
@@ -206,7 +206,8 @@ def bad_input_model(models: Sequence[ModelInfo]) -> ModelInfo | None:
 
 
 async def server_checks(server: Server, models: Sequence[ModelInfo], isolation: str,
-                        reference: CpuReference, device: str, seed: int) -> list[Check]:
+                        reference: CpuReference, device: str, seed: int,
+                        tokenizer_file: Path) -> list[Check]:
     import aiohttp
 
     rng = np.random.default_rng(seed)
@@ -223,7 +224,7 @@ async def server_checks(server: Server, models: Sequence[ModelInfo], isolation: 
                 "many_callers", model, isolation))
         for model in (m for m in models if is_text_model(m)):
             checks.append(await _guarded(text_rows(
-                session, server, model, models, isolation, reference, TOKENIZER_FILE, rng, device),
+                session, server, model, models, isolation, reference, tokenizer_file, rng, device),
                 "text_rows", model, isolation))
         with_parameters = [m for m in models if m.config.get("request_parameter")]
         for model in with_parameters:
@@ -422,9 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         encoder_repository = work / "encoder"
         layers, d_model, heads = ENCODER_LAYERS[kind]
-        # Its text ensemble runs the checked repository's own tokenizer: no copy.
+        # Its text ensemble runs the checked repository's own tokenizer (no copy), if any.
         write_encoder(encoder_repository, EncoderSize(layers, d_model, heads), seed=0,
-                      tokenizer_source=None)
+                      text=(repository / TOKENIZER_FILE).is_file(), tokenizer_source=None)
         models = discover_models(repository) + discover_models(encoder_repository)
         phase("write the encoder")
         exports = export_variants(repository, [m for m in models if not is_text_model(m)],
@@ -460,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
                 # The same seed for both isolations: the same items, so the CPU's answers are reused.
                 checks += asyncio.run(server_checks(server, models_here, isolation, reference,
-                                                    device, 0))
+                                                    device, 0, repository / TOKENIZER_FILE))
             except Exception as exc:  # noqa: BLE001 - a server that never started fails every check
                 checks.append(Check("server_start", "*", isolation, False, str(exc)[-600:]))
             finally:

@@ -79,7 +79,7 @@ class Plan:
 
 
 PLANS = {
-    "cuda": Plan((256, 1), (64, 1024), 2000, 2.0, 450.0, BERT_BASE),
+    "cuda": Plan((256, 1), (64, 1024), 1500, 2.0, 450.0, BERT_BASE),
     "cpu": Plan((16, 1), (), 500, 0.6, 100.0, EncoderSize(layers=2, d_model=64, heads=2)),
 }
 # The targets (c=256, both protocols), judged on CUDA only.
