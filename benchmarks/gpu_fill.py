@@ -40,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -308,6 +309,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_result(out, result)
 
     gpu_index = torch.device(device).index if kind == "cuda" else None
+    # 1024 callers are 1024 sockets on each side: the server and perf_analyzer inherit this.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
     with tempfile.TemporaryDirectory(prefix="gpu_fill_") as scratch:
         folder = Path(scratch)
         repository = build_repository(folder, plan.encoder, models)

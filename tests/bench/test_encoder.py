@@ -140,3 +140,13 @@ def test_text_ensemble_equals_tokenizing_then_the_encoder(
     for text, row in zip(texts, got, strict=True):
         want = _alone(module, np.array(tokenizer.encode(text).ids, dtype=np.int64))
         assert np.abs(row[0] - want).max() <= tolerance("float32", float(np.abs(want).max())), text
+
+
+def test_the_command_writes_a_model_of_the_size_asked(tmp_path: Path) -> None:
+    from tensorserve_bench.encoder import main
+
+    main([str(tmp_path), "--layers", "1", "--d-model", "32", "--no-text"])
+    module = _load(tmp_path)
+    assert len(module.layers) == 1 and module.embed.weight.shape == (30_522, 32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bert_encoder"]  # no text ensemble
+    assert 'cuda_dtype = "float16"' in (tmp_path / "bert_encoder" / "config.toml").read_text()
