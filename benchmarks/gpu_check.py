@@ -474,6 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 copies_per_batch,
                 event_waits_block,
                 syncs_in_forward,
+                worker_copies_per_batch,
             )
 
             assert thread_repository is not None
@@ -481,6 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tensor_models = [m for m in served if not is_text_model(m)]
             checks += syncs_in_forward(thread_repository, tensor_models, torch_device)
             checks += copies_per_batch(thread_repository, tensor_models)
+            checks += worker_copies_per_batch(thread_repository, tensor_models, torch_device)
             checks += [event_waits_block(torch_device), batch_time_from_events(torch_device)]
             phase("in-process CUDA checks")
         else:
