@@ -84,6 +84,8 @@ def measure(forward: Any, ids: Sequence[np.ndarray], batch_size: int, device: st
                 .to(torch_device)) for b in host]  # fmt: skip
     items = sum(len(b) for b in host)  # a pass
     cuda = torch_device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(torch_device)  # the copies above ran on the default stream
 
     def one_pass() -> None:
         for input_ids, mask in batches:
