@@ -323,7 +323,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                                        "ceiling_model": w.ceiling_model} for w in work}  # fmt: skip
         result["ceilings"] = ceilings(repository, work, device, plan.ceiling_s)
         save()
-        pa = find_perf_analyzer()
         # The server picks its device itself ("auto"): on a CPU it is shown no GPU,
         # on CUDA it is shown the measured one alone unless that is the first.
         env = {"CUDA_VISIBLE_DEVICES": ""} if kind == "cpu" else (
@@ -331,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = ServerProcess(str(repository), env=env, log=args.server_log or folder / "server.log",
                                ready_timeout=300)  # fmt: skip
         try:
+            pa = find_perf_analyzer()
             server.start()
             result["server_ready_s"] = round(server.ready_s or 0.0, 1)
             print(f"[gpu_fill] server ready in {server.ready_s:.1f} s", file=sys.stderr, flush=True)
@@ -361,11 +361,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     save()
     print(table(result))
     print(f"\nwritten: {os.path.relpath(out)}")
-    failed = ("error" in result or any("error" in p for p in result["points"])
-              or any("error" in c for c in result["ceilings"].values())
-              or any((c, w, p) for c in plan.first for w in work for p in ("http", "grpc")
-                     if not any(x["workload"] == w.key and x["protocol"] == p
-                                and x["concurrency"] == c for x in result["points"])))  # fmt: skip
+    measured = {(p["workload"], p["protocol"], p["concurrency"]) for p in result["points"]
+                if "error" not in p}  # fmt: skip
+    required = {(w.key, p, c) for c in plan.first for w in work for p in ("http", "grpc")}
+    failed = ("error" in result or any("error" in c for c in result["ceilings"].values())
+              or any("error" in p for p in result["points"]) or not required <= measured)
     return 1 if failed else 0
 
 
