@@ -241,6 +241,13 @@ def table(result: dict[str, Any]) -> str:
             f"{_num(p['gpu_util'], 5, 0)} | {'':11} {_num(cpu['scheduler'], 6, 0)} "
             f"{_num(cpu['frontend'], 6, 0)} {_num(cpu['workers'], 6, 0)} "
             f"{_num(cpu['perf_analyzer'], 6, 0)}")
+    # Where one caller's CPU goes (the c=1 burn): by thread, and py-spy's stacks.
+    for p in result["points"]:
+        for t in p.get("busiest_threads", [])[:3] if p["protocol"] == "http" else []:
+            rows.append(f"c=1 {p['workload']:32} {t['role']:9} pid {t['pid']:<7} "
+                        f"{t['thread']:16} {t['cpu_us_per_request']:8.0f} us/request")
+    for stack in result.get("c1_profile", {}).get("pyspy_top", [])[:6]:
+        rows.append(f"py-spy, tagger over http at c=1: {stack[-160:]}")
     for key, c in result["ceilings"].items():
         if "error" in c:
             rows.append(f"ceiling {key}: FAILED {c['error']}")
@@ -343,14 +350,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if time.monotonic() - started + per_point > budget:
                     result["not_run"] = result.get("not_run", 0) + 1
                     continue
-                profile = 3.0 if (concurrency, w.model, protocol) == (1, "tagger", "http") else 0.0
                 point = run_point(pa, server, w.model, protocol, concurrency, w.data,
-                                  plan.window_ms, folder, gpu_index, profile)  # fmt: skip
+                                  plan.window_ms, folder, gpu_index)  # fmt: skip
                 point["workload"], point["lengths"] = w.key, w.lengths
                 spent.append(point["seconds"])
                 result["points"].append(point)
                 print(f"[gpu_fill] {w.key} {protocol} c={concurrency}: "
                       f"{point.get('items_per_s', point.get('error'))}", file=sys.stderr, flush=True)
+                save()
+            # One caller again, watched by py-spy (which pauses the server to sample
+            # native frames): where a lone request's CPU goes, apart from the figures.
+            lone = next((w for w in work if w.model == "tagger"), None)
+            if lone is not None and time.monotonic() - started + 10 < budget:
+                result["c1_profile"] = run_point(pa, server, lone.model, "http", 1, lone.data,
+                                                 plan.window_ms, folder, gpu_index, 3.0)
+                result["c1_profile"]["workload"] = lone.key
                 save()
         except Exception as exc:  # noqa: BLE001 - what was measured is kept, the failure said
             result["error"] = f"{type(exc).__name__}: {exc}"[:800]

@@ -114,19 +114,28 @@ def busiest_threads(before: Mapping[tuple[int, int], tuple[str, float]],
 
 def pyspy_top(pid: int, seconds: float, top: int = 12) -> list[str] | None:
     """The ``top`` busiest stacks (sample count first) of ``pid`` and its
-    children over ``seconds``, by py-spy; None when py-spy is not installed
-    or may not attach."""
+    children over ``seconds``, by py-spy, native frames included where it
+    can (a wait that spins inside the CUDA driver shows only there: py-spy
+    then pauses the processes at each sample, so the run it watches is not
+    one whose latency is reported); None when py-spy is not installed."""
     pyspy = shutil.which("py-spy")
     if pyspy is None:
         return None
     out = Path(f"/tmp/gpu_fill_pyspy_{os.getpid()}.txt")
-    done = subprocess.run(
-        [pyspy, "record", "--pid", str(pid), "--subprocesses", "--nonblocking", "--format", "raw",
-         "--rate", "250", "--duration", str(max(1, round(seconds))), "--output", str(out)],
-        capture_output=True, text=True, check=False, timeout=seconds + 30,
-    )  # fmt: skip
-    if done.returncode or not out.is_file():
-        return [f"py-spy failed ({done.returncode}): {done.stderr.strip()[-300:]}"]
+    failures = []
+    for how in (["--native", "--rate", "100"], ["--nonblocking", "--rate", "250"]):
+        done = subprocess.run(
+            [pyspy, "record", "--pid", str(pid), "--subprocesses", *how, "--format", "raw",
+             "--duration", str(max(1, round(seconds))),
+             "--output", str(out)],
+            capture_output=True, text=True, check=False, timeout=seconds + 30,
+        )  # fmt: skip
+        if done.returncode == 0 and out.is_file():
+            break
+        failures.append(f"py-spy {' '.join(how)} failed ({done.returncode}): "
+                        f"{done.stderr.strip()[-200:]}")  # fmt: skip
+    else:
+        return failures
     counts: collections.Counter[str] = collections.Counter()
     for line in out.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -134,7 +143,7 @@ def pyspy_top(pid: int, seconds: float, top: int = 12) -> list[str] | None:
             frames = stack.split(";")
             counts[";".join(frames[-6:])] += int(count)  # the innermost frames say what burns
     out.unlink()
-    return [f"{count} {stack}" for stack, count in counts.most_common(top)]
+    return failures + [f"{count} {stack}" for stack, count in counts.most_common(top)]
 
 
 # ----------------------------------------------------------------- one point
