@@ -247,7 +247,8 @@ def table(result: dict[str, Any]) -> str:
             rows.append(f"c=1 {p['workload']:32} {t['role']:9} pid {t['pid']:<7} "
                         f"{t['thread']:16} {t['cpu_us_per_request']:8.0f} us/request")
     for stack in result.get("c1_profile", {}).get("pyspy_top", [])[:6]:
-        rows.append(f"py-spy, tagger over http at c=1: {stack[-160:]}")
+        count, _, frames = stack.partition(" ")
+        rows.append(f"py-spy, tagger over http at c=1: {count} samples ..{frames[-150:]}")
     for key, c in result["ceilings"].items():
         if "error" in c:
             rows.append(f"ceiling {key}: FAILED {c['error']}")
