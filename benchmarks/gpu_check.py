@@ -8,9 +8,19 @@ repository (every model on ``--device``, thread isolation, then process
 isolation), and in-process where a check must look inside a batch:
 
     correctness             every model (and its .pt / .pt2 export, made here by
-                            this machine's torch): one padded batch of 64 random
-                            items against each item run alone on the CPU (max abs
-                            error), every output un-padded to its caller's shape
+                            this machine's torch; an export that fails is a failed
+                            check), and a BERT-base-size encoder written by
+                            tensorserve_bench (full size on CUDA): one padded batch
+                            of 64 random items against each item run alone on the
+                            CPU (max abs error, within the tolerance of the dtype
+                            the model computes in: tensorserve_bench/tolerance.py),
+                            every output un-padded to its caller's shape
+    many_callers            256 concurrent one-item HTTP callers (64 on a CPU) of
+                            tagger, embedder and the encoder, each checking its own
+                            rows against its item run alone on the CPU
+    text_rows               strings in: the tokenizer's ids, and each ensemble
+                            (text_tagger, text_embedder, text_bert_encoder) against
+                            tokenizing then its model on the CPU, 32 texts at once
     output_parameters       200 rounds of the output parameters a model returns,
                             read back while a second stream keeps the GPU busy
     bad_input               an id past the vocabulary among good items: the good
@@ -29,7 +39,8 @@ model's max_batch_size 8, 32 and 128 (``--device cpu``: 1 and 64 callers,
 benchmarks/results/gpu_check.json; ``--device cpu`` writes gpu_check_cpu.json,
 so a committed GPU result is never overwritten), and writes it after each
 phase too, marked ``"partial": true``: a run stopped by a time limit keeps
-what it finished. Exit status 1 if any check failed. ``--device cpu`` runs every check that needs no CUDA in under two
+what it finished. Every check counts its comparisons (``compared``) and fails
+at 0. Exit status 1 if any check failed. ``--device cpu`` runs every check that needs no CUDA in under two
 minutes; CI runs it so.
 """
 
@@ -54,6 +65,7 @@ import numpy as np
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tensorserve from this tree
 
 from gpu_check_load import LoadPoint, run_point
+from gpu_check_rows import many_callers, text_rows
 from gpu_check_support import (
     ROOT,
     Check,
@@ -61,6 +73,7 @@ from gpu_check_support import (
     ModelInfo,
     Server,
     discover_models,
+    drift_hint,
     encode,
     export_variants,
     infer,
@@ -78,11 +91,18 @@ LOAD_MODELS = ("tagger", "embedder")
 LOAD_GRID = {"cuda": ((8, 32, 128), (1, 64, 256), 2.0, 0.5),
              "cpu": ((32,), (1, 64), 1.0, 0.3)}
 CUDA_CHECKS = ("syncs_in_forward", "copies_per_batch", "event_waits_block", "batch_time_from_events")
+# Concurrent one-item callers, each checking its own rows, per device kind; and for which models.
+MANY_CALLERS = {"cuda": 256, "cpu": 64}
+MANY_CALLER_MODELS = ("tagger", "embedder", "bert_encoder")
+TOKENIZER_FILE = Path("tokenizer", "1", "tokenizer.json")  # in the checked repository
+# The bench's BERT-base-size encoder (tensorserve_bench.encoder), written for the check:
+# full size on CUDA (float16 there), 2 layers of d_model 64 on a CPU (seconds, not minutes).
+ENCODER_LAYERS = {"cuda": (12, 768, 12), "cpu": (2, 64, 2)}
 
 
 # ----------------------------------------------------------------- checks against a server
 async def correctness(session: Any, server: Server, model: ModelInfo, isolation: str,
-                      reference: CpuReference, rng: np.random.Generator) -> Check:
+                      reference: CpuReference, rng: np.random.Generator, device: str) -> Check:
     items = make_items(model, CORRECTNESS_ITEMS, rng)
     reply = await infer(session, server.url, model.name, encode(items))
     if reply.status != 200:
@@ -91,19 +111,24 @@ async def correctness(session: Any, server: Server, model: ModelInfo, isolation:
     for got, item in zip(reply.outputs, items, strict=True):
         error, magnitude, shape = max_abs_error(got, reference.expected(model, item))
         worst, scale, why = max(worst, error), max(scale, magnitude), why or shape
-    passed = why is None and worst <= tolerance(scale)
-    detail = why or (f"max abs error {worst:.2e} (tolerance {tolerance(scale):.1e}) over "
-                     f"{len(items)} items in one request, each un-padded to its own shape")
-    return Check("correctness", model.name, isolation, passed, detail)
+    bound = tolerance(model, device, scale)
+    passed = why is None and worst <= bound
+    detail = why or (f"max abs error {worst:.2e} (tolerance {bound:.1e}, "
+                     f"{model.compute_dtype(device)}) over {len(reply.outputs)} items in one "
+                     f"request, each un-padded to its own shape"
+                     + ("" if passed else drift_hint(model, device, worst, scale)))
+    return Check("correctness", model.name, isolation, passed, detail,
+                 compared=0 if why else len(reply.outputs))
 
 
 async def output_parameters(session: Any, server: Server, model: ModelInfo, isolation: str,
-                            reference: CpuReference, rng: np.random.Generator, busy: bool) -> Check:
+                            reference: CpuReference, rng: np.random.Generator, busy: bool,
+                            device: str) -> Check:
     """Rounds of 8 items drawn from 32 whose parameters are known: every
     returned parameter equal to the CPU's, within float32 rounding."""
     pool = make_items(model, 32, rng)
     expected = [reference.expected(model, item) for item in pool]
-    wrong, worst = 0, 0.0
+    wrong, worst, compared = 0, 0.0, 0
     for _ in range(PARAMETER_ROUNDS):
         picked = rng.choice(len(pool), size=8, replace=False)
         reply = await infer(session, server.url, model.name, encode([pool[i] for i in picked]))
@@ -115,15 +140,16 @@ async def output_parameters(session: Any, server: Server, model: ModelInfo, isol
                 value = got.get(name)
                 error = abs(float(value) - float(want)) if isinstance(value, (int, float)) else np.inf
                 worst = max(worst, error)
-                wrong += error > tolerance(abs(float(want)))
+                wrong += error > tolerance(model, device, abs(float(want)))
+                compared += 1
     how = "while a second stream kept the GPU busy" if busy else "(no second stream on a CPU)"
     return Check("output_parameters", model.name, isolation, wrong == 0,
-                 f"{wrong} wrong of {PARAMETER_ROUNDS * 8} over {PARAMETER_ROUNDS} rounds {how}; "
-                 f"max abs error {worst:.2e}")
+                 f"{wrong} wrong of {compared} parameters over {PARAMETER_ROUNDS} rounds {how}; "
+                 f"max abs error {worst:.2e}", compared=compared)
 
 
 async def bad_input(session: Any, server: Server, model: ModelInfo, isolation: str,
-                    reference: CpuReference, rng: np.random.Generator) -> Check:
+                    reference: CpuReference, rng: np.random.Generator, device: str) -> Check:
     """One request with an id past the vocabulary, sent with 8 one-item
     requests of good items (so they may share its batch); then readiness."""
     import aiohttp
@@ -139,6 +165,7 @@ async def bad_input(session: Any, server: Server, model: ModelInfo, isolation: s
         *(infer(session, server.url, model.name, encode([item])) for item in good))
     bad_reply, good_replies = replies[0], replies[1:]
     problems = []
+    compared = 0
     if bad_reply.status == 200:
         problems.append("the bad item was answered 200")
     for reply, item in zip(good_replies, good, strict=True):
@@ -146,7 +173,8 @@ async def bad_input(session: Any, server: Server, model: ModelInfo, isolation: s
             problems.append(f"a good item got HTTP {reply.status}: {reply.error}")
             continue
         error, scale, shape = max_abs_error(reply.outputs[0], reference.expected(model, item))
-        if shape or error > tolerance(scale):
+        compared += shape is None
+        if shape or error > tolerance(model, device, scale):
             problems.append(f"a good item's outputs are wrong ({shape or f'{error:.2e}'})")
     started = time.monotonic()
     while not (server.ready() and server.ready(model.name)):
@@ -164,7 +192,7 @@ async def bad_input(session: Any, server: Server, model: ModelInfo, isolation: s
     detail = (f"bad item: HTTP {bad_reply.status} {bad_reply.error or ''}".strip()
               + f"; {len(good)} good items; ready after {ready_s:.2f} s")
     return Check("bad_input", model.name, isolation, not problems,
-                 "; ".join(problems) + (" | " if problems else "") + detail)
+                 "; ".join(problems) + (" | " if problems else "") + detail, compared=compared)
 
 
 def bad_input_model(models: Sequence[ModelInfo]) -> ModelInfo | None:
@@ -178,15 +206,26 @@ def bad_input_model(models: Sequence[ModelInfo]) -> ModelInfo | None:
 
 
 async def server_checks(server: Server, models: Sequence[ModelInfo], isolation: str,
-                        reference: CpuReference, device: str, seed: int) -> list[Check]:
+                        reference: CpuReference, device: str, seed: int,
+                        tokenizer_file: Path) -> list[Check]:
     import aiohttp
 
     rng = np.random.default_rng(seed)
     checks = []
+    callers = MANY_CALLERS["cuda" if device.startswith("cuda") else "cpu"]
+    tensor_models = [m for m in models if not is_text_model(m)]
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for model in models:
+        for model in tensor_models:
             checks.append(await _guarded(correctness(session, server, model, isolation, reference,
-                                                     rng), "correctness", model, isolation))
+                                                     rng, device), "correctness", model, isolation))
+        for model in (m for m in tensor_models if m.name in MANY_CALLER_MODELS):
+            checks.append(await _guarded(many_callers(
+                session, server, model, isolation, reference, rng, device, callers),
+                "many_callers", model, isolation))
+        for model in (m for m in models if is_text_model(m)):
+            checks.append(await _guarded(text_rows(
+                session, server, model, models, isolation, reference, tokenizer_file, rng, device),
+                "text_rows", model, isolation))
         with_parameters = [m for m in models if m.config.get("request_parameter")]
         for model in with_parameters:
             busy: Any = None
@@ -198,11 +237,12 @@ async def server_checks(server: Server, models: Sequence[ModelInfo], isolation: 
             with busy or _Nothing():
                 checks.append(await _guarded(
                     output_parameters(session, server, model, isolation, reference, rng,
-                                      busy is not None), "output_parameters", model, isolation))
+                                      busy is not None, device), "output_parameters", model,
+                    isolation))
         target = bad_input_model(models)
         if target is not None:  # last: on CUDA it may leave this server broken
             checks.append(await _guarded(bad_input(session, server, target, isolation, reference,
-                                                   rng), "bad_input", target, isolation))
+                                                   rng, device), "bad_input", target, isolation))
     return checks
 
 
@@ -332,9 +372,6 @@ def write_result(out: Path, result: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------- main
-TEXT_MODEL = "skipped: strings in (tests/test_text_models.py checks it end to end)"
-
-
 def is_text_model(model: ModelInfo) -> bool:
     """An ensemble, or a model that takes strings: no random tensors for it."""
     return model.platform == "ensemble" or any(i["dtype"] == "bytes" for i in model.inputs)
@@ -382,21 +419,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
         work = Path(scratch)
-        models = discover_models(repository)
-        # Strings in (the tokenizer, and the ensembles over it): the tokenizer runs on
-        # the CPU and an ensemble runs its steps' models, checked here on their own;
-        # tests/test_text_models.py checks them end to end against tokenize-then-tag.
-        text = [m for m in models if is_text_model(m)]
-        models = [m for m in models if m not in text]
-        skipped += [{"name": "correctness", "model": m.name, "reason": TEXT_MODEL} for m in text]
-        variants, not_exported = export_variants(repository, models, work / "exported", device)
+        from tensorserve_bench.encoder import EncoderSize, write_encoder
+
+        encoder_repository = work / "encoder"
+        layers, d_model, heads = ENCODER_LAYERS[kind]
+        # Its text ensemble runs the checked repository's own tokenizer (no copy), if any.
+        write_encoder(encoder_repository, EncoderSize(layers, d_model, heads), seed=0,
+                      text=(repository / TOKENIZER_FILE).is_file(), tokenizer_source=None)
+        models = discover_models(repository) + discover_models(encoder_repository)
+        phase("write the encoder")
+        exports = export_variants(repository, [m for m in models if not is_text_model(m)],
+                                  work / "exported", device)
         phase("export")
         skipped += [{"name": "export", "model": line.split(":")[0], "reason": line}
-                    for line in not_exported]
+                    for line in exports.not_tried]
+        checks += [Check("export", name, "-", False, why, compared=None)
+                   for name, why in exports.failed]
+        variants = exports.variants
         unrunnable, onnx_checks = unrunnable_onnx(models, device)
         checks += onnx_checks
         served = [m for m in [*models, *variants] if m not in unrunnable]
-        reference = CpuReference(repository)
+        reference = CpuReference(repository, encoder_repository)
         thread_repository = None
         for isolation in ("thread", "process"):
             # On a CPU the exported files are served in model threads only: the
@@ -407,7 +450,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             served_repository = write_repository(
                 work / f"served_{isolation}", models_here,
                 {"device": device, "isolation": isolation, "max_batch_size": CORRECTNESS_ITEMS},
-                drop=["max_batch_tokens"])
+                drop=["max_batch_tokens"],
+                # The tokenizer runs where its config says (the host): strings, no tensors.
+                per_model={"tokenizer": {"device": "cpu", "isolation": "thread"}})
             thread_repository = thread_repository or served_repository
             server = Server(served_repository, work / f"server_{isolation}.log")
             try:
@@ -416,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
                 # The same seed for both isolations: the same items, so the CPU's answers are reused.
                 checks += asyncio.run(server_checks(server, models_here, isolation, reference,
-                                                    device, 0))
+                                                    device, 0, repository / TOKENIZER_FILE))
             except Exception as exc:  # noqa: BLE001 - a server that never started fails every check
                 checks.append(Check("server_start", "*", isolation, False, str(exc)[-600:]))
             finally:
@@ -429,12 +474,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 copies_per_batch,
                 event_waits_block,
                 syncs_in_forward,
+                worker_copies_per_batch,
             )
 
             assert thread_repository is not None
             torch_device = torch.device(device)
-            checks += syncs_in_forward(thread_repository, served, torch_device)
-            checks += copies_per_batch(thread_repository, served)
+            tensor_models = [m for m in served if not is_text_model(m)]
+            checks += syncs_in_forward(thread_repository, tensor_models, torch_device)
+            checks += copies_per_batch(thread_repository, tensor_models)
+            checks += worker_copies_per_batch(thread_repository, tensor_models, torch_device)
             checks += [event_waits_block(torch_device), batch_time_from_events(torch_device)]
             phase("in-process CUDA checks")
         else:

@@ -5,7 +5,9 @@ does on the device.
 
     syncs_in_forward       host syncs while forward runs (set_sync_debug_mode)
     copies_per_batch       host<->device copies of one batch (torch.profiler):
-                           one per input in, one per output out, all pinned
+                           one per input in, one per output out, all pinned; in a
+                           model thread (ServedModel) and as a model worker runs
+                           it (worker_copies_per_batch)
     event_waits_block      waiting for a batch sleeps the thread, not spins it
     batch_time_from_events a batch's reported time is the GPU's, even when
                            batches are launched ahead of each other
@@ -109,7 +111,7 @@ def copies_per_batch(served_repository: Path, models: Sequence[ModelInfo]) -> li
                 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     results = served.infer_many_sync(items, timeout=120, parameters=parameters)
                 torch.cuda.synchronize()
-                batches = max(1, served.stats.total_batches - before)
+                batches = served.stats.total_batches - before
             # Kineto names a copy "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH
             # (Device -> Pageable)"...; device-to-device copies are not counted.
             names = [e.name.lower() for e in prof.events() if e.name.lower().startswith("memcpy")]
@@ -126,9 +128,79 @@ def copies_per_batch(served_repository: Path, models: Sequence[ModelInfo]) -> li
             detail = (f"{batches} batch(es): {len(to_device)} host->device (want {want_in} per batch), "
                       f"{len(to_host)} device->host (want {want_out}), {len(pageable)} from pageable "
                       f"memory")
-            checks.append(Check("copies_per_batch", model.name, "thread", passed, detail))
+            checks.append(Check("copies_per_batch", model.name, "thread", passed, detail,
+                                compared=batches))
         except Exception as exc:  # noqa: BLE001
             checks.append(Check("copies_per_batch", model.name, "thread", False, _reason(exc)))
+    return checks
+
+
+def worker_copies_per_batch(served_repository: Path, models: Sequence[ModelInfo],
+                            device: torch.device) -> list[Check]:  # fmt: skip
+    """The copies of one batch of 8 as a model worker (isolation = "process")
+    runs it. A worker's copies cannot be profiled from the server's process,
+    so its own batch function (``tensorserve.runtime.worker_main._run_batch``)
+    runs here, on a thread of its own as in the worker, on a padded batch as
+    it arrives from the server's socket (numpy arrays), under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tensorserve.repository.loader import discover, load_model, read_config
+    from tensorserve.runtime import worker_main
+    from tensorserve.runtime.executor import ThreadExecutor, on_device
+
+    sources = discover(served_repository)
+    checks = []
+    for model in models:
+        if model.platform == "onnxruntime_onnx" or model.name not in sources:
+            continue
+        found: dict[str, Any] = {}
+
+        def run(model: ModelInfo = model, found: dict[str, Any] = found) -> None:
+            try:
+                source = sources[model.name]
+                config = read_config(source, {"device": str(device)})
+                module = on_device(load_model(source, None, config).module, config, device)
+                executor = ThreadExecutor(module, config, device, name=model.name)
+                executor.start_instance(0)  # its stream and inference mode, on this thread
+                items = make_items(model, 8, np.random.default_rng(2))
+                features = {spec["name"]: pad([i[spec["name"]] for i in items],
+                                              spec.get("pad_value", 0)) for spec in model.inputs}
+                parameters = {n: [v] * 8 for n, v in model.request_parameters.items()} or None
+                for _ in range(2):  # lazy initialisation and allocator growth stay out
+                    worker_main._run_batch(config, executor, features, parameters)
+                torch.cuda.synchronize(device)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    found["reply"] = worker_main._run_batch(config, executor, features, parameters)
+                torch.cuda.synchronize(device)
+                found["names"] = [e.name.lower() for e in prof.events()
+                                  if e.name.lower().startswith("memcpy")]  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - reported as this check's failure
+                found["error"] = _reason(exc)
+
+        thread = threading.Thread(target=run, name=f"worker-copies-{model.name}")
+        thread.start()
+        thread.join()
+        if "error" in found:
+            checks.append(Check("copies_per_batch", model.name, "process", False, found["error"]))
+            continue
+        header = found["reply"][0]
+        if "error" in header:
+            checks.append(Check("copies_per_batch", model.name, "process", False,
+                                f"the batch failed: {header['error']}"[:300]))  # fmt: skip
+            continue
+        names = found["names"]
+        to_device = [n for n in names if "htod" in n]
+        to_host = [n for n in names if "dtoh" in n]
+        pageable = [n for n in to_device + to_host if "pageable" in n]
+        declared = len(model.config.get("request_parameter", []))
+        returned = len(header.get("parameters") or {})
+        want_in, want_out = len(model.inputs) + declared, len(model.outputs) + returned
+        passed = len(to_device) == want_in and len(to_host) == want_out and not pageable
+        detail = (f"as a worker runs a batch: {len(to_device)} host->device (want {want_in}), "
+                  f"{len(to_host)} device->host (want {want_out}), {len(pageable)} from pageable "
+                  f"memory")  # fmt: skip
+        checks.append(Check("copies_per_batch", model.name, "process", passed, detail,
+                            compared=len(to_device) + len(to_host)))  # fmt: skip
     return checks
 
 

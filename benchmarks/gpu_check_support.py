@@ -42,7 +42,11 @@ MIN_LENGTH, MAX_LENGTH = 2, 48  # torch.export specialises axes of length 0 and 
 
 @dataclass
 class Check:
-    """One line of the report: ``passed`` is true or false, never absent."""
+    """One line of the report: ``passed`` is true or false, never absent.
+
+    ``compared``: how many comparisons the check made (items, parameters,
+    batches...). A check that counts them fails at 0, whatever else it saw:
+    a check that compared nothing has shown nothing."""
 
     name: str
     model: str
@@ -50,11 +54,17 @@ class Check:
     passed: bool
     detail: str
     seconds: float = 0.0  # what the check took, against the machine's 5 minutes
+    compared: int | None = None  # None: a failure before anything could be compared
+
+    def __post_init__(self) -> None:
+        if self.compared == 0 and self.passed:
+            self.passed = False
+            self.detail = f"0 comparisons: nothing was checked | {self.detail}"
 
     def as_json(self) -> dict[str, Any]:
         return {"name": self.name, "model": self.model, "isolation": self.isolation,
                 "passed": bool(self.passed), "detail": self.detail,
-                "seconds": round(self.seconds, 2)}
+                "seconds": round(self.seconds, 2), "compared": self.compared}
 
 
 @dataclass
@@ -87,6 +97,14 @@ class ModelInfo:
             bound = self.config["input"][0].get("max_value")
             vocab = bound + 1 if isinstance(bound, int) else None
         return int(vocab) if vocab is not None else None
+
+    def compute_dtype(self, device: str) -> str:
+        """The dtype the model computes in on ``device``: on CUDA what its
+        ``parameters.cuda_dtype`` says (the bench's encoder: float16), else
+        float32 (every bundled model)."""
+        if device.startswith("cuda"):
+            return str(self.config.get("parameters", {}).get("cuda_dtype", "float32"))
+        return "float32"
 
     @property
     def request_parameters(self) -> dict[str, Any]:
@@ -157,9 +175,11 @@ def write_repository(
                 if file.is_file():
                     os.symlink(file.resolve(), folder / version.name / file.name)
         text = (model.source / "config.toml").read_text()
-        own = {**fields, **(per_model or {}).get(model.name, {})}
-        text = override_config(text, own, drop)
-        if not re.search(r"^\s*\[warmup\]", text, re.MULTILINE):
+        if model.platform != "ensemble":  # an ensemble runs its steps where they are
+            own = {**fields, **(per_model or {}).get(model.name, {})}
+            text = override_config(text, own, drop)
+        variable = any(-1 in spec.get("shape", []) for spec in model.inputs)
+        if variable and not re.search(r"^\s*\[warmup\]", text, re.MULTILINE):
             # The check's items are at most MAX_LENGTH long: warming up at 128 on every
             # axis (the default) costs a CPU more than the whole check of some models.
             text += f"\n[warmup]\nlengths = [{MAX_LENGTH}]\n"
@@ -168,25 +188,41 @@ def write_repository(
 
 
 # ----------------------------------------------------------------- exported variants
+@dataclass
+class Exports:
+    """What ``export_variants`` made, left out by rule (with why), and failed (with why)."""
+
+    variants: list[ModelInfo]
+    not_tried: list[str]
+    failed: list[tuple[str, str]]  # (variant name, the exporter's error)
+
+
 def export_variants(
     repository: Path, models: Sequence[ModelInfo], folder: Path, device: str
-) -> tuple[list[ModelInfo], list[str]]:
+) -> Exports:
     """``<name>_pt`` (torch.jit.script) and ``<name>_pt2`` (torch.export) of
     every model.py model, exported here, by this machine's torch (a file made
     by another torch may not load) and on ``device`` (a torch.export program
     keeps the device its tensors were made on, e.g. a ``torch.arange``).
-    Returns the variants that exported and, for the others, why not (a model
-    whose forward branches on its data cannot be a torch.export program:
-    that is the model's limit, not the server's)."""
+    Left out by rule, each with its reason: a model with request parameters
+    (an exported program is served by the pytorch_libtorch platform, which
+    passes none), and every .pt2 after the first (below). Every other
+    export is tried, and one that raises is a failure."""
     import torch
 
     from tensorserve.repository.loader import discover, load_model, read_config
 
-    variants, skipped = [], []
+    variants: list[ModelInfo] = []
+    skipped: list[str] = []
+    failed: list[tuple[str, str]] = []
     sources = discover(repository)
     programs = 0
     for model in models:
         if model.platform != "pytorch_tensorserve" or model.name not in sources:
+            continue
+        if model.config.get("request_parameter"):
+            skipped += [f"{model.name}{suffix}: not exported: request parameters, which the "
+                        f"pytorch_libtorch platform does not pass" for suffix in ("_pt", "_pt2")]
             continue
         module = load_model(sources[model.name], None, read_config(sources[model.name])).module
         module = module.to(device)  # type: ignore[attr-defined]
@@ -205,9 +241,9 @@ def export_variants(
                 program_path.parent.mkdir(parents=True, exist_ok=True)
                 with _quiet_torch_logs():
                     export(module, example, model, program_path)
-            except Exception as exc:  # noqa: BLE001 - any exporter failure is a reason to report
+            except Exception as exc:  # noqa: BLE001 - any exporter failure is a failed check
                 shutil.rmtree(folder / name, ignore_errors=True)
-                skipped.append(f"{name}: {file} not exported: {_first_line(exc)}")
+                failed.append((name, f"{file} not exported: {_first_line(exc)}"))
                 continue
             config = {k: v for k, v in model.config.items() if k != "parameters"}
             config["platform"] = "pytorch_libtorch"
@@ -217,7 +253,7 @@ def export_variants(
             (folder / name / "config.toml").write_text(text)
             variants.append(ModelInfo(name, config, folder / name, model.name))
             programs += file == "model.pt2"
-    return variants, skipped
+    return Exports(variants, skipped, failed)
 
 
 @contextlib.contextmanager
@@ -331,10 +367,10 @@ class CpuReference:
     """Each model of the original repository loaded on the CPU, as the server
     loads it, run on one item at a time: no padding, no batch neighbours."""
 
-    def __init__(self, repository: Path) -> None:
+    def __init__(self, *repositories: Path) -> None:
         from tensorserve.repository.loader import discover
 
-        self.sources = discover(repository)
+        self.sources = {n: s for r in repositories for n, s in discover(r).items()}
         self._loaded: dict[str, Any] = {}
         self._known: dict[tuple[Any, ...], Expected] = {}  # both isolations send the same items
 
@@ -398,10 +434,25 @@ def max_abs_error(got: Mapping[str, np.ndarray], want: Expected) -> tuple[float,
     return worst, scale, None
 
 
-def tolerance(scale: float) -> float:
-    """float32 on another device, or TF32 convolutions on a GPU (cuDNN's
-    default): 2e-3 of the outputs' magnitude, at least 2e-3."""
-    return 2e-3 * max(1.0, scale)
+def tolerance(model: ModelInfo, device: str, scale: float) -> float:
+    """The largest error allowed for ``model``'s outputs of magnitude
+    ``scale`` on ``device``, by the dtype it computes in there (the bounds
+    and their reasons: tensorserve_bench/tolerance.py; float32's is tight
+    enough to catch a TF32 or bfloat16 drift)."""
+    from tensorserve_bench.tolerance import tolerance as by_dtype
+
+    return by_dtype(model.compute_dtype(device), scale)
+
+
+def drift_hint(model: ModelInfo, device: str, error: float, scale: float) -> str:
+    """A float32 model on CUDA that misses its bound by a TF32-sized error
+    says so: cuDNN's convolutions and RNNs use TF32 unless
+    ``torch.backends.cudnn.allow_tf32`` is turned off."""
+    if device.startswith("cuda") and model.compute_dtype(device) == "float32":
+        relative = error / max(1.0, scale)
+        if 1e-4 < relative < 1e-2:
+            return " (a TF32-sized drift: torch.backends.cudnn.allow_tf32 is on by default)"
+    return ""
 
 
 # ----------------------------------------------------------------- the server

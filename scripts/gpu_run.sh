@@ -1,27 +1,37 @@
 #!/usr/bin/env bash
-# The whole GPU check in one device call: the CUDA tests, then benchmarks/gpu_check.py.
+# The whole GPU run in one device call of at most ~9 minutes: the CUDA tests,
+# benchmarks/gpu_check.py (its checks; its load part is gpu_fill's job now), then
+# benchmarks/gpu_fill.py (ceiling against perf_analyzer at the defaults, and at one
+# caller the server's CPU per request by process and thread, with py-spy's stacks).
 #
 # Here, before the call (from the project's root, on the commit to check):
-#   ../shared/gpu/carry-wheels.sh pytest-timeout   # msgspec, orjson, pydantic, ... into .whl/
+#   ../shared/gpu/carry-wheels.sh        # msgspec, orjson, pydantic, ... into .whl/
+#   scripts/carry_perf_analyzer.sh       # perf_analyzer, CUDA 12 runtime, py-spy, libb64 into .whl/pa/
 # Then one device call, timeout_s 600, carry [".whl"]:
 #   GPU_RUN_COMMIT=<the commit's sha> bash scripts/gpu_run.sh
+# A rerun of one part, on the machine still warm: GPU_RUN_STEPS="fill" (any of tests,
+# check, fill, comma-separated; default all three).
 #
 # The GPU machine has no .git, no console script and no tritonclient, opentelemetry or
 # kubernetes-validate: the tests run by file (every file holding cuda-marked tests) and the
 # server as `python3 -m tensorserve serve`. Each step has its own `timeout`, so that one hang
-# cannot eat the lease; the steps' budgets (20 + 230 + 310 s) end inside the call's 600 s.
-# Everything lands in $OUT (6 files; the device tool brings back 8 at most):
-#   nvidia-smi.txt  env.txt  cuda_tests.xml  cuda_tests.log  gpu_check.json  gpu_check.log
+# cannot eat the lease; the budgets (20 + 90 + 180 + 270 s, plus the wheels' install) end
+# inside the call's 600 s, and gpu_fill stops adding points at 225 s of its own.
+# Everything lands in $OUT (8 files; the device tool brings back 8 at most):
+#   env.txt  cuda_tests.xml  cuda_tests.log  gpu_check.json  gpu_check.log
+#   gpu_fill.json  gpu_fill.log  gpu_fill_server.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_run_out}
+STEPS=${GPU_RUN_STEPS:-tests,check,fill}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 status=0
+tests_rc=- check_rc=- fill_rc=-
 
 echo "== nvidia-smi"
-timeout 20 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi failed" | tee -a "$OUT/nvidia-smi.txt"
-head -20 "$OUT/nvidia-smi.txt"
+timeout 20 nvidia-smi > "$OUT/env.txt" 2>&1 || echo "nvidia-smi failed" | tee -a "$OUT/env.txt"
+head -20 "$OUT/env.txt"
 
 echo "== the carried wheels"
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -32,18 +42,38 @@ else
 fi
 export PYTHONPATH=$PWD:$PWD/clients/python:$PWD/bench:/tmp/site
 
+# perf_analyzer and py-spy apart, in /tmp/pa: never on the server's PYTHONPATH (the CUDA 12
+# runtime wheel's nvidia/__init__.py would hide the machine's own nvidia packages from torch).
+if compgen -G ".whl/pa/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/pa .whl/pa/*.whl || echo "installing .whl/pa/ failed"
+  for deb in .whl/pa/libb64-0d_*.deb; do [ -f "$deb" ] && dpkg -x "$deb" /tmp/b64; done
+  export PERF_ANALYZER=/tmp/pa/bin/perf_analyzer
+  # Its libraries for perf_analyzer alone (gpu_fill passes them on), not for torch.
+  export PERF_ANALYZER_LIBRARY_PATH=/tmp/pa/nvidia/cuda_runtime/lib:/tmp/b64/usr/lib/x86_64-linux-gnu
+  export PATH=$PATH:/tmp/pa/bin  # py-spy
+  missing=$(LD_LIBRARY_PATH=$PERF_ANALYZER_LIBRARY_PATH ldd "$PERF_ANALYZER" 2>&1 | grep 'not found' || true)
+  [ -z "$missing" ] || echo "perf_analyzer cannot load: $missing" | tee -a "$OUT/env.txt"
+else
+  echo "no .whl/pa/: run scripts/carry_perf_analyzer.sh here and carry .whl (gpu_fill needs perf_analyzer)" \
+    | tee -a "$OUT/env.txt"
+fi
+
 echo "== the environment"
-python3 - > "$OUT/env.txt" 2>&1 <<'EOF'
-import importlib.util, platform, sys
+python3 - >> "$OUT/env.txt" 2>&1 <<'EOF'
+import importlib.util, os, platform, shutil, sys
 import torch
 print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)
 print("cuda available:", torch.cuda.is_available(),
       "|", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-")
 wanted = ["aiohttp", "msgpack", "numpy", "safetensors", "grpc", "google.protobuf", "prometheus_client",
           "psutil", "rich", "msgspec", "orjson", "pydantic", "pydantic_settings", "pytest",
-          "pytest_asyncio", "pytest_aiohttp", "pytest_timeout", "httpx", "pynvml", "onnxruntime"]
+          "pytest_asyncio", "pytest_aiohttp", "pytest_timeout", "httpx", "pynvml", "onnxruntime",
+          "tokenizers"]
 missing = [name for name in wanted if importlib.util.find_spec(name) is None]
 print("missing:", " ".join(missing) or "nothing")
+print("perf_analyzer:", os.environ.get("PERF_ANALYZER", "-"), "| py-spy:", shutil.which("py-spy") or "-")
+print("cores:", len(os.sched_getaffinity(0)))
 import tensorserve.cli  # noqa: F401 - the server's imports, all of them
 print("tensorserve.cli imports")
 sys.exit(0 if torch.cuda.is_available() else 3)
@@ -52,26 +82,40 @@ env_rc=$?
 cat "$OUT/env.txt"
 if [ "$env_rc" -ne 0 ]; then echo "the environment is not usable (rc $env_rc): stopping"; exit 1; fi
 
-echo "== the CUDA tests"
-mapfile -t files < <(grep -l "pytest.mark.cuda" tests/test_*.py)
-extra=()
-if grep -q "^missing:.*pytest_timeout" "$OUT/env.txt"; then
-  # pyproject's `timeout` option and the timeout marks are unknown without the plugin,
-  # and filterwarnings = error would stop pytest at start-up.
-  extra=(-W ignore::pytest.PytestConfigWarning -W ignore::pytest.PytestUnknownMarkWarning)
+if [[ ",$STEPS," == *",tests,"* ]]; then
+  echo "== the CUDA tests"
+  mapfile -t files < <(grep -l "pytest.mark.cuda" tests/test_*.py)
+  extra=()
+  if grep -q "^missing:.*pytest_timeout" "$OUT/env.txt"; then
+    # pyproject's `timeout` option and the timeout marks are unknown without the plugin,
+    # and filterwarnings = error would stop pytest at start-up.
+    extra=(-W ignore::pytest.PytestConfigWarning -W ignore::pytest.PytestUnknownMarkWarning)
+  fi
+  timeout -k 5 90 python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs "${extra[@]}" \
+    --junitxml="$OUT/cuda_tests.xml" "${files[@]}" 2>&1 | tee "$OUT/cuda_tests.log"
+  tests_rc=${PIPESTATUS[0]}
+  echo "cuda tests: exit $tests_rc (124: timed out)"
+  [ "$tests_rc" -eq 0 ] || status=1
 fi
-timeout -k 5 230 python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs "${extra[@]}" \
-  --junitxml="$OUT/cuda_tests.xml" "${files[@]}" 2>&1 | tee "$OUT/cuda_tests.log"
-tests_rc=${PIPESTATUS[0]}
-echo "cuda tests: exit $tests_rc (124: timed out)"
-[ "$tests_rc" -eq 0 ] || status=1
 
-echo "== benchmarks/gpu_check.py"
-timeout -k 5 310 python3 benchmarks/gpu_check.py --device cuda:0 --out "$OUT/gpu_check.json" \
-  --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee "$OUT/gpu_check.log"
-check_rc=${PIPESTATUS[0]}
-echo "gpu_check: exit $check_rc (124: timed out)"
-[ "$check_rc" -eq 0 ] || status=1
+if [[ ",$STEPS," == *",check,"* ]]; then
+  echo "== benchmarks/gpu_check.py"
+  timeout -k 5 180 python3 benchmarks/gpu_check.py --device cuda:0 --no-load --out "$OUT/gpu_check.json" \
+    --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee "$OUT/gpu_check.log"
+  check_rc=${PIPESTATUS[0]}
+  echo "gpu_check: exit $check_rc (124: timed out)"
+  [ "$check_rc" -eq 0 ] || status=1
+fi
 
-echo "== done: cuda tests exit $tests_rc, gpu_check exit $check_rc"
+if [[ ",$STEPS," == *",fill,"* ]]; then
+  echo "== benchmarks/gpu_fill.py"
+  timeout -k 5 270 python3 benchmarks/gpu_fill.py --device cuda:0 --budget-s 225 \
+    --out "$OUT/gpu_fill.json" --server-log "$OUT/gpu_fill_server.log" \
+    --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee "$OUT/gpu_fill.log"
+  fill_rc=${PIPESTATUS[0]}
+  echo "gpu_fill: exit $fill_rc (124: timed out)"
+  [ "$fill_rc" -eq 0 ] || status=1
+fi
+
+echo "== done: cuda tests exit $tests_rc, gpu_check exit $check_rc, gpu_fill exit $fill_rc"
 exit "$status"

@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHECK = ROOT / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_check import TEXT_MODEL
-from gpu_check_support import override_config, pad
+from gpu_check_support import Check, ModelInfo, override_config, pad, tolerance
 
 TOP_LEVEL = {"device", "driver", "cuda", "torch", "commit", "date", "checks", "skipped", "load"}
 LOAD_FIELDS = {"model", "batch_size", "concurrency", "items_per_s", "p50_ms", "p99_ms", "gpu_util",
@@ -53,16 +52,27 @@ def test_gpu_check_on_cpu_passes_every_check(tmp_path: Path) -> None:
     names = {(c["name"], c["isolation"]) for c in checks}
     for isolation in ("thread", "process"):
         assert {("correctness", isolation), ("output_parameters", isolation),
-                ("bad_input", isolation)} <= names, names
-    # Every bundled model is checked in both isolations; the text models (strings in)
-    # are listed as skipped, each once (tests/test_text_models.py checks them).
-    text = {s["model"] for s in result["skipped"] if s["reason"] == TEXT_MODEL}
-    assert text == {"tokenizer", "text_tagger", "text_embedder"}
-    bundled = {p.parent.name for p in (ROOT / "model_repository").glob("*/config.toml")} - text
+                ("bad_input", isolation), ("many_callers", isolation),
+                ("text_rows", isolation)} <= names, names
+    # Every check counted what it compared, and compared something.
+    assert all(c["compared"] for c in checks if c["name"] != "load"), checks
+    # Every bundled model and the bench's encoder is checked in both isolations: the
+    # text models (strings in) each caller's rows against tokenizing on the CPU.
+    text = {"tokenizer", "text_tagger", "text_embedder", "text_bert_encoder"}
+    bundled = {p.parent.name for p in (ROOT / "model_repository").glob("*/config.toml")}
     for isolation in ("thread", "process"):
         checked = {c["model"] for c in checks if c["name"] == "correctness"
                    and c["isolation"] == isolation}
-        assert bundled <= checked, (isolation, bundled - checked)
+        assert (bundled - text) | {"bert_encoder"} <= checked, (isolation, bundled - checked)
+        rows = {c["model"] for c in checks if c["name"] == "text_rows" and c["isolation"] == isolation}
+        assert rows == text, rows
+        callers = {c["model"]: c["compared"] for c in checks if c["name"] == "many_callers"
+                   and c["isolation"] == isolation}
+        assert callers == {"tagger": 64, "embedder": 64, "bert_encoder": 64}, callers
+    # No export failed; the ones left out by rule say why.
+    assert not [c for c in checks if c["name"] == "export"]
+    assert {s["model"] for s in result["skipped"] if "request parameters" in s["reason"]} == {
+        "embedder_pt", "embedder_pt2"}
     # An exported .pt / .pt2 of some bundled model is served too (made by this torch).
     assert any(c["model"].endswith(("_pt", "_pt2")) for c in checks if c["name"] == "correctness")
     # Without CUDA the CUDA-only checks are listed as skipped, never as passed.
@@ -100,6 +110,32 @@ def test_a_run_stopped_by_its_time_limit_leaves_the_phases_it_finished(tmp_path:
     assert result["partial"] is True and "export" in result["phases_s"]
     assert TOP_LEVEL <= set(result)
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_check_that_compared_nothing_fails() -> None:
+    assert Check("x", "m", "thread", True, "fine", compared=3).passed
+    nothing = Check("x", "m", "thread", True, "fine", compared=0)
+    assert not nothing.passed and nothing.detail.startswith("0 comparisons")
+
+
+def test_the_float32_tolerance_catches_a_bfloat16_or_tf32_drift() -> None:
+    import torch
+
+    tagger = ModelInfo("tagger", {}, ROOT, "tagger")
+    encoder = ModelInfo("bert_encoder", {"parameters": {"cuda_dtype": "float16"}}, ROOT, "bert_encoder")
+    assert encoder.compute_dtype("cuda:0") == "float16" and encoder.compute_dtype("cpu") == "float32"
+    exact = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    bf16 = exact.to(torch.bfloat16).float()
+    # TF32 keeps 10 mantissa bits of each operand: a dot product over 128 terms.
+    a, b = torch.randn(64, 128), torch.randn(128, 64)
+    tf32 = (a.view(torch.int32) & ~0x1FFF).view(torch.float32) @ (
+        b.view(torch.int32) & ~0x1FFF).view(torch.float32)
+    scale = float(exact.abs().max())
+    assert float((bf16 - exact).abs().max()) > tolerance(tagger, "cuda:0", scale)
+    assert float((tf32 - a @ b).abs().max()) > tolerance(tagger, "cuda:0", float((a @ b).abs().max()))
+    # float16's bound is wider: rounding to float16 alone stays inside it.
+    half = exact.half().float()
+    assert float((half - exact).abs().max()) <= tolerance(encoder, "cuda:0", scale)
 
 
 def test_override_config_sets_top_level_fields_and_drops_keys_in_tables() -> None:

@@ -23,7 +23,8 @@ the server's percentile, medians of repeats) · ``sweep`` (variants
 x load levels, ``BenchResult``) · ``report`` (table) · ``plots`` (PNGs) ·
 ``server`` (the one way to start a server: ``--serve`` and every script of
 ``benchmarks/``) · ``results`` (result files) · ``repositories`` (toy models,
-cached copies of bundled ones) · ``soak`` (one toy model, its good and bad
+cached copies of bundled ones) · ``encoder`` (a BERT-base-size encoder
+with seeded weights) · ``tolerance`` (per-dtype error bounds) · ``soak`` (one toy model, its good and bad
 requests, the fault and the overload scenarios) · ``wrk`` · ``cli``.
 """
 
