@@ -86,16 +86,16 @@ def test_auto_on_the_cpu_warns_once_per_process_naming_the_flag_that_silences_it
 ) -> None:
     if torch.cuda.is_available():
         pytest.skip("auto resolves to CUDA here")
-    import tensorserve.serving.model
+    import tensorserve.runtime.cuda_diagnosis
 
-    monkeypatch.setattr(tensorserve.serving.model, "_no_cuda_said", threading.Lock())  # unsaid
+    monkeypatch.setattr(tensorserve.runtime.cuda_diagnosis, "_no_cuda_said", threading.Lock())  # unsaid
     spec = {k: v for k, v in ECHO.items() if k not in ("inputs", "outputs")}
     io = {"inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 4]}],
           "outputs": [{"name": "y", "dtype": "float32", "shape": [-1, 4]}]}
-    with caplog.at_level(logging.WARNING, logger="tensorserve.serving.model"):
+    with caplog.at_level(logging.WARNING, logger="tensorserve.runtime.cuda_diagnosis"):
         models = [ServedModel.from_function(lambda x: x, **io, device=device, **spec)
                   for device in ("cpu", "auto", "auto", "auto")]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "tensorserve.serving.model"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tensorserve.runtime.cuda_diagnosis"]
     assert warnings == [
         f'device = "auto" found no CUDA, so models run on the CPU ({cuda_missing()}); '
         "--device cpu silences this warning, --device cuda makes it an error"

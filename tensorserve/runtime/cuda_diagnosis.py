@@ -11,10 +11,17 @@ be read. ``describe`` is pure, so it is tested without a GPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
+
+log = logging.getLogger(__name__)
+# Held once this process said that ``device = "auto"`` found no CUDA: every
+# model left to auto runs on the CPU for the same reason.
+_no_cuda_said = threading.Lock()
 
 # The oldest Linux driver each CUDA major version runs on, through minor
 # version compatibility (docs.nvidia.com/deploy/cuda-compatibility,
@@ -75,3 +82,15 @@ def cuda_missing() -> str:
     import torch
 
     return describe(torch.__version__, torch.version.cuda, driver_version())
+
+
+def warn_auto_on_cpu() -> None:
+    """Once per process: ``device = "auto"`` found no CUDA. A GPU node whose
+    driver is too old for this torch, or a pod without its GPU, would
+    otherwise serve on the CPU, slowly, with nothing in the logs."""
+    if _no_cuda_said.acquire(blocking=False):
+        log.warning(
+            'device = "auto" found no CUDA, so models run on the CPU (%s); --device cpu '
+            "silences this warning, --device cuda makes it an error",
+            cuda_missing(),
+        )

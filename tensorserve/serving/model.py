@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -52,7 +51,7 @@ from tensorserve.repository.config import (
 )
 from tensorserve.repository.device_defaults import for_device
 from tensorserve.repository.loader import ModelSource, discover, read_config
-from tensorserve.runtime.cuda_diagnosis import cuda_missing
+from tensorserve.runtime.cuda_diagnosis import warn_auto_on_cpu
 from tensorserve.runtime.device import default_intra_op_threads, resolve_device
 from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.isolated import ProcessExecutor
@@ -65,9 +64,6 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self: Python 3.11
 
 log = logging.getLogger(__name__)
-# Held once this process said that ``device = "auto"`` found no CUDA: every
-# model left to auto runs on the CPU for the same reason.
-_no_cuda_said = threading.Lock()
 
 
 def _watchdog_seconds(config: ModelConfig) -> float | str | None:
@@ -121,15 +117,8 @@ class ServedModel:
         # What the config leaves to the server (a budget of "auto", lengths
         # unrounded) suits this device: the batcher and collator see the result.
         self.config = config = for_device(config, self.device.type)
-        auto_on_cpu = placements[0].device == "auto" and self.device.type == "cpu"
-        if auto_on_cpu and _no_cuda_said.acquire(blocking=False):
-            # A GPU node whose driver is too old for this torch, or a pod without
-            # its GPU, would otherwise serve on the CPU, slowly, with nothing in the logs.
-            log.warning(
-                'device = "auto" found no CUDA, so models run on the CPU (%s); --device cpu '
-                "silences this warning, --device cuda makes it an error",
-                cuda_missing(),
-            )
+        if placements[0].device == "auto" and self.device.type == "cpu":
+            warn_auto_on_cpu()
         self.stats = BatchStats()
         self.fn: Callable[..., Any] | None = fn if executor is not None else None
         if executor is None:  # a batch function handed over: the thread kind runs it
