@@ -8,8 +8,8 @@ callers at once, with texts of mixed lengths, over msgpack, KServe JSON
 (tritonclient.http) and gRPC (tritonclient.grpc), each get their own row,
 equal within 1e-5 to the library run on their text alone in this process:
 ``SentenceTransformer.encode`` for the sentence-transformers folder, the
-model's forward on one tokenized text for the others. Two of the models run
-in worker processes (``isolation = "process"``), two in threads; a second
+model's forward on one tokenized text for the others. Every task runs both
+in a worker process (``isolation = "process"``) and in a thread; a second
 server with ``--frontends 2`` tokenizes in the scheduler process.
 """
 
@@ -61,6 +61,17 @@ MODELS = {
     "classifier": ("text-classification", "thread", ""),
     "tagger": ("token-classification", "thread", ""),
     "cls_embedder": ("sentence-embedding", "thread", 'pooling = "cls"\nnormalize = true'),
+    # The same checkpoints in the other isolation: every task in both.
+    "st_embedder_thread": ("sentence-embedding", "thread", ""),
+    "features_thread": ("feature-extraction", "thread", ""),
+    "classifier_process": ("text-classification", "process", ""),
+    "tagger_process": ("token-classification", "process", ""),
+}
+TWIN_OF = {
+    "st_embedder_thread": "st_embedder",
+    "features_thread": "features",
+    "classifier_process": "classifier",
+    "tagger_process": "tagger",
 }
 OUTPUT = {
     "sentence-embedding": "embedding",
@@ -91,7 +102,9 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repo = tmp_path_factory.mktemp("hf_repository")
     for seed, (name, (task, isolation, extra)) in enumerate(MODELS.items()):
         folder = repo / name / "1"
-        if name == "st_embedder":
+        if name in TWIN_OF:
+            shutil.copytree(repo / TWIN_OF[name] / "1", folder)
+        elif name == "st_embedder":
             write_sentence_transformer(folder, seed=seed, max_length=MAX_LENGTH)
         else:
             write_checkpoint(folder, task, seed=seed)
@@ -114,12 +127,14 @@ class Reference:
     def tokens(self, name: str, text: str) -> int:
         """The text's tokens, untruncated, by the model's own tokenizer (each
         checkpoint trained its own vocabulary)."""
+        name = TWIN_OF.get(name, name)
         self(name, "")
         if name == "st_embedder":
             return len(self.models[name].tokenizer(text).input_ids)
         return len(self.tokenizers[name](text).input_ids)
 
     def __call__(self, name: str, text: str) -> np.ndarray:
+        name = TWIN_OF.get(name, name)
         task, _, _ = MODELS[name]
         folder = str(self.repository / name / "1")
         if name == "st_embedder":
