@@ -10,7 +10,10 @@
 # Then one device call, timeout_s 600, carry [".whl"]:
 #   GPU_RUN_COMMIT=<the commit's sha> bash scripts/gpu_run.sh
 # A rerun of one part, on the machine still warm: GPU_RUN_STEPS="fill" (any of tests,
-# check, fill, comma-separated; default all three).
+# check, fill, packed, comma-separated; default tests,check,fill). "packed" (issue #54:
+# benchmarks/packed.py, padded tagger against packed_tagger on the GPU, ~150 s) is a second
+# call of its own, timeout_s 240, when the lease has the time left:
+#   GPU_RUN_STEPS=packed GPU_RUN_COMMIT=<sha> bash scripts/gpu_run.sh   ->  env.txt packed.json packed.log
 #
 # The GPU machine has no .git, no console script and no tritonclient, opentelemetry or
 # kubernetes-validate: the tests run by file (every file holding cuda-marked tests) and the
@@ -27,7 +30,7 @@ STEPS=${GPU_RUN_STEPS:-tests,check,fill}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 status=0
-tests_rc=- check_rc=- fill_rc=-
+tests_rc=- check_rc=- fill_rc=- packed_rc=-
 
 echo "== nvidia-smi"
 timeout 20 nvidia-smi > "$OUT/env.txt" 2>&1 || echo "nvidia-smi failed" | tee -a "$OUT/env.txt"
@@ -117,5 +120,14 @@ if [[ ",$STEPS," == *",fill,"* ]]; then
   [ "$fill_rc" -eq 0 ] || status=1
 fi
 
-echo "== done: cuda tests exit $tests_rc, gpu_check exit $check_rc, gpu_fill exit $fill_rc"
+if [[ ",$STEPS," == *",packed,"* ]]; then
+  echo "== benchmarks/packed.py"
+  timeout -k 5 200 python3 benchmarks/packed.py --duration 5 --warmup 2 --out "$OUT/packed.json" \
+    2>&1 | tee "$OUT/packed.log"
+  packed_rc=${PIPESTATUS[0]}
+  echo "packed: exit $packed_rc (124: timed out)"
+  [ "$packed_rc" -eq 0 ] || status=1
+fi
+
+echo "== done: cuda tests exit $tests_rc, gpu_check exit $check_rc, gpu_fill exit $fill_rc, packed exit $packed_rc"
 exit "$status"
