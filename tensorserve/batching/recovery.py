@@ -44,10 +44,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tensorserve.batching import culprit
 from tensorserve.batching.admission import Outcome, Pending
+from tensorserve.batching.batch import Batch
 from tensorserve.batching.policy import BatchCostModel
 from tensorserve.batching.stats import BatchStats
 from tensorserve.errors import (
@@ -59,9 +59,6 @@ from tensorserve.errors import (
     RowErrors,
     WorkerCrashed,
 )
-
-if TYPE_CHECKING:
-    from tensorserve.batching.results import Batch
 
 # A batch whose worker died before running it goes back to the queue; an item
 # caught in that more often than this fails (a worker that keeps dying).

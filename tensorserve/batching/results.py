@@ -7,47 +7,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tensorserve.batching.admission import Outcome, Pending
-from tensorserve.batching.collate import Collator, PaddedBatch
-from tensorserve.batching.executor import BatchOutputs
+from tensorserve.batching.admission import Outcome
+from tensorserve.batching.batch import Batch
+from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import BatchCostModel, BatchPolicy
+from tensorserve.batching.recovery import Plan, Recovery
 from tensorserve.batching.stats import BatchStats
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import ModelFailure, as_model_failure
 from tensorserve.tensors.results import RowResult
 
-if TYPE_CHECKING:
-    from tensorserve.batching.recovery import Plan, Recovery
-
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Batch:
-    """One batch from the moment it leaves the queue until ``Scheduler._finish``."""
-
-    entries: list[Pending]
-    dispatched: float  # time.monotonic() when taken from the queue
-    padded: PaddedBatch | None = None
-    launched: Any = None
-    outputs: BatchOutputs | None = None
-    error: BaseException | None = None
-    started: float = 0.0  # perf_counter() at launch
-    seconds: float = 0.0
-    instance: int = 0  # the instance it runs on
-    overdue: bool = False  # the watchdog already acted on it
-    # The watchdog gave up on it (or on the batch it was queued behind): its
-    # callers are answered and it has left ``Scheduler.running``.
-    abandoned: bool = False
-    pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
-    unpad_started: float = 0.0  # perf_counter() when un-padding began (for its span)
-    unpad_seconds: float | None = None
-    # A trial of a crash's suspects (batching.recovery.Trial): the crash's other
-    # suspects, whose fate its outcome decides; None for an ordinary batch.
-    rest: list[Pending] | None = None
 
 
 class BatchResults:
