@@ -17,7 +17,8 @@ import pytest
 from tensorserve.batching.admission import Outcome, Pending
 from tensorserve.batching.delivery import settle
 from tensorserve.errors import ModelFailure
-from tensorserve.frontends.requests import RemoteItem, RemoteRequest, ReplySlot
+from tensorserve.frontends.requests import RemoteRequest, ReplySlot
+from tensorserve.frontends.requests import one_item as RemoteItem
 
 
 class Answers:

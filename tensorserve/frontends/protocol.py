@@ -37,6 +37,9 @@ requests in it:
                Or a run: [[rid, ...], names], one plain item each (no parameters)
     "answers"  [[aid, True, value] | [aid, False, error], ...]
 
+The "infer" entries are ``records.Request`` and ``records.Run``, by name: a
+record crosses as the array of its fields, the lists above.
+
 An error travels as [class name, message, retry_after | None] and is raised
 again as the same ``TensorServeError`` class on the other side.
 
@@ -56,10 +59,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 
 from tensorserve import errors
 from tensorserve.errors import InvalidInput, ServerBusy, TensorServeError
+from tensorserve.frontends.records import Run
 from tensorserve.ipc import messages
 
 log = logging.getLogger(__name__)
@@ -309,11 +314,7 @@ def in_runs(requests: list[Any]) -> list[Any]:
 
 def each_of_run(run: list[Any]) -> list[list[Any]]:
     """A run entry as the plain requests it stands for (``in_runs``)."""
-    rids, model, version, generation, timeout, priority, names, request_ids = run
-    return [
-        [rid, model, version, generation, timeout, priority, None, names, 1, None, request_id]
-        for rid, request_id in zip(rids, request_ids)
-    ]
+    return [list(msgspec.structs.astuple(request)) for request in Run(*run).requests()]
 
 
 def split_items(
