@@ -13,7 +13,6 @@ from tensorserve.batching.admission import Outcome
 from tensorserve.batching.batch import Batch
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import BatchCostModel, BatchPolicy
-from tensorserve.batching.recovery import Plan, Recovery
 from tensorserve.batching.stats import BatchStats
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import ModelFailure, as_model_failure
@@ -64,43 +63,8 @@ class BatchResults:
                 else (entry, row, False)
                 for entry, row in zip(entries, rows)
             ]
-        self._record(batch, outcomes)
+        self.record(batch, outcomes)
         return outcomes
-
-    def conclude(self, batch: Batch, recovery: Recovery) -> Plan:
-        """A finished batch's answers, and the parts of a failed one to run
-        again (``recovery`` plans them). Whatever goes wrong here, every
-        caller gets an answer."""
-        try:
-            plan = recovery.plan(batch)
-            if plan is not None:
-                # It ran, so it counts, with the items that failed for good.
-                self._record(batch, plan.outcomes)
-            else:
-                plan = recovery.ended(batch, self.outcomes(batch))
-                fit = batch.padded.padded_elements if batch.padded is not None else 0
-                if batch.error is None and recovery.ceiling.fitted(fit):
-                    log.info(
-                        "model %s: trying batches of up to %d padded elements again",
-                        self.name,
-                        recovery.ceiling.limit,
-                    )
-        except BaseException as exc:  # a bug in un-padding, stats or the cost model
-            log.exception("batcher %s: finishing a batch failed", self.name)
-            error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
-            every = [*batch.entries, *(batch.rest or ())]
-            return recovery.answer([(entry, error, True) for entry in every])
-        parts = [*plan.retries, *(trial.suspects for trial in plan.trials)]
-        if batch.error is not None and (parts or plan.cleared):
-            log.warning(
-                "model %s: a batch of %d failed (%s); running it again as %s; %d back to the queue",
-                self.name,
-                len(batch.entries),
-                batch.error,
-                " + ".join(str(len(part)) for part in parts) or "-",
-                len(plan.cleared),
-            )
-        return plan
 
     def _rows(self, batch: Batch) -> Sequence[Any]:
         """One result (or Exception) per entry."""
@@ -119,7 +83,7 @@ class BatchResults:
         parameters = outputs.parameters
         return rows if not parameters else _with_parameters(rows, parameters)
 
-    def _record(self, batch: Batch, outcomes: list[Outcome]) -> None:
+    def record(self, batch: Batch, outcomes: list[Outcome]) -> None:
         """Teach the policy what a batch of this padded volume cost (one that
         ran), tell the latency target, and count the batch in the stats."""
         entries = batch.entries

@@ -333,8 +333,8 @@ class Scheduler:
         restored.add_done_callback(back)
 
     def _finish(self, batch: Batch) -> None:
-        """Answer the batch's callers, or plan its recovery (``BatchResults.conclude``)."""
-        plan = self.results.conclude(batch, self.recovery)
+        """Answer the batch's callers, or plan its recovery (``Recovery.conclude``)."""
+        plan = self.recovery.conclude(batch, self.results)
         self.reruns.add(plan)
         with self.lock:
             self.queue.requeue(plan.cleared)
