@@ -28,7 +28,7 @@ and names the module that decides each step.
                   budget learnt in budget.py from what batches cost), then
                   keeps the padded batch under the element cap
                   (max_batch_elements, and the memory ceiling recovery learnt:
-                  recovery.MemoryCeiling, copied to AdmissionQueue.memory_limit)
+                  ceiling.py MemoryCeiling, copied to AdmissionQueue.memory_limit)
     expire     Scheduler._dispatch -> AdmissionQueue.expire: late items are
                answered (DeadlineExceeded), those whose caller left dropped
     pad        Collator.pad (collate.py), pure: the batch's tensors
