@@ -50,13 +50,14 @@ def _deliver(outcomes: Sequence[Outcome]) -> None:
     # Replies (batching/reply.py) go to their class's ``deliver``, a batch's
     # at once; futures are resolved one by one.
     replies: dict[type[Reply], list[tuple[Reply, Any, bool]]] = {}
+    kind: type[Reply] | None = None  # the last reply's, whose list is ``answers``
+    answers: list[tuple[Reply, Any, bool]] = []
     for entry, value, failed in outcomes:
         future = entry.future
         if isinstance(future, Reply):
-            kind = type(future)
-            answers = replies.get(kind)
-            if answers is None:
-                replies[kind] = answers = []
+            if type(future) is not kind:
+                kind = type(future)
+                answers = replies.setdefault(kind, [])
             answers.append((future, value, failed))
             continue
         # A caller that gave up (timeout, disconnect) may have cancelled meanwhile.

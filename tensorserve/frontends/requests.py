@@ -67,10 +67,11 @@ class ReplySlot(Reply):
         the rest in one ``reply_many``. A failure is answered on its own, as
         one failure alone would be."""
         finished: dict[Answerer, tuple[list[int], list[Any], list[tuple[int, list[Any]]]]] = {}
+        waiting, answered = WAITING, ANSWERED  # locals: this runs for every item
         for slot, value, failed in answers:
-            if slot.state != WAITING:  # its caller left meanwhile
+            if slot.state != waiting:  # its caller left meanwhile
                 continue
-            slot.state = ANSWERED
+            slot.state = answered
             request = slot.request
             if request is None:
                 slot.entry = None  # its entry holds it: no cycle to collect
