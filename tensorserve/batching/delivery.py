@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from concurrent import futures
-from typing import Any
 
 from tensorserve.batching.admission import Outcome
 from tensorserve.batching.reply import Reply
@@ -49,16 +48,17 @@ def settle(outcomes: Sequence[Outcome]) -> None:
 def _deliver(outcomes: Sequence[Outcome]) -> None:
     # Replies (batching/reply.py) go to their class's ``deliver``, a batch's
     # at once; futures are resolved one by one.
-    replies: dict[type[Reply], list[tuple[Reply, Any, bool]]] = {}
+    replies: dict[type[Reply], list[Outcome]] = {}
     kind: type[Reply] | None = None  # the last reply's, whose list is ``answers``
-    answers: list[tuple[Reply, Any, bool]] = []
-    for entry, value, failed in outcomes:
+    answers: list[Outcome] = []
+    for outcome in outcomes:
+        entry, value, failed = outcome
         future = entry.future
         if isinstance(future, Reply):
             if type(future) is not kind:
                 kind = type(future)
                 answers = replies.setdefault(kind, [])
-            answers.append((future, value, failed))
+            answers.append(outcome)
             continue
         # A caller that gave up (timeout, disconnect) may have cancelled meanwhile.
         if future.done():

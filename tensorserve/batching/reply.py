@@ -16,13 +16,23 @@ reply is resolved; ``set_result`` and ``set_exception`` are that, for one.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from typing import Any, Protocol
 
 # A reply's state: waiting, then answered or cancelled, once.
 WAITING, ANSWERED, CANCELLED = 0, 1, 2
+
+
+class Queued(Protocol):
+    """A queued item as ``deliver`` gets it (``admission.Pending``): its
+    ``future`` is the reply."""
+
+    @property
+    def future(self) -> Any: ...
+
+
+# (the queued item, its result or exception, failed): an ``admission.Outcome``,
+# handed over as it is (no tuple made per item).
+Answer = tuple[Queued, Any, bool]
 
 
 class Reply:
@@ -47,13 +57,22 @@ class Reply:
         return True
 
     def set_result(self, value: Any) -> None:
-        type(self).deliver([(self, value, False)])
+        type(self).deliver([(_Alone(self), value, False)])
 
     def set_exception(self, exc: BaseException) -> None:
-        type(self).deliver([(self, exc, True)])
+        type(self).deliver([(_Alone(self), exc, True)])
 
     @classmethod
-    def deliver(cls, answers: Sequence[tuple[Self, Any, bool]]) -> None:
-        """Answer each (reply, result or exception, failed) still waiting,
-        on the replies' loop; mark each answered."""
+    def deliver(cls, answers: Sequence[Answer]) -> None:
+        """Answer each item whose reply (of this class) still waits, on the
+        replies' loop; mark each answered."""
         raise NotImplementedError
+
+
+class _Alone:
+    """A reply answered by itself, as ``deliver`` takes it."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Reply) -> None:
+        self.future = future

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from tensorserve.batching.admission import Pending
 from tensorserve.batching.batcher import Batcher
-from tensorserve.batching.reply import ANSWERED, WAITING, Reply
+from tensorserve.batching.reply import ANSWERED, WAITING, Answer, Reply
 
 
 class Answerer(Protocol):
@@ -59,7 +59,7 @@ class ReplySlot(Reply):
         self.entry: Pending | None = None
 
     @classmethod
-    def deliver(cls, answers: Sequence[tuple[ReplySlot, Any, bool]]) -> None:
+    def deliver(cls, answers: Sequence[Answer]) -> None:
         """Answer a batch's slots, those still waited for. The requests each
         slot finished go to its front end in one call: the one-item requests
         whose row is a plain result as rows of one run
@@ -68,7 +68,8 @@ class ReplySlot(Reply):
         one failure alone would be."""
         finished: dict[Answerer, tuple[list[int], list[Any], list[tuple[int, list[Any]]]]] = {}
         waiting, answered = WAITING, ANSWERED  # locals: this runs for every item
-        for slot, value, failed in answers:
+        for entry, value, failed in answers:
+            slot: ReplySlot = entry.future
             if slot.state != waiting:  # its caller left meanwhile
                 continue
             slot.state = answered
