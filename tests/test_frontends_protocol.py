@@ -346,3 +346,24 @@ def test_a_messages_arrays_split_into_each_requests_items_by_name(
         assert list(item) == names
         for k, name in enumerate(names):
             assert item[name] is arrays[before + i * width + k]
+
+
+def test_a_record_crosses_as_the_array_of_its_fields_and_is_read_back_by_name() -> None:
+    """``records.Request`` and ``Run`` are the wire's arrays, named: encoded
+    they are the bytes of the list a front end sends, and a list read back
+    is the record, each field where its name says."""
+    import msgspec
+
+    from tensorserve.frontends.records import Request, Run
+
+    entry = [7, "m", "1", 3, 2.5, 1, {"k": 1}, ["x", "mask"], 2, "00-trace", "id-7"]
+    request = Request(*entry)
+    assert msgspec.msgpack.encode(request) == msgpack.packb(entry)
+    assert (request.rid, request.items, request.request_id) == (7, 2, "id-7")
+    assert msgspec.msgpack.decode(msgpack.packb(entry), type=Request) == request
+    assert not request.plain() and Request(*entry[:6], None, ["x"], 1, None, "i").plain()
+    run = [[1, 2], "m", "1", 3, None, 0, ["x"], ["id-1", "id-2"]]
+    assert msgspec.msgpack.encode(Run(*run)) == msgpack.packb(run)
+    assert [msgspec.structs.astuple(r) for r in Run(*run).requests()] == [
+        tuple(r) for r in each_of_run(run)
+    ]

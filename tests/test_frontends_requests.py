@@ -17,7 +17,8 @@ import pytest
 from tensorserve.batching.admission import Outcome, Pending
 from tensorserve.batching.delivery import settle
 from tensorserve.errors import ModelFailure
-from tensorserve.frontends.requests import RemoteItem, RemoteRequest, ReplySlot
+from tensorserve.frontends.requests import RemoteRequest, ReplySlot
+from tensorserve.frontends.requests import one_item as RemoteItem
 
 
 class Answers:
@@ -199,3 +200,21 @@ async def test_a_batch_answers_each_connection_once_and_only_the_callers_still_w
     settle(outcomes[:1])  # settled again (a race with a retry): nothing more is sent
     settle(outcomes[5:7])
     assert len(first.replies) == 4 and first.calls == 2
+
+
+async def test_a_batch_of_futures_and_slots_answers_each_its_own_way_once() -> None:
+    """``settle`` resolves an asyncio future itself and hands every reply
+    slot of the batch to ``ReplySlot.deliver`` in one call: the one way a
+    slot is answered (its ``set_result`` is that, for one)."""
+    loop = asyncio.get_running_loop()
+    answers = Answers()
+    item, _ = queued_item(answers, 1, loop)
+    other, _ = queued_item(answers, 2, loop)
+    future: asyncio.Future[Any] = loop.create_future()
+    plain = Pending(item=0, volume=1, future=future, loop=loop, enqueued=0.0, deadline=None)
+    entries: list[Any] = [item.entry, plain, other.entry]
+    settle([(e, {"out": np.full(2, i)}, False) for i, e in enumerate(entries)])
+    assert future.result()["out"].tolist() == [1, 1]
+    assert answers.calls == 1 and answers.rows == [[1, 2]]
+    item.set_result({"out": np.zeros(2)})  # answered already: nothing more is sent
+    assert answers.calls == 1 and item.done() and not item.cancelled()

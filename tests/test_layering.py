@@ -1,12 +1,16 @@
-"""The packages form layers with no cycles, only tensorserve.http imports
+"""The packages form layers with no cycles, no module imports another that
+imports it back (not even for types), only tensorserve.http imports
 aiohttp, ``import tensorserve`` and a front-end process stay light (no
 torch), and modules stay small enough to read in one sitting. The contracts live in pyproject.toml
 (``[tool.importlinter]``); docs/architecture.md explains them."""
 
 from __future__ import annotations
 
+import functools
+import json
 import subprocess
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -58,6 +62,103 @@ def test_every_package_has_a_layer() -> None:
     }
     assert present - placed == set(), f"packages in no layer: {sorted(present - placed)}"
     assert placed - present == set(), f"layers naming no package: {sorted(placed - present)}"
+
+
+# Every import counts: one under ``if TYPE_CHECKING:`` or in a function too.
+# In a process of its own, as the contracts are checked: grimp's threads
+# must not leave garbage behind for the tests that count the collector's.
+IMPORTS = """
+import grimp, json
+graph = grimp.build_graph(
+    "tensorserve", include_external_packages=True, exclude_type_checking_imports=False,
+    cache_dir=None,
+)
+print(json.dumps({m: sorted(graph.find_modules_directly_imported_by(m)) for m in graph.modules}))
+"""
+
+
+@functools.cache
+def _imports() -> dict[str, list[str]]:
+    """Each module of tensorserve (and each package it imports, by its top
+    name) -> the modules it imports itself."""
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTS],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    imports: dict[str, list[str]] = json.loads(result.stdout)
+    return imports
+
+
+def module_cycles(imports: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Each set of modules that import one another in a circle (a strongly
+    connected component of more than one module, or one that imports
+    itself), sorted; Tarjan's algorithm, without recursion."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(imports):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(imports.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            module, targets = work[-1]
+            target = next(targets, None)
+            if target is not None:
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(imports.get(target, ())))))
+                elif target in on_stack:
+                    low[module] = min(low[module], index[target])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[module])
+            if low[module] == index[module]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == module:
+                        break
+                if len(component) > 1 or module in imports.get(module, ()):
+                    cycles.append(sorted(component))
+    return sorted(cycles)
+
+
+def test_module_cycles_are_found_whatever_their_length() -> None:
+    imports = {"a": ["b"], "b": ["c"], "c": ["a", "d"], "d": [], "e": ["e"], "f": ["d"]}
+    assert module_cycles(imports) == [["a", "b", "c"], ["e"]]
+    assert module_cycles({"a": ["b"], "b": []}) == []
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    """A circle between modules, even one closed by an ``if TYPE_CHECKING:``
+    import, means a type both sides use belongs in a lower module (or the
+    lower one declares what it needs as a ``Protocol``)."""
+    ours = {m for m in _imports() if m == "tensorserve" or m.startswith("tensorserve.")}
+    imports = {m: [t for t in targets if t in ours] for m, targets in _imports().items()}
+    assert len(ours) > 100, "the whole package was read"
+    assert module_cycles(imports) == []
+
+
+def test_only_the_http_package_imports_aiohttp() -> None:
+    importers = {
+        module
+        for module, targets in _imports().items()
+        if module.startswith("tensorserve") and "aiohttp" in targets
+    }
+    assert importers, "the HTTP front end imports aiohttp"
+    outside = sorted(m for m in importers if not m.startswith("tensorserve.http."))
+    assert outside == [], f"aiohttp imported outside tensorserve/http/: {outside}"
 
 
 def test_import_tensorserve_does_not_import_torch() -> None:

@@ -18,6 +18,7 @@ from typing import Any, cast
 
 from tensorserve.batching.drain import DrainRate
 from tensorserve.batching.policy import BatchPolicy, FifoPolicy, Waiting
+from tensorserve.batching.reply import Reply
 from tensorserve.batching.stats import RequestTally
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import DeadlineExceeded, RequestTooLarge, ServerBusy, WouldMissTarget
@@ -74,7 +75,7 @@ class Pending:
 
     item: Any
     volume: int  # padded-size proxy, for length-aware policies
-    future: Future | asyncio.Future[Any]
+    future: Future | asyncio.Future[Any] | Reply
     loop: asyncio.AbstractEventLoop | None  # set for asyncio futures
     enqueued: float  # time.monotonic()
     deadline: float | None

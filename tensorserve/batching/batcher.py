@@ -164,8 +164,8 @@ class Batcher:
         if loop is None and not one_per_request:
             # A thread's caller may cancel its concurrent future: its slot is
             # freed then (an asyncio caller withdraws itself, infer_many).
-            for entry in entries:
-                entry.future.add_done_callback(self._cancelled(entry))
+            for entry, future in zip(entries, futures):  # futures of its own: Future()
+                future.add_done_callback(self._cancelled(entry))
         self.stats.record_requests(len(entries) if one_per_request else 1, len(entries))
         return entries
 

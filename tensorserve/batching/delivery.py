@@ -5,7 +5,9 @@ result is. An ``asyncio.Future`` belongs to its loop and may only be resolved
 on that loop's thread: its outcomes are grouped per loop and handed over with
 one ``call_soon_threadsafe`` per batch and loop (not one wake-up of the loop
 per item), or resolved at once when the code already runs on that loop (the
-scheduler's own loop: every server request's).
+scheduler's own loop: every server request's). A ``Reply`` (``reply.py``,
+the front ends' items in the scheduler process) is resolved by its class's
+``deliver``, all of a batch's on one loop in one call.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 from concurrent import futures
 
 from tensorserve.batching.admission import Outcome
+from tensorserve.batching.reply import Reply
 
 
 def settle(outcomes: Sequence[Outcome]) -> None:
@@ -43,15 +46,20 @@ def settle(outcomes: Sequence[Outcome]) -> None:
 
 
 def _deliver(outcomes: Sequence[Outcome]) -> None:
-    # A type that resolves many at once (front ends' requests): one call for all.
-    many = getattr(type(outcomes[0][0].future), "deliver_many", None) if outcomes else None
-    if many is not None and all(
-        getattr(type(outcome[0].future), "deliver_many", None) is many for outcome in outcomes
-    ):
-        many(outcomes)
-        return
-    for entry, value, failed in outcomes:
+    # Replies (batching/reply.py) go to their class's ``deliver``, a batch's
+    # at once; futures are resolved one by one.
+    replies: dict[type[Reply], list[Outcome]] = {}
+    kind: type[Reply] | None = None  # the last reply's, whose list is ``answers``
+    answers: list[Outcome] = []
+    for outcome in outcomes:
+        entry, value, failed = outcome
         future = entry.future
+        if isinstance(future, Reply):
+            if type(future) is not kind:
+                kind = type(future)
+                answers = replies.setdefault(kind, [])
+            answers.append(outcome)
+            continue
         # A caller that gave up (timeout, disconnect) may have cancelled meanwhile.
         if future.done():
             continue
@@ -62,3 +70,5 @@ def _deliver(outcomes: Sequence[Outcome]) -> None:
                 future.set_result(value)
         except (asyncio.InvalidStateError, futures.InvalidStateError):  # pragma: no cover
             pass  # raced with cancel(): the caller has left, nothing to deliver
+    for kind, answers in replies.items():
+        kind.deliver(answers)

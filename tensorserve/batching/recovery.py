@@ -1,5 +1,26 @@
-"""A batch that failed as a whole: what to answer now and what to run again,
-so that a fault stays with the items that cause it.
+"""Recovery: start here. A batch that failed as a whole: what to answer now
+and what to run again, so that a fault stays with the items that cause it.
+
+The flow, and where each step lives:
+
+    a batch ends    Scheduler._completed, on the scheduler's loop: its
+                    instance's ``done`` (a result or an error). A worker that
+                    died (WorkerCrashed) is repaired first, off the loop
+                    (Scheduler._repair -> executor.repair on the control pool;
+                    runtime/isolated.py: the standby worker takes its place)
+    hung            the watchdog (watchdog.py) aborts a batch past its limit
+                    (a worker killed: it ends as a crash, above) or has the
+                    scheduler give up on a thread's (Scheduler.give_up)
+    plan            Recovery.conclude (below): the one way a completed batch
+                    leaves the scheduler. A batch that ran is un-padded and
+                    recorded (results.py BatchResults); a failed one is
+                    planned (Recovery.plan, the table below; culprit.py sizes
+                    a crash's trials from the learnt cost and the restart time;
+                    ceiling.py lowers the memory ceiling)
+    act             Scheduler._finish runs the Plan: its outcomes are answered
+                    (delivery.settle), its retries and trials wait in Reruns,
+                    its cleared items rejoin the queue's head
+    run again       formation.next_batch takes Reruns first (Reruns.first/instead)
 
     the model raised RowErrors      those rows fail; the other rows run again
     the worker died before running  its items go back to the queue's head and
@@ -41,14 +62,17 @@ batch), puts cleared items back at its queue's head, and settles the outcomes.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tensorserve.batching import culprit
 from tensorserve.batching.admission import Outcome, Pending
+from tensorserve.batching.batch import Batch
+from tensorserve.batching.ceiling import MemoryCeiling
 from tensorserve.batching.policy import BatchCostModel
+from tensorserve.batching.results import BatchResults
 from tensorserve.batching.stats import BatchStats
 from tensorserve.errors import (
     BatchOutOfMemory,
@@ -60,8 +84,7 @@ from tensorserve.errors import (
     WorkerCrashed,
 )
 
-if TYPE_CHECKING:
-    from tensorserve.batching.results import Batch
+log = logging.getLogger("tensorserve.batching.results")  # where these lines were logged
 
 # A batch whose worker died before running it goes back to the queue; an item
 # caught in that more often than this fails (a worker that keeps dying). The
@@ -149,59 +172,6 @@ class Reruns:
         return entries
 
 
-class MemoryCeiling:
-    """A learned bound on one batch's padded elements: halved below a batch
-    that ran out of memory, raised again slowly (by ``GROWTH`` after every
-    ``GROW_AFTER`` batches that fit) so one bad moment does not shrink the
-    model's batches forever. The queue forms batches under it.
-
-    Where the executor can tell how much device memory is free (``free_bytes``:
-    CUDA, in this process), the ceiling grows only once more is free than when
-    the batch ran out: on a GPU that other processes share, growing blindly
-    would run out again on purpose, over and over."""
-
-    GROW_AFTER = 32
-    GROWTH = 1.25
-
-    def __init__(self, free_bytes: Callable[[], int | None] = lambda: None) -> None:
-        self.limit: int | None = None  # None: nothing learned yet
-        self._fitted = 0
-        self._free_bytes = free_bytes
-        self._free_when_out: int | None = None  # bytes free after the last batch ran out
-        # The largest padded batch that fit since memory last ran out: the
-        # evidence that an item this size fits when memory is not tight.
-        self.largest_fit = 0
-
-    def ran_out(self, padded_elements: int) -> bool:
-        """A batch of this size ran out of memory. True if one at least as
-        large fit since the last time memory ran out: memory is tight for
-        now, not too small for it (413 or 503 for a lone item). That evidence
-        is spent here: the same item running out again before anything as
-        large fits is then too large (memory may have shrunk for good)."""
-        below = max(1, padded_elements // 2)
-        self.limit = below if self.limit is None else min(self.limit, below)
-        self._fitted = 0
-        self._free_when_out = self._free_bytes()
-        transient, self.largest_fit = padded_elements <= self.largest_fit, 0
-        return transient
-
-    def fitted(self, padded_elements: int = 0) -> bool:
-        """A batch of this size fit; True when the limit just went up."""
-        self.largest_fit = max(self.largest_fit, padded_elements)
-        if self.limit is None:
-            return False
-        self._fitted += 1
-        if self._fitted < self.GROW_AFTER:
-            return False
-        self._fitted = 0
-        if self._free_when_out is not None:
-            free = self._free_bytes()
-            if free is not None and free < self._free_when_out * self.GROWTH:
-                return False  # no more room than when it ran out
-        self.limit = int(self.limit * self.GROWTH) + 1
-        return True
-
-
 class Recovery:
     """Plans what failed batches become. ``cost`` is the model's learnt cost
     model (taught by ``BatchResults``, only read here); ``restart_s`` reads
@@ -223,6 +193,43 @@ class Recovery:
         self.cost = cost
         self.restart_s = restart_s
         self.ceiling = MemoryCeiling(free_bytes)
+
+    def conclude(self, batch: Batch, results: BatchResults) -> Plan:
+        """A finished batch's answers, and the parts of a failed one to run
+        again: the one way a completed batch leaves the scheduler
+        (``Scheduler._finish``). Whatever goes wrong here, every caller gets
+        an answer."""
+        name = self.name
+        try:
+            plan = self.plan(batch)
+            if plan is not None:
+                # It ran, so it counts, with the items that failed for good.
+                results.record(batch, plan.outcomes)
+            else:
+                plan = self.ended(batch, results.outcomes(batch))
+                fit = batch.padded.padded_elements if batch.padded is not None else 0
+                if batch.error is None and self.ceiling.fitted(fit):
+                    log.info(
+                        "model %s: trying batches of up to %d padded elements again",
+                        name,
+                        self.ceiling.limit,
+                    )
+        except BaseException as exc:  # a bug in un-padding, stats or the cost model
+            log.exception("batcher %s: finishing a batch failed", name)
+            error = ModelFailure(f"model {name!r}: finishing the batch failed: {exc!r}")
+            every = [*batch.entries, *(batch.rest or ())]
+            return self.answer([(entry, error, True) for entry in every])
+        parts = [*plan.retries, *(trial.suspects for trial in plan.trials)]
+        if batch.error is not None and (parts or plan.cleared):
+            log.warning(
+                "model %s: a batch of %d failed (%s); running it again as %s; %d back to the queue",
+                name,
+                len(batch.entries),
+                batch.error,
+                " + ".join(str(len(part)) for part in parts) or "-",
+                len(plan.cleared),
+            )
+        return plan
 
     def plan(self, batch: Batch) -> Plan | None:
         """None: the batch ends as usual (``BatchResults.outcomes``, then ``ended``)."""

@@ -7,47 +7,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from tensorserve.batching.admission import Outcome, Pending
-from tensorserve.batching.collate import Collator, PaddedBatch
-from tensorserve.batching.executor import BatchOutputs
+from tensorserve.batching.admission import Outcome
+from tensorserve.batching.batch import Batch
+from tensorserve.batching.collate import Collator
 from tensorserve.batching.policy import BatchCostModel, BatchPolicy
 from tensorserve.batching.stats import BatchStats
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.errors import ModelFailure, as_model_failure
 from tensorserve.tensors.results import RowResult
 
-if TYPE_CHECKING:
-    from tensorserve.batching.recovery import Plan, Recovery
-
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Batch:
-    """One batch from the moment it leaves the queue until ``Scheduler._finish``."""
-
-    entries: list[Pending]
-    dispatched: float  # time.monotonic() when taken from the queue
-    padded: PaddedBatch | None = None
-    launched: Any = None
-    outputs: BatchOutputs | None = None
-    error: BaseException | None = None
-    started: float = 0.0  # perf_counter() at launch
-    seconds: float = 0.0
-    instance: int = 0  # the instance it runs on
-    overdue: bool = False  # the watchdog already acted on it
-    # The watchdog gave up on it (or on the batch it was queued behind): its
-    # callers are answered and it has left ``Scheduler.running``.
-    abandoned: bool = False
-    pad_seconds: float | None = None  # collate.pad's time (perf_counter), for the stats
-    unpad_started: float = 0.0  # perf_counter() when un-padding began (for its span)
-    unpad_seconds: float | None = None
-    # A trial of a crash's suspects (batching.recovery.Trial): the crash's other
-    # suspects, whose fate its outcome decides; None for an ordinary batch.
-    rest: list[Pending] | None = None
 
 
 class BatchResults:
@@ -92,43 +63,8 @@ class BatchResults:
                 else (entry, row, False)
                 for entry, row in zip(entries, rows)
             ]
-        self._record(batch, outcomes)
+        self.record(batch, outcomes)
         return outcomes
-
-    def conclude(self, batch: Batch, recovery: Recovery) -> Plan:
-        """A finished batch's answers, and the parts of a failed one to run
-        again (``recovery`` plans them). Whatever goes wrong here, every
-        caller gets an answer."""
-        try:
-            plan = recovery.plan(batch)
-            if plan is not None:
-                # It ran, so it counts, with the items that failed for good.
-                self._record(batch, plan.outcomes)
-            else:
-                plan = recovery.ended(batch, self.outcomes(batch))
-                fit = batch.padded.padded_elements if batch.padded is not None else 0
-                if batch.error is None and recovery.ceiling.fitted(fit):
-                    log.info(
-                        "model %s: trying batches of up to %d padded elements again",
-                        self.name,
-                        recovery.ceiling.limit,
-                    )
-        except BaseException as exc:  # a bug in un-padding, stats or the cost model
-            log.exception("batcher %s: finishing a batch failed", self.name)
-            error = ModelFailure(f"model {self.name!r}: finishing the batch failed: {exc!r}")
-            every = [*batch.entries, *(batch.rest or ())]
-            return recovery.answer([(entry, error, True) for entry in every])
-        parts = [*plan.retries, *(trial.suspects for trial in plan.trials)]
-        if batch.error is not None and (parts or plan.cleared):
-            log.warning(
-                "model %s: a batch of %d failed (%s); running it again as %s; %d back to the queue",
-                self.name,
-                len(batch.entries),
-                batch.error,
-                " + ".join(str(len(part)) for part in parts) or "-",
-                len(plan.cleared),
-            )
-        return plan
 
     def _rows(self, batch: Batch) -> Sequence[Any]:
         """One result (or Exception) per entry."""
@@ -147,7 +83,7 @@ class BatchResults:
         parameters = outputs.parameters
         return rows if not parameters else _with_parameters(rows, parameters)
 
-    def _record(self, batch: Batch, outcomes: list[Outcome]) -> None:
+    def record(self, batch: Batch, outcomes: list[Outcome]) -> None:
         """Teach the policy what a batch of this padded volume cost (one that
         ran), tell the latency target, and count the batch in the stats."""
         entries = batch.entries

@@ -4,13 +4,14 @@ It runs on one event loop (the server's, or a private one on a thread of its
 own) and is the only code that forms a batch, pads it, hands it to an
 instance, receives its completion, un-pads it and answers its callers:
 
-    admit (any thread) ─▶ queue ─▶ _pump: take ─▶ pad ─▶ instance.dispatch
+    admit (any thread) ─▶ queue ─▶ _pump: next_batch ─▶ pad ─▶ instance.dispatch
                                                                   │
          caller ◀─ settle ◀─ un-pad ◀─ _completed ◀── done ◀──────┘
                                             │
      retries, trials, cleared (recovery) ◀─┘   the next batch: _pump
 
-An instance only runs a padded batch and calls ``done``: a worker process
+How a batch forms is walked in ``formation.py``; what a failed one becomes,
+in ``recovery.py``. An instance only runs a padded batch and calls ``done``: a worker process
 (``LoopExecutor``: its socket is written and read by this loop, never
 blocking it) or a thread of this process (``instances.InstanceThreads``).
 Each instance holds up to two batches where its executor overlaps (CUDA, a
@@ -33,14 +34,16 @@ import time
 from collections.abc import Callable
 
 from tensorserve.batching.admission import AdmissionQueue, BatcherOptions, Outcome, Pending
+from tensorserve.batching.batch import Batch
 from tensorserve.batching.collate import Collator
 from tensorserve.batching.delivery import settle
 from tensorserve.batching.executor import BatchOutputs, Executor, LoopExecutor
+from tensorserve.batching.formation import next_batch
 from tensorserve.batching.instances import InstanceThreads
 from tensorserve.batching.loop_thread import Alarm, SchedulerLoop
 from tensorserve.batching.policy import BatchCostModel
 from tensorserve.batching.recovery import Recovery, Reruns
-from tensorserve.batching.results import Batch, BatchResults
+from tensorserve.batching.results import BatchResults
 from tensorserve.batching.stats import BatchStats
 from tensorserve.batching.target import LatencyTarget
 from tensorserve.batching.tracer import BatchTracer
@@ -224,23 +227,16 @@ class Scheduler:
     def _next_entries(
         self, instance: int, cut_short: bool
     ) -> tuple[list[Pending], list[Pending] | None]:
-        """The next batch for the instance, and for a trial its crash's other
-        suspects (``Batch.rest``): recovery's reruns come first when due."""
-        ahead = bool(self.running[instance])
-        if (rerun := self.reruns.first(ahead)) is not None:
-            return rerun
+        """The next batch for the instance (``formation.next_batch``), and for
+        a trial its crash's other suspects (``Batch.rest``)."""
         with self.lock:
-            now = self.clock()
-            due_in = self.queue.due_in(now, ahead=ahead, closing=self.closing)
-            if ahead:  # only a batch that cannot grow goes behind a running one
-                if due_in > 0 and not cut_short:
-                    return [], None
-                return self.queue.take(now, leave_growing=due_in > 0), None
-            if due_in > 0:
-                assert self._alarm is not None
-                self._alarm.within(due_in)  # come back when the oldest item is due
-                return self.reruns.instead(ahead)
-            return self.queue.take(now), None
+            entries, rest, due_in = next_batch(
+                self.queue, self.reruns, self.clock(),
+                ahead=bool(self.running[instance]), cut_short=cut_short, closing=self.closing,
+            )  # fmt: skip
+        assert self._alarm is not None
+        self._alarm.within(due_in)  # come back when the oldest item is due
+        return entries, rest
 
     def _dispatch(self, entries: list[Pending], instance: int, rest: list[Pending] | None) -> None:
         """Drop the entries nobody waits for any more, pad the rest and hand
@@ -337,8 +333,8 @@ class Scheduler:
         restored.add_done_callback(back)
 
     def _finish(self, batch: Batch) -> None:
-        """Answer the batch's callers, or plan its recovery (``BatchResults.conclude``)."""
-        plan = self.results.conclude(batch, self.recovery)
+        """Answer the batch's callers, or plan its recovery (``Recovery.conclude``)."""
+        plan = self.recovery.conclude(batch, self.results)
         self.reruns.add(plan)
         with self.lock:
             self.queue.requeue(plan.cleared)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from tensorserve.batching.results import Batch
+    from tensorserve.batching.batch import Batch
 
 
 class BatchTracer(Protocol):

@@ -27,15 +27,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
+from tensorserve.batching.admission import Outcome, Pending
+from tensorserve.batching.batch import Batch
 from tensorserve.errors import ModelFailure, ModelNotReady
-
-if TYPE_CHECKING:
-    from tensorserve.batching.admission import Outcome, Pending
-    from tensorserve.batching.results import Batch
-    from tensorserve.batching.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +116,34 @@ class SlowestBatch:
         self._seconds = 0.0
 
 
+class Abortable(Protocol):
+    def abort(self, launched: Any, because: str) -> bool: ...
+
+
+class Watched(Protocol):
+    """What the watchdog reads of the scheduler it watches, and the one thing
+    it asks of it (``give_up``); the scheduler is the one implementation."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def slowest_s(self) -> float: ...
+    @property
+    def accepting(self) -> bool: ...
+    @property
+    def running(self) -> Sequence[Sequence[Batch]]: ...
+    @property
+    def hung(self) -> Sequence[Batch | None]: ...
+    @property
+    def free_at(self) -> Sequence[float]: ...
+    @property
+    def instances(self) -> Abortable: ...
+
+    def give_up(self, batch: Batch, limit: float) -> None: ...
+
+
 class Watchdog:
-    def __init__(self, scheduler: Scheduler, limit_s: float | str | None) -> None:
+    def __init__(self, scheduler: Watched, limit_s: float | str | None) -> None:
         self.scheduler = scheduler
         self.setting = limit_s  # seconds, "auto", or None / 0: off
         self._timer: asyncio.TimerHandle | None = None

@@ -13,8 +13,13 @@
                    drains them on SIGTERM
     hub.py         its end of every front end: requests into the schedulers,
                    replies out, answers about the models, the front ends' reports
-    requests.py    a front end's request there: its items' reply slots, answered
-                   once all are in
+    intake.py      what one front end's message admits: one path per request,
+                   runs of one-item requests queued whole
+    requests.py    a front end's request there: its items' reply slots
+                   (``ReplySlot``, delivered a batch at a time), answered once
+                   all are in
+    records.py     the "infer" entries by name (``Request``, ``Run``): msgspec
+                   structs that cross as the same msgpack arrays
     table.py       what every front end is told: the model table, and which
                    models' latency targets a request would miss now
     process.py     a front-end process: the one-process server's app and

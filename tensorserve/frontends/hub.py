@@ -7,9 +7,9 @@ request's items, already decoded and validated by the front end with the
 server's own codecs, go straight into their model's queue, and each
 model's scheduler is woken once for the whole message, so requests from
 every front end share batches. Each item is answered through a
-``RemoteItem`` or ``ReplySlot`` (what the scheduler resolves in place of a
-future); a request whose items are all answered joins its front end's
-outbox, which leaves once per loop iteration.
+``ReplySlot`` (what the scheduler resolves in place of a future,
+``requests.py``); a request whose items are all answered joins its front
+end's outbox, which leaves once per loop iteration.
 
 A front end that dies (its socket closes) takes nothing with it: its
 requests' items still queued leave the queue, and what is running is
@@ -31,11 +31,11 @@ from tensorserve.dataplane import models as answers
 from tensorserve.dataplane.logs import logged_as
 from tensorserve.dataplane.plane import DataPlane, is_server_fault
 from tensorserve.errors import ModelFailure, TensorServeError
-from tensorserve.frontends.intake import Intake
+from tensorserve.frontends.intake import InFlight, Intake
 from tensorserve.frontends.liveness import Liveness, Stuck, cpu_ticks
 from tensorserve.frontends.pacing import ReadPacing
 from tensorserve.frontends.protocol import Outbox, error_entry
-from tensorserve.frontends.requests import RemoteItem, RemoteRequest
+from tensorserve.frontends.requests import RemoteRequest, ReplySlot
 from tensorserve.frontends.table import (
     Generations,
     LatePublisher,
@@ -64,7 +64,7 @@ class Connection:
         self.hub, self.pid = hub, pid
         self.link = Link(sock, hub.loop, self._message, self._lost, many=True)
         self.outbox = Outbox(hub.loop, self.link.send, unsendable=self._unsendable)
-        self.requests: dict[int, RemoteItem | RemoteRequest | asyncio.Task[Any]] = {}
+        self.requests: dict[int, InFlight] = {}
         self.in_flight = 0  # as it last reported
         self.liveness = Liveness(hub.loop.time())  # when it last sent anything, its CPU time
 
@@ -84,7 +84,7 @@ class Connection:
 
     def _cancel(self, rid: int) -> None:
         request = self.requests.pop(rid, None)
-        if isinstance(request, (RemoteItem, RemoteRequest)):
+        if isinstance(request, (ReplySlot, RemoteRequest)):
             request.withdraw()
         elif request is not None:
             request.cancel()

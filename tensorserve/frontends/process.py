@@ -21,13 +21,11 @@ import socket
 import sys
 from collections.abc import AsyncIterator
 
-from aiohttp import web
-
 from tensorserve.dataplane.frontend import FrontEndFactory, StartupError
 from tensorserve.dataplane.plane import DataPlane
 from tensorserve.frontends.remote import Scheduler
 from tensorserve.grpc.server import GrpcFrontEnd
-from tensorserve.http.app import create_app
+from tensorserve.http.app import App, create_app
 from tensorserve.http.server import bind, run
 from tensorserve.settings import Settings
 from tensorserve.tracing import configure as configure_tracing
@@ -36,7 +34,7 @@ SETTINGS_ENV = "TENSORSERVE_FRONTEND_SETTINGS_JSON"
 EXIT_CANNOT_START = 2
 
 
-def build_app(settings: Settings, scheduler: Scheduler) -> web.Application:
+def build_app(settings: Settings, scheduler: Scheduler) -> App:
     tracer = configure_tracing(settings)
     if tracer is not None:
         scheduler.traceparent = tracer.current_traceparent
@@ -49,15 +47,13 @@ def build_app(settings: Settings, scheduler: Scheduler) -> web.Application:
         models=scheduler,
         remote=scheduler.ask,
     )
-    app = create_app(settings, plane=plane)
 
-    async def connected(app: web.Application) -> AsyncIterator[None]:
+    async def connected() -> AsyncIterator[None]:
         scheduler.connect()
         yield
         scheduler.close()  # after every request has been answered
 
-    app.cleanup_ctx.append(connected)
-    return app
+    return create_app(settings, plane=plane, lifespan=connected)
 
 
 def main(argv: list[str]) -> int:

@@ -37,6 +37,9 @@ requests in it:
                Or a run: [[rid, ...], names], one plain item each (no parameters)
     "answers"  [[aid, True, value] | [aid, False, error], ...]
 
+The "infer" entries are ``records.Request`` and ``records.Run``, by name: a
+record crosses as the array of its fields, the lists above.
+
 An error travels as [class name, message, retry_after | None] and is raised
 again as the same ``TensorServeError`` class on the other side.
 
@@ -56,10 +59,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 
 from tensorserve import errors
 from tensorserve.errors import InvalidInput, ServerBusy, TensorServeError
+from tensorserve.frontends.records import Request, Run
 from tensorserve.ipc import messages
 
 log = logging.getLogger(__name__)
@@ -218,9 +223,10 @@ def tensor_count(section: str, entry: Any) -> int:
     """How many of a message's tensors belong to ``entry`` of ``section``
     (the formats in this module's docstring)."""
     if section == "infer":
-        if type(entry[0]) is list:  # a run: one item of ``names`` a request
-            return len(entry[0]) * len(entry[6])
-        return len(entry[7]) * int(entry[8])
+        record = infer_record(entry)
+        if isinstance(record, Run):  # one item of ``names`` a request
+            return len(record.rids) * len(record.names)
+        return len(record.names) * int(record.items)
     if section == "replies":
         if type(entry[0]) is list:  # a run: one plain item of ``names`` a request
             return len(entry[0]) * len(entry[1])
@@ -247,20 +253,27 @@ def check_crossable(parameters: Mapping[str, Any], priority: Any = None) -> None
             ) from None
 
 
+def infer_record(entry: list[Any]) -> Request | Run:
+    """An "infer" entry as the record it is (``records.py``)."""
+    return Run(*entry) if type(entry[0]) is list else Request(*entry)
+
+
 def callers(entry: list[Any]) -> list[tuple[int, str]]:
     """(rid, request id) of each request an "infer" entry (or run) stands for."""
-    if type(entry[0]) is list:
-        return list(zip(entry[0], entry[7]))
-    return [(entry[0], entry[10])]
+    record = infer_record(entry)
+    if isinstance(record, Run):
+        return list(zip(record.rids, record.request_ids))
+    return [(record.rid, record.request_id)]
 
 
 def unsendable_error(entry: list[Any], exc: Exception) -> TensorServeError:
     """What the callers of an "infer" entry that cannot be packed are
     answered: their own value, named (a 400), when it is one; else the
     server's fault."""
-    if type(entry[0]) is not list:
+    record = infer_record(entry)
+    if isinstance(record, Request):
         try:
-            check_crossable(entry[6] or {}, entry[5])
+            check_crossable(record.parameters or {}, record.priority)
         except InvalidInput as invalid:
             return invalid
     return TensorServeError(f"internal error: the request could not be passed on: {exc!r}")
@@ -285,7 +298,10 @@ def in_runs(requests: list[Any]) -> list[Any]:
     the scheduler process admits a run whole (``frontends/intake.py``) and
     unpacks two values a request, not eleven: its CPU per request is what
     caps a GPU. The tensors are unchanged: a run's are its requests', in
-    order."""
+    order. Positions are ``records.Request``'s fields (1-5: model, version,
+    generation, timeout, priority; 6 parameters, 7 names, 8 items, 9
+    traceparent, 10 request id): this runs per request in the front end,
+    where indexing a list costs less than naming it."""
     out: list[Any] = []
     at = 0
     while at < len(requests):
@@ -309,11 +325,7 @@ def in_runs(requests: list[Any]) -> list[Any]:
 
 def each_of_run(run: list[Any]) -> list[list[Any]]:
     """A run entry as the plain requests it stands for (``in_runs``)."""
-    rids, model, version, generation, timeout, priority, names, request_ids = run
-    return [
-        [rid, model, version, generation, timeout, priority, None, names, 1, None, request_id]
-        for rid, request_id in zip(rids, request_ids)
-    ]
+    return [list(msgspec.structs.astuple(request)) for request in Run(*run).requests()]
 
 
 def split_items(

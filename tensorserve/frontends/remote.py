@@ -235,7 +235,7 @@ class Scheduler:
         traced = self.traceparent() if self.traceparent is not None else None
         outbox.add(
             "infer",
-            [
+            [  # a records.Request, as the array it crosses as: its fields in order
                 rid,
                 model.name,
                 str(model.version),

@@ -1,105 +1,127 @@
-"""A front end's request in the scheduler process: ``RemoteItem`` (a
-request of one item, most of them: its own future and its own request),
-else ``RemoteRequest`` (its items' results as they come, answered once all
-are in) and a ``ReplySlot`` per item (what the model's scheduler resolves
-in place of a future)."""
+"""A front end's request in the scheduler process, and what each of its
+items is answered in.
+
+``ReplySlot`` is the one thing a model's scheduler resolves for a front
+end's item, in place of a future (a ``batching/reply.py`` ``Reply``), and
+``ReplySlot.deliver`` the one way it is resolved: ``delivery.settle`` hands
+it a batch's slots on this loop at once, so each front end gets the replies
+the batch finished in one call, not one per request.
+
+- A request of one item (most of them) is its slot alone
+  (``one_item``): the slot is also what a cancel withdraws. Each
+  object a request needs is paid for on the one process that caps a GPU.
+- A request of several items is a ``RemoteRequest``, which collects its
+  slots' results (``RemoteRequest.slots``) and is answered once all are in,
+  or failed at its first failure.
+
+A slot answers through its front end's ``Answerer`` (``hub.Connection``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from tensorserve.batching.admission import Outcome, Pending
+from tensorserve.batching.admission import Pending
 from tensorserve.batching.batcher import Batcher
-
-if TYPE_CHECKING:
-    from tensorserve.frontends.hub import Connection
+from tensorserve.batching.reply import ANSWERED, WAITING, Answer, Reply
 
 
-class _Slot:
-    """What a model's scheduler calls on an item's future, for the two kinds
-    below, resolved on this loop in place of an ``asyncio.Future``: no
-    future, no callback, no extra loop round per item."""
+class Answerer(Protocol):
+    """A front end, as its requests answer it (``hub.Connection``)."""
 
-    __slots__ = ("_state",)
-    _state: int  # 0 waiting, 1 done, 2 cancelled: each kind sets it first
+    def reply_rows(self, rids: Sequence[int], rows: Sequence[dict[str, Any]]) -> None: ...
 
-    def done(self) -> bool:
-        return self._state != 0
+    def reply_many(self, replies: Sequence[tuple[int, Sequence[Any]]]) -> None: ...
 
-    def cancelled(self) -> bool:
-        return self._state == 2
+    def fail(
+        self,
+        rid: int,
+        exc: BaseException,
+        *,
+        admitted: bool = True,
+        request_id: str | None = None,
+    ) -> None: ...
 
-    def cancel(self) -> bool:
-        if self._state:
-            return False
-        self._state = 2
-        return True
 
-    @staticmethod
-    def deliver_many(outcomes: Sequence[Outcome]) -> None:
-        """Resolve a batch's slots and ``RemoteItem``s at once
-        (``batching/delivery.py`` calls this for outcomes whose futures are
-        all of these two kinds): each connection then gets the replies the
-        batch finished in one call, not one per request through three more.
-        The one-item requests whose row is a plain result go as rows of one
-        run (``Connection.reply_rows``): a batch's rows all hold the same
-        outputs."""
-        finished: dict[Connection, tuple[list[int], list[Any], list[tuple[int, list[Any]]]]] = {}
-        for entry, value, failed in outcomes:
-            future: RemoteItem | ReplySlot = entry.future  # type: ignore[assignment]
-            if future._state:  # its caller left meanwhile
+class ReplySlot(Reply):
+    """One item's answer: of a request of one item (``request`` None; the
+    slot holds its queue entry, for a cancel), or of a ``RemoteRequest``."""
+
+    __slots__ = ("batcher", "connection", "entry", "index", "request", "request_id", "rid")
+
+    def __init__(self, request: RemoteRequest, index: int) -> None:
+        self.state, self.index = WAITING, index
+        self.request: RemoteRequest | None = request  # None: a request of one item
+        self.connection, self.rid = request.connection, request.rid
+        self.request_id = request.request_id
+        self.batcher: Batcher | None = None  # a request of one item's: its queue
+        self.entry: Pending | None = None
+
+    @classmethod
+    def deliver(cls, answers: Sequence[Answer]) -> None:
+        """Answer a batch's slots, those still waited for. The requests each
+        slot finished go to its front end in one call: the one-item requests
+        whose row is a plain result as rows of one run
+        (``Answerer.reply_rows``: a batch's rows all hold the same outputs),
+        the rest in one ``reply_many``. A failure is answered on its own, as
+        one failure alone would be."""
+        finished: dict[Answerer, tuple[list[int], list[Any], list[tuple[int, list[Any]]]]] = {}
+        waiting, answered = WAITING, ANSWERED  # locals: this runs for every item
+        for entry, value, failed in answers:
+            slot: ReplySlot = entry.future
+            if slot.state != waiting:  # its caller left meanwhile
                 continue
-            if failed:  # answered on its own, as one failure alone would be
-                future.set_exception(value)
+            slot.state = answered
+            request = slot.request
+            if request is None:
+                slot.entry = None  # its entry holds it: no cycle to collect
+                if failed:
+                    slot.connection.fail(slot.rid, value, request_id=slot.request_id)
+                    continue
+                results = None
+            elif failed:
+                request.failed(value)
                 continue
-            future._state = 1
-            if type(future) is RemoteItem:
-                future.entry = None
-                rid, connection, results = future.rid, future.connection, None
+            elif not request.answered(slot.index, value):
+                continue  # items of it are still to come
             else:
-                request = future._request  # type: ignore[union-attr]
-                if not request.answered(future._index, value):  # type: ignore[union-attr]
-                    continue  # items of it are still to come
-                rid, connection = request.rid, request.connection
                 results = None if len(request.results) == 1 else request.results
-            replies = finished.get(connection)
+            replies = finished.get(slot.connection)
             if replies is None:
-                finished[connection] = replies = ([], [], [])
+                finished[slot.connection] = replies = ([], [], [])
             if results is None and type(value) is dict:
-                replies[0].append(rid)
+                replies[0].append(slot.rid)
                 replies[1].append(value)
             else:
-                replies[2].append((rid, results or [value]))
+                replies[2].append((slot.rid, results or [value]))
         for connection, (rids, rows, others) in finished.items():
             if rids:
                 connection.reply_rows(rids, rows)
             if others:
                 connection.reply_many(others)
 
+    def withdraw(self) -> None:
+        """Leave the queue now, if still in it (its caller left): a request
+        of one item."""
+        entry, self.entry = self.entry, None
+        if entry is not None and self.batcher is not None:
+            self.batcher.withdraw([entry])
 
-class ReplySlot(_Slot):
-    """One item's answer, of a request of several items (``RemoteRequest``)."""
 
-    __slots__ = ("_index", "_request")
-
-    def __init__(self, request: RemoteRequest, index: int) -> None:
-        self._request, self._index, self._state = request, index, 0
-
-    def set_result(self, value: Any) -> None:
-        self._state = 1
-        request = self._request
-        if request.answered(self._index, value):
-            request.connection.reply(request.rid, request.results)
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._state = 1
-        self._request.failed(exc)
+def one_item(connection: Answerer, rid: int, request_id: str, batcher: Batcher) -> ReplySlot:
+    """The slot of a request of one item, which is the request itself: no
+    ``RemoteRequest``, no lists (its ``entry`` is set once queued)."""
+    slot = ReplySlot.__new__(ReplySlot)
+    slot.state, slot.request, slot.index = WAITING, None, 0
+    slot.connection, slot.rid, slot.request_id = connection, rid, request_id
+    slot.batcher, slot.entry = batcher, None  # entry: while queued or running
+    return slot
 
 
 class RemoteRequest:
-    """One front end's request in this process: its items' results as they
-    come, answered once all are in (or at its first failure)."""
+    """One front end's request of several items in this process: its items'
+    results as they come, answered once all are in (or at its first failure)."""
 
     __slots__ = (
         "batcher",
@@ -112,7 +134,7 @@ class RemoteRequest:
         "rid",
     )
 
-    def __init__(self, connection: Connection, rid: int, items: int, request_id: str) -> None:
+    def __init__(self, connection: Answerer, rid: int, items: int, request_id: str) -> None:
         self.connection, self.rid = connection, rid
         self.request_id = request_id  # its caller's: on the lines logged about it here
         self.results: list[Any] = [None] * items
@@ -120,6 +142,10 @@ class RemoteRequest:
         self.entries: list[Pending] = []
         self.batcher: Batcher | None = None
         self.finished = False
+
+    def slots(self) -> list[ReplySlot]:
+        """A slot per item, in order."""
+        return [ReplySlot(self, i) for i in range(len(self.results))]
 
     def answered(self, index: int, value: Any) -> bool:
         """Record an item's result; True if that finished the request (its
@@ -147,33 +173,3 @@ class RemoteRequest:
         if self.batcher is not None:
             self.batcher.withdraw(self.entries)
         self.entries = []
-
-
-class RemoteItem(_Slot):
-    """A front end's request of one item in this process: the future its
-    model's scheduler resolves (``_Slot``'s methods) and the request a
-    cancel withdraws (``RemoteRequest.withdraw``), as one object. Most
-    requests are one item, and each object a request needs here is paid
-    for on the one process that caps a GPU: a ``RemoteRequest``, its
-    results and entries lists and a ``ReplySlot`` would be four."""
-
-    __slots__ = ("batcher", "connection", "entry", "request_id", "rid")
-
-    def __init__(self, connection: Connection, rid: int, request_id: str, batcher: Batcher) -> None:
-        self.connection, self.rid, self.request_id = connection, rid, request_id
-        self.batcher, self._state = batcher, 0
-        self.entry: Pending | None = None  # while queued or running
-
-    def set_result(self, value: Any) -> None:
-        self._state, self.entry = 1, None  # its entry holds it: no cycle to collect
-        self.connection.reply(self.rid, [value])
-
-    def set_exception(self, exc: BaseException) -> None:
-        self._state, self.entry = 1, None
-        self.connection.fail(self.rid, exc, request_id=self.request_id)
-
-    def withdraw(self) -> None:
-        """Leave the queue now, if still in it (its caller left)."""
-        entry, self.entry = self.entry, None
-        if entry is not None:
-            self.batcher.withdraw([entry])

@@ -5,7 +5,7 @@ liveness answers while they load) and are drained and closed on exit."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -61,18 +61,26 @@ ROUTES = _routes()
 API_OF_PATH = {path: api for _, path, _, api in ROUTES if api is not None}
 
 
+# What ``create_app`` builds, named for the modules outside ``http/`` that
+# hold one (a front-end process): only this package imports aiohttp.
+App = web.Application
+
+
 def create_app(
     settings: Settings | None = None,
     *,
     wait_for_models: bool = False,
     plane: DataPlane | None = None,
-) -> web.Application:
+    lifespan: Callable[[], AsyncIterator[None]] | None = None,
+) -> App:
     """Build the HTTP front end and its data plane (``app[PLANE]``), whose
     models load and close with the app. With ``wait_for_models`` start-up returns only once
     every model has loaded (tests use this); otherwise loading runs in the
     background and ``/v2/health/ready`` tells when it is done. A front-end
     process (``--frontends N``) gives its own ``plane``, whose models live
-    in the scheduler process: nothing loads here."""
+    in the scheduler process: nothing loads here; and its ``lifespan``, an
+    async generator run as the app starts (up to its ``yield``) and after
+    every request has been answered (the rest)."""
     settings = settings or Settings()
     install_request_ids()  # every log record carries the request id (dataplane/logs.py)
     # observe (request id, metrics, access log) sees what error_middleware answered;
@@ -102,6 +110,8 @@ def create_app(
                 yield
 
         app.cleanup_ctx.append(models)
+    if lifespan is not None:
+        app.cleanup_ctx.append(lambda _: lifespan())
     app[PLANE] = plane  # what the gRPC front end, when there is one, shares (http/server.py)
     for method, path, handler, _ in ROUTES:
         if method == "GET":

@@ -9,16 +9,29 @@ is: it needs a -1 axis to be ragged on, and has nothing to un-pad like.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tensorserve.repository.config import InputSpec, OutputSpec
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 
-def output_problem(
-    out: OutputSpec, source: str | None, inputs: Mapping[str, InputSpec]
-) -> str | None:
+# What the check reads of the config's specs (``config.InputSpec``,
+# ``config.OutputSpec``, which call it: the config imports this, not back).
+class WithAxes(Protocol):
+    @property
+    def variable_axes(self) -> tuple[int, ...]: ...
+
+
+class Output(WithAxes, Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> Sequence[int]: ...
+    @property
+    def ragged(self) -> bool: ...
+    @property
+    def unpad_like(self) -> str | None: ...
+
+
+def output_problem(out: Output, source: str | None, inputs: Mapping[str, WithAxes]) -> str | None:
     """Why ``out`` cannot be returned as configured, as one sentence, or None.
     ``source``: the input it is un-padded like (``ModelConfig.unpad_source``)."""
     if out.ragged:

@@ -6,6 +6,7 @@ OpenTelemetry SDK (the ``otel`` extra) and nothing else ever does, so
 
     __init__.py   this file: the hook API a front end calls (``RequestTracer``),
                   ``configure`` and the SDK check; imports no OpenTelemetry
+    attributes.py ``Attributes``, a span's attributes, as every module here types them
     otel.py       the SDK's tracer provider, the OTLP/HTTP exporter, the
                   request span (``OtelTracer``)
     batches.py    the spans of a finished batch (``ModelBatchTracer``, the
@@ -32,6 +33,8 @@ import contextvars
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tensorserve.tracing.attributes import Attributes
+
 if TYPE_CHECKING:
     from tensorserve.batching.tracer import BatchTracer
     from tensorserve.ensemble.tracer import StepTracer
@@ -39,7 +42,6 @@ if TYPE_CHECKING:
 
 # A command that works from a fresh clone (tensorserve is on no package index).
 INSTALL = "from the repository's root: pip install -e '.[otel]'"
-Attributes = Mapping[str, "str | int | float | bool"]
 
 
 class CallOrigin(Protocol):

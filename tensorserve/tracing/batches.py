@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, NonRecordingSpan, SpanContext, Status, StatusCode
 
 if TYPE_CHECKING:
-    from tensorserve.batching.results import Batch
+    from tensorserve.batching.batch import Batch
 
 
 class WallClock:

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tensorserve import errors
-from tensorserve.tracing import Attributes
+from tensorserve.tracing.attributes import Attributes
 
 # gRPC's status codes by name (grpc/status.h; stable across versions).
 STATUS_CODES = {

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from tensorserve.tracing import Attributes
+from tensorserve.tracing.attributes import Attributes
 
 
 class HttpRequest(Protocol):

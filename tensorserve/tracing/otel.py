@@ -28,7 +28,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tensorserve import __version__
-from tensorserve.tracing import Attributes
+from tensorserve.tracing.attributes import Attributes
 from tensorserve.tracing.batches import ModelBatchTracer, WallClock
 from tensorserve.tracing.ensemble import EnsembleStepTracer
 
