@@ -24,14 +24,13 @@ BATCH_ITEM_SHAPE_FLATTEN                    [B * rank] the same, flattened
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tensorserve.repository.parameters import RequestParameterSpec
+from tensorserve.repository.tensor_specs import InputSpec, OutputSpec
 from tensorserve.tensors.dtypes import DTYPES, DType
-
-if TYPE_CHECKING:
-    from tensorserve.repository.config import ModelConfig
 
 BatchInputKind = Literal[
     "BATCH_ELEMENT_COUNT",
@@ -88,7 +87,27 @@ class BatchOutputSpec(_Strict):
     )
 
 
-def ragged_problem(config: ModelConfig) -> str | None:
+class Packing(Protocol):
+    """What the check reads of a model's config (``config.ModelConfig``,
+    which calls it: the config imports this module, not back)."""
+
+    @property
+    def platform(self) -> str: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def input(self) -> Sequence[InputSpec]: ...
+    @property
+    def output(self) -> Sequence[OutputSpec]: ...
+    @property
+    def request_parameter(self) -> Sequence[RequestParameterSpec]: ...
+    @property
+    def batch_input(self) -> Sequence[BatchInputSpec]: ...
+    @property
+    def batch_output(self) -> Sequence[BatchOutputSpec]: ...
+
+
+def ragged_problem(config: Packing) -> str | None:
     """Why packing cannot work as ``config`` asks, as one sentence, or None."""
     ragged = {spec.name for spec in config.input if spec.allow_ragged_batch}
     if config.platform == "ensemble" and (ragged or config.batch_input or config.batch_output):
