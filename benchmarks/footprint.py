@@ -12,8 +12,11 @@ the server has its spare worker back).
     python benchmarks/footprint.py --contenders 'defaults=;thread=--isolation thread' --rounds 5
     python benchmarks/footprint.py --contenders 'defaults=' --against base=/tmp/base
 
-``--against NAME=TREE`` adds a contender that serves the same repository with
-the defaults of another source tree (``git archive COMMIT | tar -x -C TREE``).
+``--no-spare`` serves a copy of the repository whose models keep no spare
+worker (``[faults] standby_worker = false``): a crash then forks (or loads)
+a new worker while its callers wait. ``--against NAME=TREE`` adds a
+contender that serves the same repository with the defaults of another
+source tree (``git archive COMMIT | tar -x -C TREE``).
 Contenders take turns, round by round. Prints a table and writes
 benchmarks/results/footprint.json.
 """
@@ -25,6 +28,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import sys
@@ -96,6 +100,17 @@ def crash(server: ServerProcess, log: Path, processes: int) -> float | None:
     return ms
 
 
+def without_spares(repository: Path, folder: Path) -> Path:
+    """A copy of ``repository`` whose models keep no spare worker."""
+    copy = folder / "repository"
+    shutil.copytree(repository, copy)
+    for config in copy.glob("*/config.toml"):
+        text = config.read_text()
+        if 'platform = "ensemble"' not in text:
+            config.write_text(text + "\n[faults]\nstandby_worker = false\n")
+    return copy
+
+
 def measure(flags: list[str], repository: Path, log: Path, tree: str | None, crashes: int,
             timeout: float = 180.0) -> dict[str, object]:
     env, cwd = ({"PYTHONPATH": tree_path(tree)}, tree) if tree else (None, None)
@@ -125,6 +140,7 @@ def main() -> int:
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--crashes", type=int, default=3, help="tagger worker kills per round")
+    parser.add_argument("--no-spare", action="store_true", help="models keep no spare worker")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     contenders: dict[str, tuple[str, str | None]] = {
@@ -133,10 +149,11 @@ def main() -> int:
     contenders |= {name: ("", tree) for name, tree in (a.split("=", 1) for a in args.against)}
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="footprint-") as logs:
+        repository = without_spares(args.repository, Path(logs)) if args.no_spare else args.repository
         for round_ in range(1, args.rounds + 1):
             for name, (flags, tree) in contenders.items():
                 log = Path(logs, f"{name}-{round_}.log")
-                measured = measure(shlex.split(flags), args.repository, log, tree, args.crashes)
+                measured = measure(shlex.split(flags), repository, log, tree, args.crashes)
                 row = {"contender": name, "round": round_, **measured}
                 print(f"#{round_} {name:<10} ready {row['ready_s']:5.1f} s  "
                       f"{row['processes']:3} processes  {row['pss_mb']:7.0f} MB PSS  "

@@ -59,21 +59,31 @@ class Template:
         self.log_level = log_level
         self.label = label
         self.process: subprocess.Popen[bytes] | None = None
+        self.started = False  # it answered its first message
         self.keys: frozenset[str] = frozenset()  # the models it holds loaded
         self._control: socket.socket | None = None
         self._lock = threading.Lock()  # one request on the control socket at a time
 
     def start(self) -> None:
+        self.launch()
+        self.wait_started()
+
+    def launch(self) -> None:
+        """Spawn it; it imports torch and the server's modules at once."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.process = spawn(["--template"], theirs)
         self._control = ours
+
+    def wait_started(self) -> None:
+        """Until it is ready for requests; ``ConfigError`` if it died."""
         try:
             self._ask({"log_level": self.log_level}, timeout=START_TIMEOUT_S)
         except (EOFError, OSError):
             self.stop()
             raise ConfigError(f"{self.label}: did not start") from None
-        log.info("%s: process %d ready", self.label, self.process.pid)
+        self.started = True
+        log.info("%s: process %d ready", self.label, self.pid)
 
     def add(self, key: str, hello: dict[str, Any]) -> None:
         """Load a model (``hello``, as a worker gets it) under ``key``, for the
@@ -124,6 +134,11 @@ class Template:
             return msgpack.unpackb(data)
 
     @property
+    def pid(self) -> int | None:
+        process = self.process
+        return process.pid if process is not None else None
+
+    @property
     def alive(self) -> bool:
         process = self.process
         return process is not None and process.poll() is None
@@ -138,6 +153,8 @@ class Template:
             control.close()
         process, self.process = self.process, None
         if process is not None:
+            if not self.started:  # still importing: it would read the socket only after
+                process.kill()
             reap(self.label, process)
 
 
