@@ -115,9 +115,10 @@ class SharedSpare:
         self._again = False  # a model was added while it forked: fork a newer one
         self._closed = False
 
-    @property
-    def ready(self) -> WorkerProcess | None:
-        return self._ready
+    def ready_for(self, key: str) -> WorkerProcess | None:
+        """The spare, if it is up and can serve the model ``key``."""
+        with self._lock:
+            return self._ready if key in self._keys else None
 
     def refill(self) -> None:
         """Fork a spare, unless one that can serve every model is ready (in
@@ -198,7 +199,8 @@ class SharedStandby:
 
     @property
     def ready(self) -> WorkerProcess | None:
-        return self.spare.ready if self.spare is not None else None
+        """The shared spare, once it is up and can serve this model."""
+        return self.spare.ready_for(self.hello["key"]) if self.spare is not None else None
 
     def refill(self) -> None:
         if self.spare is not None:
