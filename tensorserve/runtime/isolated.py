@@ -213,7 +213,10 @@ class ProcessExecutor:
         if spare is not None:
             spare.label, spare.on_lost = old.label, old.on_lost
             self.workers[instance] = spare
-            log.warning("%s: the standby worker %d took over", old.label, spare.pid)
+            took = 1000 * (time.perf_counter() - started)
+            log.warning(
+                "%s: the standby worker %d took over in %.1f ms", old.label, spare.pid, took
+            )
         else:
             log.warning("%s: starting a new worker process", old.label)
             try:
