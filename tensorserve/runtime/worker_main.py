@@ -12,6 +12,7 @@ whether the server stopped or died.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -173,6 +174,11 @@ def template(control: socket.socket) -> int:
 def _fork_worker(
     control: socket.socket, sock: socket.socket, models: dict[str, Loaded | None]
 ) -> int:
+    # Out of the collector's sight: a collection in the worker would otherwise
+    # write to every object the template made (all its models'), copying each
+    # page it touches; measured, a swapped-in spare's first answer took ~15 ms
+    # more without it (docs/threading.md, "One template, one spare").
+    gc.freeze()
     pid = os.fork()
     if pid:
         sock.close()
