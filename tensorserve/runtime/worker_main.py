@@ -188,6 +188,7 @@ def _fork_worker(
         control.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         try:
+            ipc.send(sock, {"forked": os.getpid()})  # running: a spare is ready from now on
             hello, _ = ipc.recv(sock)  # which model: now, or when a spare is taken
         except (EOFError, ConnectionError):
             hello = {"stop": True}

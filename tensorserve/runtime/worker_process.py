@@ -151,6 +151,17 @@ class WorkerProcess:
             self.process, self.sock = process, ours
             self.killed_because = None
             self.generation += 1
+        if forked is not None:  # until it runs: a spare is not ready while the fork settles
+            try:
+                ours.settimeout(LOAD_TIMEOUT_S)
+                ipc.recv(ours)  # {"forked": pid}
+                ours.settimeout(None)
+            except (EOFError, OSError) as exc:
+                why = "timed out" if isinstance(exc, TimeoutError) else _died(process.poll())
+                self.stop()
+                raise ConfigError(
+                    f"{self.label}: the forked worker did not start ({why})"
+                ) from None
 
     def assign(self, hello: dict[str, Any], label: str) -> None:
         """Tell the started worker its model, and wait until it is loaded."""
