@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -145,3 +147,28 @@ def test_a_prestarted_template_is_taken_by_the_first_model_or_stopped(repository
     finally:
         shared_workers.end_prestart()
     assert not prestarted.template.alive  # the last model closed
+
+
+def test_a_crash_takes_the_ready_spare_without_waiting_for_a_fork_in_progress(
+    repository: Path,
+) -> None:
+    """A refill may wait behind another model's load in the template (seconds);
+    a spare that is up and serves the crashed model is taken at once."""
+    with ServedModel.from_repository(repository, "doubler") as doubler:
+        wait_until(lambda: _spare(doubler) is not None, "the spare forked", 60)
+        spare, ready = doubler.executor.shared.spare, _spare(doubler)  # type: ignore[attr-defined]
+        loading = threading.Event()
+        stuck = threading.Thread(target=loading.wait, args=(60,), daemon=True)
+        stuck.start()
+        spare._thread = stuck  # a refill held up by a load
+        try:
+            started = time.monotonic()
+            assert _kill(doubler) == ready
+            assert time.monotonic() - started < 30, "the swap waited for the stuck fork"
+        finally:
+            loading.set()
+            stuck.join()
+            with spare._lock:
+                spare._thread = None
+            spare.refill()
+        wait_until(lambda: _spare(doubler) not in (None, ready), "a new spare forked", 60)

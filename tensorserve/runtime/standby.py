@@ -136,10 +136,10 @@ class SharedSpare:
 
     def _fork(self) -> None:
         keys = self.template.keys  # before the fork: it holds at least these
-        worker: WorkerProcess | None = WorkerProcess({}, SPARE, self.template)
-        assert worker is not None
+        forked = WorkerProcess({}, SPARE, self.template)
+        worker: WorkerProcess | None = forked
         try:
-            worker.start_idle()
+            forked.start_idle()
         except (ConfigError, EOFError, OSError) as exc:
             if not self._closed:
                 log.error("%s: could not fork (%s); a crash forks a new worker", SPARE, exc)
@@ -157,9 +157,12 @@ class SharedSpare:
 
     def take(self, hello: dict[str, Any], label: str) -> WorkerProcess | None:
         """The spare, told that it now serves ``hello``'s model (waiting for
-        one being forked); None if none can; a new one is forked."""
+        one being forked only if the ready one cannot serve it: a fork may
+        wait for another model's load in the template); None if none can; a
+        new one is forked."""
         with self._lock:
-            thread = self._thread
+            usable = self._ready is not None and hello.get("key") in self._keys
+            thread = None if usable else self._thread
         if thread is not None:
             thread.join(LOAD_TIMEOUT_S)
         with self._lock:
