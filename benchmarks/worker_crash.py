@@ -45,7 +45,7 @@ worker_template = {template}
 
 def _standby_ready(model: ServedModel) -> bool:
     standby = model.executor.standby  # type: ignore[attr-defined]
-    return standby is None or standby._ready is not None
+    return standby is None or standby.ready is not None
 
 
 def measure(standby: bool, template: bool, rounds: int) -> dict[str, object]:

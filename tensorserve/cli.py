@@ -154,6 +154,34 @@ def serve(settings: Settings) -> int:
     if settings.otlp_endpoint is not None and (missing := missing_sdk()) is not None:
         print(f"tensorserve serve: error: {missing}", file=sys.stderr)
         return 2
+    _prestart_template(settings)
+    try:
+        return _serve(settings)
+    finally:
+        from tensorserve.runtime import shared_workers
+
+        shared_workers.end_prestart()  # nothing loaded: it goes (a no-op once models took it)
+
+
+def _prestart_template(settings: Settings) -> None:
+    """Where the models' workers will likely be forked from a worker template
+    in this process (``isolation = "auto"`` on 2 CPUs or more), spawn it now:
+    it imports torch while this process does, which halves the time to
+    ready on a small machine (docs/threading.md, "One template, one spare")."""
+    from tensorserve.host import available_cpus
+
+    if (
+        settings.frontends == 1
+        and settings.isolation != "thread"
+        and settings.model_control_mode != "explicit"
+        and available_cpus() >= 2
+    ):
+        from tensorserve.runtime import shared_workers
+
+        shared_workers.prestart(settings.log_level)
+
+
+def _serve(settings: Settings) -> int:
     from tensorserve.http.server import StartupError, run  # aiohttp and torch: only to serve
 
     front_ends = []

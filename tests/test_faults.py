@@ -358,7 +358,7 @@ def _worker_outcomes(model: ServedModel, values: list[float]) -> list[object]:
 
 def _standby_ready(model: ServedModel) -> bool:
     standby = model.executor.standby  # type: ignore[attr-defined]
-    return standby._ready is not None
+    return standby.ready is not None
 
 
 def test_an_item_that_kills_its_worker_fails_alone_and_the_standby_takes_over(crashy: Path) -> None:
@@ -422,7 +422,7 @@ def test_workers_are_forked_from_the_template_and_close_stops_every_process(cras
         wait_until(lambda: _standby_ready(model), "the standby worker loaded", 60)
         template = model.executor.template.process.pid  # type: ignore[attr-defined]
         worker = model.executor.workers[0].pid  # type: ignore[attr-defined]
-        standby = model.executor.standby._ready.pid  # type: ignore[attr-defined]
+        standby = model.executor.standby.ready.pid  # type: ignore[attr-defined]
         assert psutil.Process(worker).ppid() == template
         assert psutil.Process(standby).ppid() == template
         assert model.infer_sync(_x(2.0))["y"][0, 0] == 4.0

@@ -26,15 +26,16 @@ class Faults(BaseModel):
     )
     standby_worker: bool | Literal["auto"] = Field(
         "auto",
-        description="isolation = 'process': keep one loaded spare worker, so a crashed "
-        "worker is replaced in milliseconds instead of a full model load. auto: on the CPU "
-        "only (on a GPU a spare holds a CUDA context and a copy of the weights of its own).",
+        description="isolation = 'process': keep a spare worker, so a crashed worker is "
+        "replaced in milliseconds, not a model load (one spare, from the worker template, "
+        "serves every model it loads). auto: on the CPU only (on a GPU a spare holds a CUDA "
+        "context and its own copy of the weights).",
     )
     worker_template: bool = Field(
         True,
-        description="isolation = 'process': fork workers from a template process that has "
-        "imported torch and (on the CPU) loaded the model, so a new worker costs "
-        "milliseconds, not a model load (runtime/template.py).",
+        description="isolation = 'process': fork workers from the server's one template "
+        "process, which has imported torch and (on the CPU) loaded the model, so a new worker "
+        "costs milliseconds, not a model load (runtime/template.py).",
     )
 
     @field_validator("watchdog_ms")

@@ -17,14 +17,20 @@ A worker that dies (a segfault in a native extension, the OOM killer, an
 with ``WorkerCrashed`` saying how it died, and a batch queued behind it with
 ``WorkerCrashed(ran=False)``; the scheduler retries them (batching.recovery)
 and has the instance ``repair``ed at once: the standby, a spare worker kept
-loaded (``[faults] standby_worker``), takes over in milliseconds; without
-one, a new worker loads.
+ready (``[faults] standby_worker``), takes over in milliseconds; without
+one, a new worker is forked from the template, or loads.
+
+Every process-isolated model of the process forks its workers from one
+worker template and shares one spare with the others
+(``shared_workers.py``): the bundled repository's five such models run in
+eight processes, not sixteen (docs/threading.md, "One template, one spare").
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -36,10 +42,11 @@ from tensorserve.ipc import messages as ipc
 from tensorserve.repository.config import ModelConfig
 from tensorserve.repository.loader import ModelSource
 from tensorserve.repository.platforms import PLATFORMS
+from tensorserve.runtime import shared_workers
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed
 from tensorserve.runtime.ragged import join_rows
-from tensorserve.runtime.standby import Standby
+from tensorserve.runtime.standby import SharedStandby, Standby
 from tensorserve.runtime.template import Template
 from tensorserve.runtime.worker_process import WorkerProcess
 from tensorserve.tensors.dtypes import Feature, host_array
@@ -47,6 +54,7 @@ from tensorserve.tensors.dtypes import Feature, host_array
 log = logging.getLogger(__name__)
 
 RESTART_ALPHA = 0.3  # the weight of the newest restart in ``restart_seconds``
+_KEYS = itertools.count(1)  # one key per executor: its model in the shared template
 
 
 @dataclass(frozen=True)
@@ -78,27 +86,39 @@ class ProcessExecutor:
         self.outputs = config.output
         self.label = f"model {source.name!r}"
         on_cpu = resolve_device(config.device).type == "cpu"
-        self.hello = {
+        # The template loads the weights only on the CPU, of a model that
+        # starts no threads as it loads: it never touches CUDA (template.py).
+        self.log_level = logging.getLevelName(logging.getLogger("tensorserve").getEffectiveLevel())
+        template_loads = on_cpu and PLATFORMS[config.platform].loads_before_fork
+        self.key = f"{source.name}/{version}/{next(_KEYS)}"  # its model in the template
+        self.hello: dict[str, Any] = {
             "name": source.name,
             "path": str(source.path),
             "version": version,
+            "key": self.key,
             "config": config.model_dump(mode="json"),
             "intra_op_threads": intra_op_threads,
-            # The template loads the weights only on the CPU, of a model that
-            # starts no threads as it loads: it never touches CUDA (template.py).
-            "template_loads": on_cpu and PLATFORMS[config.platform].loads_before_fork,
-            "log_level": logging.getLevelName(logging.getLogger("tensorserve").getEffectiveLevel()),
+            "template_loads": template_loads,
+            "log_level": self.log_level,
         }
         faults = config.faults
-        self.template = Template(self.hello, self.label) if faults.worker_template else None
+        self.uses_template = faults.worker_template
+        self.template: Template | None = None  # the shared one, from ``start`` on
+        self.shared: shared_workers.SharedWorkers | None = None
         self.workers = [
-            WorkerProcess(self.hello, f"{self.label} instance {i}", self.template)
+            WorkerProcess(self.hello, f"{self.label} instance {i}")
             for i in range(config.instance_count)
         ]
         # A spare on a GPU would hold a CUDA context and a copy of the weights
         # there for a crash that may never come: by default, only on the CPU.
+        # A model the template holds loaded shares its spare; one it does not
+        # (on a GPU, ONNX Runtime) needs a spare of its own, loaded.
         standby = on_cpu if faults.standby_worker == "auto" else faults.standby_worker
-        self.standby = Standby(self.hello, self.label, self.template) if standby else None
+        self.standby: Standby | SharedStandby | None = None
+        if standby and template_loads and self.uses_template:
+            self.standby = SharedStandby(self.hello, self.label)
+        elif standby:
+            self.standby = Standby(self.hello, self.label)
         self.loop: asyncio.AbstractEventLoop | None = None  # the scheduler's (attach)
         self.restarts = 0  # dead workers replaced (tensorserve_worker_restarts_total)
         # A moving average of what replacing one cost: a swap when the standby
@@ -107,8 +127,16 @@ class ProcessExecutor:
 
     def start(self) -> None:
         try:
-            if self.template is not None:
-                self.template.start()
+            if self.uses_template:
+                self.shared = shared_workers.acquire(self.log_level)
+                self.template = self.shared.template
+                self.template.add(self.key, self.hello)
+                for worker in self.workers:
+                    worker.template = self.template
+                if isinstance(self.standby, SharedStandby):
+                    self.standby.spare = self.shared.spare
+                elif self.standby is not None:
+                    self.standby.template = self.template
             for worker in self.workers:
                 worker.start()
         except BaseException:
@@ -122,8 +150,10 @@ class ProcessExecutor:
             self.standby.close()
         for worker in self.workers:
             worker.stop()
-        if self.template is not None:
-            self.template.stop()
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            shared.template.drop(self.key)
+            shared_workers.release(shared)
 
     def free_memory_bytes(self) -> int | None:
         return None  # the device is the workers'
@@ -183,7 +213,10 @@ class ProcessExecutor:
         if spare is not None:
             spare.label, spare.on_lost = old.label, old.on_lost
             self.workers[instance] = spare
-            log.warning("%s: the standby worker %d took over", old.label, spare.pid)
+            took = 1000 * (time.perf_counter() - started)
+            log.warning(
+                "%s: the standby worker %d took over in %.1f ms", old.label, spare.pid, took
+            )
         else:
             log.warning("%s: starting a new worker process", old.label)
             try:

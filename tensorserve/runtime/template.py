@@ -1,12 +1,15 @@
-"""The worker template: one process per model that has imported torch and the
-model (and, on the CPU, loaded its weights) but never runs a batch, and that
-``fork()``s a model's worker processes on request (``isolation = "process"``).
+"""The worker template: one process per server that has imported torch and
+the process-isolated models (and, on the CPU, loaded their weights) but never
+runs a batch, and that ``fork()``s the models' worker processes on request
+(``isolation = "process"``).
 
 Why: a worker started from scratch pays for Python, torch and the model
 before it can run a batch (3-4 s of a core on a small VM,
 ``benchmarks/worker_crash.py``); a worker forked from the template is ready
 in milliseconds and shares the template's weights copy-on-write: a crash
 is cheap for the machine too, not only for the callers (the standby's work).
+Why one for all models, not one each: torch and Python's own pages are then
+paid for once (docs/threading.md, "One template, one spare").
 
 Safe to fork because the template never runs a batch: it holds torch's
 intra-op pool at one thread (no OpenMP threads exist to be lost in the
@@ -14,9 +17,14 @@ child), and never touches CUDA: a model on a GPU (or "auto") is imported but
 loaded by each worker after the fork, the way a spawned worker loads it.
 
 The control socket is a ``SOCK_SEQPACKET`` pair (one message per request,
-no framing needed): ``{"fork": 1}`` with a socket's file descriptor attached
-(SCM_RIGHTS) answers ``{"pid": ...}``; ``{"status": pid}`` answers the exit
-status of a worker that has exited (the template is its parent and reaps it).
+no framing needed), one request at a time: ``{"load": key, "hello": ...}``
+loads a model under ``key`` (or only notes it, where the template may not
+load it); ``{"drop": key}`` forgets it; ``{"fork": 1}`` with a socket's file
+descriptor attached (SCM_RIGHTS) answers ``{"pid": ...}``, a worker that
+waits on that socket for its model's hello; ``{"status": pid}`` answers the
+exit status of a worker that has exited (the template is its parent and
+reaps it). A load holds the template for its length: a fork asked meanwhile
+waits for it (the spare worker, ``standby.py``, is what a crash takes first).
 """
 
 from __future__ import annotations
@@ -45,32 +53,61 @@ STOP_TIMEOUT_S = 10.0
 
 
 class Template:
-    """The server's handle on one model's worker template."""
+    """The server's handle on the worker template (see the module docstring)."""
 
-    def __init__(self, hello: dict[str, Any], label: str) -> None:
-        self.hello = hello
-        self.label = f"{label} worker template"
+    def __init__(self, log_level: str, label: str = "the worker template") -> None:
+        self.log_level = log_level
+        self.label = label
         self.process: subprocess.Popen[bytes] | None = None
+        self.started = False  # it answered its first message
+        self.keys: frozenset[str] = frozenset()  # the models it holds loaded
         self._control: socket.socket | None = None
         self._lock = threading.Lock()  # one request on the control socket at a time
 
     def start(self) -> None:
+        self.launch()
+        self.wait_started()
+
+    def launch(self) -> None:
+        """Spawn it; it imports torch and the server's modules at once."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.process = spawn(["--template"], theirs)
         self._control = ours
+
+    def wait_started(self) -> None:
+        """Until it is ready for requests; ``ConfigError`` if it died."""
         try:
-            reply = self._ask(self.hello, timeout=START_TIMEOUT_S)
+            self._ask({"log_level": self.log_level}, timeout=START_TIMEOUT_S)
         except (EOFError, OSError):
             self.stop()
             raise ConfigError(f"{self.label}: did not start") from None
+        self.started = True
+        log.info("%s: process %d ready", self.label, self.pid)
+
+    def add(self, key: str, hello: dict[str, Any]) -> None:
+        """Load a model (``hello``, as a worker gets it) under ``key``, for the
+        workers forked from now on; ``ConfigError`` with the reason it cannot."""
+        try:
+            reply = self._ask({"load": key, "hello": hello}, timeout=START_TIMEOUT_S)
+        except (EOFError, OSError) as exc:
+            self.stop()  # it died or hangs in the model's code: workers spawn from now on
+            raise ConfigError(f"{self.label} failed loading the model ({exc!r})") from None
         if "error" in reply:
-            self.stop()
             raise ConfigError(reply["error"])
-        log.info("%s: process %d ready", self.label, self.process.pid)
+        with self._lock:
+            self.keys = self.keys | {key}
+
+    def drop(self, key: str) -> None:
+        """Forget a model closed for good (its workers keep their copy)."""
+        with self._lock:
+            self.keys = self.keys - {key}
+        with contextlib.suppress(EOFError, OSError):
+            self._ask({"drop": key})
 
     def fork(self, worker_end: socket.socket) -> ForkedProcess:
-        """A new worker process whose end of its socket is ``worker_end``."""
+        """A new worker process whose end of its socket is ``worker_end``; it
+        waits there for its model's hello."""
         reply = self._ask({"fork": 1}, fds=[worker_end.fileno()])
         return ForkedProcess(int(reply["pid"]), self)
 
@@ -97,18 +134,27 @@ class Template:
             return msgpack.unpackb(data)
 
     @property
+    def pid(self) -> int | None:
+        process = self.process
+        return process.pid if process is not None else None
+
+    @property
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        process = self.process
+        return process is not None and process.poll() is None
 
     def stop(self) -> None:
         """Closing the control socket ends the template; its workers live on
         until their own sockets close."""
-        with self._lock:
-            control, self._control = self._control, None
+        control, self._control = self._control, None  # no lock: a load may hold it
         if control is not None:
+            with contextlib.suppress(OSError):
+                control.shutdown(socket.SHUT_RDWR)  # wakes a request waiting for a reply
             control.close()
         process, self.process = self.process, None
         if process is not None:
+            if not self.started:  # still importing: it would read the socket only after
+                process.kill()
             reap(self.label, process)
 
 

@@ -12,6 +12,7 @@ whether the server stopped or died.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -131,20 +132,14 @@ def _reason(exc: Exception) -> str:
 
 def template(control: socket.socket) -> int:
     """The worker template (runtime/template.py, which says why each fork is
-    safe): load once, then fork a worker per request."""
+    safe): load models on request, and fork a worker per request."""
     import msgpack
     import torch
 
     torch.set_num_threads(1)
     hello = msgpack.unpackb(socket.recv_fds(control, 1 << 16, 0)[0])
-    _log_as(hello)
-    loaded: Loaded | None = None
-    try:
-        if hello.get("template_loads"):  # else each worker loads it after the fork
-            loaded = _load(hello)
-    except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
-        socket.send_fds(control, [msgpack.packb({"error": _reason(exc)})], [])
-        return 1
+    _log_as({"name": "template", **hello})
+    models: dict[str, Loaded | None] = {}  # None: each worker loads it after the fork
     exited: dict[int, int] = {}
 
     def reap(*_: object) -> None:
@@ -162,17 +157,31 @@ def template(control: socket.socket) -> int:
         if not data:
             return 0  # the server closed its end
         request = msgpack.unpackb(data)
+        reply: dict[str, Any] = {}
         if "status" in request:
             reap()
             reply = {"returncode": exited.pop(request["status"], None)}
+        elif "load" in request:
+            try:
+                model = request["hello"]
+                models[request["load"]] = _load(model) if model.get("template_loads") else None
+            except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
+                reply = {"error": _reason(exc)}
+        elif "drop" in request:
+            models.pop(request["drop"], None)
         else:
-            reply = {"pid": _fork_worker(control, socket.socket(fileno=fds[0]), hello, loaded)}
+            reply = {"pid": _fork_worker(control, socket.socket(fileno=fds[0]), models)}
         socket.send_fds(control, [msgpack.packb(reply)], [])
 
 
 def _fork_worker(
-    control: socket.socket, sock: socket.socket, hello: dict[str, Any], loaded: Loaded | None
+    control: socket.socket, sock: socket.socket, models: dict[str, Loaded | None]
 ) -> int:
+    # Out of the collector's sight: a collection in the worker would otherwise
+    # write to every object the template made (all its models'), copying each
+    # page it touches; measured, a swapped-in spare's first answer took ~15 ms
+    # more without it (docs/threading.md, "One template, one spare").
+    gc.freeze()
     pid = os.fork()
     if pid:
         sock.close()
@@ -181,8 +190,16 @@ def _fork_worker(
     try:  # the worker: never returns into the template's loop
         control.close()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        ipc.recv(sock)  # the server's hello: the template had it already
-        code = _load_and_run(sock, hello, loaded)
+        try:
+            ipc.send(sock, {"forked": os.getpid()})  # running: a spare is ready from now on
+            hello, _ = ipc.recv(sock)  # which model: now, or when a spare is taken
+        except (EOFError, ConnectionError):
+            hello = {"stop": True}
+        if hello.get("stop"):
+            code = 0  # a spare stopped before any model took it
+        else:
+            _log_as(hello)
+            code = _load_and_run(sock, hello, models.get(hello.get("key", "")))
     finally:
         os._exit(code)
 

@@ -129,21 +129,49 @@ class WorkerProcess:
 
     # ------------------------------------------------------------------ the owner
     def start(self) -> None:
-        """Spawn and wait until the model is loaded; ``ConfigError`` with the
-        worker's own reason if it cannot load."""
+        """Spawn (or fork) and wait until the model is loaded; ``ConfigError``
+        with the worker's own reason if it cannot load."""
+        self.start_idle(fork_only=False)
+        self.assign(self.hello, self.label)
+
+    def start_idle(self, *, fork_only: bool = True) -> None:
+        """Fork a worker that waits for its model's hello (a spare, until a
+        model takes it: ``assign``); ``ConfigError`` if there is no template."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for end in (ours, theirs):
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
         with theirs:
-            process = self._fork(theirs) or spawn([], theirs)
+            forked = self._fork(theirs)
+            if forked is None and fork_only:
+                ours.close()
+                raise ConfigError(f"{self.label}: no worker template to fork from")
+            process: Process = forked or spawn([], theirs)
         with self._guard:
             self.process, self.sock = process, ours
             self.killed_because = None
             self.generation += 1
+        if forked is not None:  # until it runs: a spare is not ready while the fork settles
+            try:
+                ours.settimeout(LOAD_TIMEOUT_S)
+                ipc.recv(ours)  # {"forked": pid}
+                ours.settimeout(None)
+            except (EOFError, OSError) as exc:
+                why = "timed out" if isinstance(exc, TimeoutError) else _died(process.poll())
+                self.stop()
+                raise ConfigError(
+                    f"{self.label}: the forked worker did not start ({why})"
+                ) from None
+
+    def assign(self, hello: dict[str, Any], label: str) -> None:
+        """Tell the started worker its model, and wait until it is loaded."""
+        self.hello, self.label = hello, label
+        ours, process = self.sock, self.process
+        if ours is None or process is None:
+            raise ConfigError(f"{self.label}: the worker process is gone")
         try:
             ours.settimeout(LOAD_TIMEOUT_S)
-            ipc.send(ours, self.hello)
+            ipc.send(ours, hello)
             reply, _ = ipc.recv(ours)
             ours.settimeout(None)
         except (EOFError, OSError) as exc:

@@ -29,6 +29,7 @@ from tensorserve.errors import ConfigError, ModelNotFound, ModelNotReady
 from tensorserve.pools import on_control_pool
 from tensorserve.repository.config import ModelConfig, load_config
 from tensorserve.repository.loader import ModelSource, discover, read_config, resolve_version
+from tensorserve.runtime import shared_workers
 from tensorserve.serving.entries import ModelState, lookup, ready
 from tensorserve.serving.model import ServedModel
 from tensorserve.serving.text import TextServedModel
@@ -147,7 +148,11 @@ class ModelRegistry:
         for name in names:
             self.entries[name].state = ModelState.LOADING
         ensembles = [name for name in names if _is_ensemble(self.repository / name)]
-        await asyncio.gather(*(self.load(name) for name in names if name not in ensembles))
+        try:
+            await asyncio.gather(*(self.load(name) for name in names if name not in ensembles))
+        finally:
+            # A template spawned ahead (tensorserve.cli) stays only if a model took it.
+            await on_control_pool(shared_workers.end_prestart)
         await asyncio.gather(*(self.load(name) for name in ensembles))  # on loaded steps
 
     async def load(self, name: str) -> ModelEntry:
