@@ -361,6 +361,12 @@ class Collator:
             pad_to_multiple_of=self.pad_to_multiple_of,
             pin_memory=self.pin_memory,
         )
+        return self.with_parameters(batch, parameters)
+
+    def with_parameters(
+        self, batch: PaddedBatch, parameters: Sequence[Mapping[str, Any]]
+    ) -> PaddedBatch:
+        """``batch`` with one column per declared request parameter."""
         if self.parameter_names:
             batch.parameters = {
                 name: [values[name] for values in parameters] for name in self.parameter_names

@@ -181,11 +181,7 @@ class PackedCollator(Collator):
             pad_to_multiple_of=self.pad_to_multiple_of,
             pin_memory=self.pin_memory,
         )
-        if self.parameter_names:
-            batch.parameters = {
-                name: [values[name] for values in parameters] for name in self.parameter_names
-            }
-        return batch
+        return self.with_parameters(batch, parameters)
 
     def unpad(
         self, outputs: Mapping[str, np.ndarray | Sequence[np.ndarray]], batch: PaddedBatch
