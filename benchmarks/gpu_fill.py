@@ -142,6 +142,9 @@ def text_workload(model: str, ceiling_model: str, folder: Path, seed: int) -> Wo
 
 MODELS = ("tagger", "embedder", "text_tagger", MODEL_NAME)
 NEEDS = {"text_tagger": ("tokenizer", "tagger")}  # an ensemble's steps
+# The tagger as shipped but eager (compile = "off"): at one caller beside the
+# shipped one, it shows what the forward's kernel launches cost the CPU.
+EAGER_TAGGER = "tagger_eager"
 
 
 def build_repository(folder: Path, encoder: EncoderSize, models: Sequence[str]) -> Path:
@@ -155,6 +158,12 @@ def build_repository(folder: Path, encoder: EncoderSize, models: Sequence[str]) 
             write_encoder(repository, encoder, seed=0, text=False)
         else:
             (repository / name).symlink_to(BUNDLED / name, target_is_directory=True)
+    if "tagger" in wanted:  # the c=1 cause: the same tagger, its forward never captured
+        eager = repository / EAGER_TAGGER
+        eager.mkdir()
+        (eager / "1").symlink_to(BUNDLED / "tagger" / "1", target_is_directory=True)
+        config = (BUNDLED / "tagger" / "config.toml").read_text()
+        (eager / "config.toml").write_text('compile = "off"\n' + config)  # top-level keys first
     return repository
 
 
@@ -246,6 +255,14 @@ def table(result: dict[str, Any]) -> str:
         for t in p.get("busiest_threads", [])[:3] if p["protocol"] == "http" else []:
             rows.append(f"c=1 {p['workload']:32} {t['role']:9} pid {t['pid']:<7} "
                         f"{t['thread']:16} {t['cpu_us_per_request']:8.0f} us/request")
+    # The shipped tagger at one caller (its point, not py-spy's) beside it eager.
+    shipped = next((p for p in result["points"] if p["model"] == "tagger"
+                    and p["protocol"] == "http" and p["concurrency"] == 1), None)  # fmt: skip
+    for p, what in ((shipped, "as shipped"), (result.get("c1_eager"), 'compile = "off"')):
+        if p and "error" not in p:
+            rows.append(f"c=1 tagger over http, {what:16} p50 {_num(_ms(p['p50_us']), 6, 2)} ms, "
+                        f"CPU us/request: scheduler {p['cpu_us_per_request']['scheduler']:.0f}, "
+                        f"workers {p['cpu_us_per_request']['workers']:.0f}")
     for stack in result.get("c1_profile", {}).get("pyspy_top", [])[:6]:
         count, _, frames = stack.partition(" ")
         rows.append(f"py-spy, tagger over http at c=1: {count} samples ..{frames[-150:]}")
@@ -366,6 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 result["c1_profile"] = run_point(pa, server, lone.model, "http", 1, lone.data,
                                                  plan.window_ms, folder, gpu_index, 3.0)
                 result["c1_profile"]["workload"] = lone.key
+                save()
+            if lone is not None and time.monotonic() - started + 8 < budget:
+                result["c1_eager"] = run_point(pa, server, EAGER_TAGGER, "http", 1, lone.data,
+                                               plan.window_ms, folder, gpu_index)  # fmt: skip
+                result["c1_eager"]["workload"] = lone.key
                 save()
         except Exception as exc:  # noqa: BLE001 - what was measured is kept, the failure said
             result["error"] = f"{type(exc).__name__}: {exc}"[:800]
