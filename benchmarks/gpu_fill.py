@@ -301,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"a comma-separated subset of {','.join(MODELS)} (default: all)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop adding points past this many seconds (cuda 450, cpu 100)")
+    parser.add_argument("--isolation", choices=("thread", "process"), default=None,
+                        help="run every model in this isolation (the server's --isolation; "
+                             "default: each model's own, as shipped)")  # fmt: skip
     args = parser.parse_args(argv)
     device = str(torch.device(args.device))
     device = "cuda:0" if device == "cuda" else device
@@ -320,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "server": "python -m tensorserve serve --model-repository <the models as shipped, and "
                   "bert_encoder> (no other flag: the image's defaults)",
         "models": models,
+        "isolation": args.isolation or "as shipped",
         "encoder": {"layers": plan.encoder.layers, "d_model": plan.encoder.d_model,
                     "heads": plan.encoder.heads, "parameters": plan.encoder.parameters},
         "perf_analyzer": {"windows": 3, "window_ms": plan.window_ms, "entries": ENTRIES,
@@ -349,9 +353,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["ceilings"] = ceilings(repository, work, device, plan.ceiling_s)
         save()
         # The server picks its device itself ("auto"): on a CPU it is shown no GPU,
-        # on CUDA it is shown the measured one alone unless that is the first.
-        env = {"CUDA_VISIBLE_DEVICES": ""} if kind == "cpu" else (
-            {"CUDA_VISIBLE_DEVICES": str(gpu_index)} if gpu_index else {})
+        # on CUDA the measured one alone (at its defaults it would place every model on
+        # every GPU it sees, and the ceiling is one GPU's).
+        env = {"CUDA_VISIBLE_DEVICES": "" if kind == "cpu" else str(gpu_index)}
+        if args.isolation:  # thread against process on this device (scripts/gpu_run.sh)
+            env["TENSORSERVE_ISOLATION"] = args.isolation
         server = ServerProcess(str(repository), env=env, log=args.server_log or folder / "server.log",
                                ready_timeout=300)  # fmt: skip
         try:

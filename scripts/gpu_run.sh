@@ -10,10 +10,13 @@
 # Then one device call, timeout_s 600, carry [".whl"]:
 #   GPU_RUN_COMMIT=<the commit's sha> bash scripts/gpu_run.sh
 # A rerun of one part, on the machine still warm: GPU_RUN_STEPS="fill" (any of tests,
-# check, fill, packed, comma-separated; default tests,check,fill). "packed" (issue #54:
+# check, fill, packed, isolation, comma-separated; default tests,check,fill). "packed" (issue #54:
 # benchmarks/packed.py, padded tagger against packed_tagger on the GPU, ~150 s) is a second
 # call of its own, timeout_s 240, when the lease has the time left:
 #   GPU_RUN_STEPS=packed GPU_RUN_COMMIT=<sha> bash scripts/gpu_run.sh   ->  env.txt packed.json packed.log
+# "isolation" (thread against process on the GPU: gpu_fill for the tagger and the embedder
+# with every model in each, ~250 s) is another such call, timeout_s 300:
+#   GPU_RUN_STEPS=isolation ...  ->  env.txt gpu_fill_thread.json gpu_fill_process.json gpu_fill_isolation.log
 #
 # The GPU machine has no .git, no console script and no tritonclient, opentelemetry or
 # kubernetes-validate: the tests run by file (every file holding cuda-marked tests) and the
@@ -30,7 +33,7 @@ STEPS=${GPU_RUN_STEPS:-tests,check,fill}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 status=0
-tests_rc=- check_rc=- fill_rc=- packed_rc=-
+tests_rc=- check_rc=- fill_rc=- packed_rc=- isolation_rc=
 
 echo "== nvidia-smi"
 timeout 20 nvidia-smi > "$OUT/env.txt" 2>&1 || echo "nvidia-smi failed" | tee -a "$OUT/env.txt"
@@ -129,5 +132,20 @@ if [[ ",$STEPS," == *",packed,"* ]]; then
   [ "$packed_rc" -eq 0 ] || status=1
 fi
 
-echo "== done: cuda tests exit $tests_rc, gpu_check exit $check_rc, gpu_fill exit $fill_rc, packed exit $packed_rc"
+if [[ ",$STEPS," == *",isolation,"* ]]; then
+  # Thread against process on the GPU (issue #50: measure, decide, say why in
+  # docs/threading.md): the tagger and the embedder with every model in each isolation.
+  for isolation in thread process; do
+    echo "== benchmarks/gpu_fill.py --isolation $isolation"
+    timeout -k 5 140 python3 benchmarks/gpu_fill.py --device cuda:0 --budget-s 110 \
+      --models tagger,embedder --isolation "$isolation" --out "$OUT/gpu_fill_$isolation.json" \
+      --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee -a "$OUT/gpu_fill_isolation.log"
+    rc=${PIPESTATUS[0]}
+    echo "gpu_fill --isolation $isolation: exit $rc (124: timed out)"
+    isolation_rc="$isolation_rc $isolation:$rc"
+    [ "$rc" -eq 0 ] || status=1
+  done
+fi
+
+echo "== done: cuda tests exit $tests_rc, gpu_check exit $check_rc, gpu_fill exit $fill_rc, packed exit $packed_rc, isolation exit${isolation_rc:- -}"
 exit "$status"
