@@ -48,6 +48,7 @@ from tensorserve.runtime.executor import Executed
 from tensorserve.runtime.ragged import join_rows
 from tensorserve.runtime.standby import SharedStandby, Standby
 from tensorserve.runtime.template import Template
+from tensorserve.runtime.worker_pipeline import CUDA_BATCHES_IN_FLIGHT
 from tensorserve.runtime.worker_process import WorkerProcess
 from tensorserve.tensors.dtypes import Feature, host_array
 
@@ -100,6 +101,9 @@ class ProcessExecutor:
             "intra_op_threads": intra_op_threads,
             "template_loads": template_loads,
             "log_level": self.log_level,
+            # On CUDA the worker launches a batch before collecting the one
+            # ahead (worker_pipeline.py); if it dies, both may have run.
+            "batches_in_flight": 1 if on_cpu else CUDA_BATCHES_IN_FLIGHT,
         }
         faults = config.faults
         self.uses_template = faults.worker_template

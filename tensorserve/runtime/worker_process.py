@@ -239,12 +239,20 @@ class WorkerProcess:
             except Exception:  # the batches below must still be answered
                 log.exception("%s: reporting a lost worker to the scheduler failed", self.label)
 
+        # The oldest was running; on CUDA the worker launches the next before
+        # collecting it (worker_pipeline.py), so that one may have run too
+        # and is a suspect as well. Those sent behind them never ran.
+        running = self.hello.get("batches_in_flight", 1)
+
         def fail(reported: asyncio.Future[WorkerCrashed] | None) -> None:
             crash = self._reported(reported)
             for i, on_reply in enumerate(waiting):
-                # The first was running; those sent behind it never ran.
+                # One exception per batch: each batch's callers raise their own.
+                error = crash if i == 0 else self._never_ran()
+                if 0 < i < running:
+                    error = WorkerCrashed(crash.message, ran=True, watchdog=crash.watchdog)
                 try:
-                    on_reply(None, crash if i == 0 else self._never_ran())
+                    on_reply(None, error)
                 except Exception:  # the rest must still be answered
                     log.exception("%s: answering a batch of a dead worker failed", self.label)
 
