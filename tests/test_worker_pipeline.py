@@ -36,7 +36,7 @@ from tensorserve.runtime import worker_main
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.worker_pipeline import CUDA_BATCHES_IN_FLIGHT, WorkerPorts, serve
-from tensorserve.runtime.worker_process import Lost, WorkerProcess
+from tensorserve.runtime.worker_process import SOCKET_BUFFER_BYTES, Lost, WorkerProcess
 from tensorserve.tensors.results import WithParameters
 from tests.helpers import ECHO, write_toy_model
 
@@ -263,6 +263,9 @@ def _through_a_socket(
     executor.launch = launching  # type: ignore[method-assign,assignment]
     executor.collect = collecting  # type: ignore[method-assign,assignment]
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for end in (ours, theirs):  # every batch fits in before the worker reads one
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+        end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
     for batch in batches:
         ipc.send(ours, {}, {"x": batch})
     hello = {"batches_in_flight": CUDA_BATCHES_IN_FLIGHT}
@@ -375,7 +378,7 @@ def test_on_cuda_a_worker_answers_equal_rows_with_two_batches_in_flight() -> Non
     executor = ThreadExecutor(lambda x: torch.cumsum(x, 1) * 2, config, resolve_device("cuda"))
     assert executor.overlaps and executor.pin_memory
     rng = np.random.default_rng(3)
-    batches = [rng.normal(size=(8, 4096)).astype(np.float32) for _ in range(6)]
+    batches = [rng.normal(size=(8, 1024)).astype(np.float32) for _ in range(6)]
     replies, order = _through_a_socket(config, executor, batches)
     for batch, (header, tensors) in zip(batches, replies):
         want = np.cumsum(batch, 1) * 2
@@ -402,15 +405,19 @@ def test_on_cuda_a_workers_input_copies_are_pinned() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             found["reply"] = worker_main._run_batch(config, executor, features, None)
         torch.cuda.synchronize()
-        found["names"] = [e.name for e in prof.events() if e.name.lower().startswith("memcpy")]
+        names = [e.name.lower() for e in prof.events()]
+        found["names"] = [name for name in names if name.startswith("memcpy")]
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join(60)
     assert found["reply"][1]["y"].tolist() == (2 * np.ones((8, 1024))).tolist()
-    to_device = [n for n in found["names"] if "HtoD" in n]
-    assert to_device == ["Memcpy HtoD (Pinned -> Device)"], found["names"]
-    assert not [n for n in found["names"] if "Pageable" in n], found["names"]
+    # One copy per input, from pinned memory: "Memcpy HtoD (Pinned -> Device)".
+    to_device = [n for n in found["names"] if "htod" in n]
+    assert len(to_device) == 1 and "pinned -> device" in to_device[0], found["names"]
+    to_host = [n for n in found["names"] if "dtoh" in n]
+    assert len(to_host) == 1 and "device -> pinned" in to_host[0], found["names"]
+    assert not [n for n in found["names"] if "pageable" in n], found["names"]
 
 
 @pytest.mark.cuda

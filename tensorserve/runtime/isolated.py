@@ -14,8 +14,9 @@ whole padded batches) and reads the reply as it arrives, never blocking
 
 A worker that dies (a segfault in a native extension, the OOM killer, an
 ``os._exit`` in model code, the watchdog) fails the batch it was running
-with ``WorkerCrashed`` saying how it died, and a batch queued behind it with
-``WorkerCrashed(ran=False)``; the scheduler retries them (batching.recovery)
+with ``WorkerCrashed`` saying how it died (on CUDA, where a worker launches
+the next batch before collecting one, the batch after it too), and a batch
+queued behind them with ``WorkerCrashed(ran=False)``; the scheduler retries them (batching.recovery)
 and has the instance ``repair``ed at once: the standby, a spare worker kept
 ready (``[faults] standby_worker``), takes over in milliseconds; without
 one, a new worker is forked from the template, or loads.

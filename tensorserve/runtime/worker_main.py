@@ -162,7 +162,10 @@ def _load_and_run(sock: socket.socket, hello: dict[str, Any], loaded: Loaded | N
     # On a CPU, launch runs the batch to the end: one at a time.
     depth = hello.get("batches_in_flight", 1) if executor.overlaps else 1
     poller = select.poll()
-    poller.register(sock, select.POLLIN)  # the socket's end (POLLHUP) wakes it too
+    # The socket's end (POLLHUP) counts as waiting too: recv then says so.
+    # A batch whose first bytes are in is read whole (blocking): the server
+    # writes each message as fast as the socket takes it.
+    poller.register(sock, select.POLLIN)
     ports = WorkerPorts(
         recv=lambda: ipc.recv(sock),
         waiting=lambda: bool(poller.poll(0)),

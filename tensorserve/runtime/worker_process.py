@@ -204,8 +204,9 @@ class WorkerProcess:
     ) -> int:
         """On the scheduler's ``loop``: send one padded batch without blocking;
         ``on_reply(message, None)`` once its reply is in, or ``(None,
-        WorkerCrashed)`` if the worker dies first (``ran`` for the batch it was
-        running, not for those sent behind it). ``parameters`` (plain scalars,
+        WorkerCrashed)`` if the worker dies first (``ran`` for the hello's
+        ``batches_in_flight`` oldest, which it may have been running, not for
+        those sent behind them). ``parameters`` (plain scalars,
         one per row) travel in the msgpack header. Returns the ticket ``kill`` takes."""
         if not self.alive or loop is None:
             raise self._never_ran()
