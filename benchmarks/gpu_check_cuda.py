@@ -139,9 +139,11 @@ def worker_copies_per_batch(served_repository: Path, models: Sequence[ModelInfo]
                             device: torch.device) -> list[Check]:  # fmt: skip
     """The copies of one batch of 8 as a model worker (isolation = "process")
     runs it. A worker's copies cannot be profiled from the server's process,
-    so its own batch function (``tensorserve.runtime.worker_main._run_batch``)
-    runs here, on a thread of its own as in the worker, on a padded batch as
-    it arrives from the server's socket (numpy arrays), under torch.profiler."""
+    so its own batch function (``tensorserve.runtime.worker_main._run_batch``:
+    the inputs staged in pinned memory, launched, collected, as each batch of
+    its two in flight goes) runs here, on a thread of its own as in the worker,
+    on a padded batch as it arrives from the server's socket (numpy arrays, in
+    pageable memory), under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     from tensorserve.repository.loader import discover, load_model, read_config

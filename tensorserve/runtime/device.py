@@ -206,6 +206,25 @@ class DeviceContext:
         return done
 
 
+def pinned(features: Mapping[str, Feature]) -> dict[str, Feature]:
+    """Host tensors copied into pinned memory, for a batch that arrived in
+    pageable memory (a worker's socket buffer): ``to_device``'s non_blocking
+    copy from pageable memory goes through CUDA's own staging buffer and
+    returns only once it is done, so the host could not queue the next batch
+    meanwhile. The buffers come from torch's caching host allocator, and may
+    be dropped as soon as the batch is launched: the allocator records the
+    stream of each non_blocking copy made from a buffer and hands the buffer
+    out again only once that copy is done. Bytes features stay as they are."""
+    staged: dict[str, Feature] = {}
+    for name, t in features.items():
+        if isinstance(t, torch.Tensor):
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            buffer.copy_(t)
+            t = buffer
+        staged[name] = t
+    return staged
+
+
 def default_intra_op_threads() -> int:
     """Intra-op threads for each instance thread: every CPU this process may
     use (``host.available_cpus``: the container's cpuset and CPU quota) but one,

@@ -14,8 +14,9 @@ whole padded batches) and reads the reply as it arrives, never blocking
 
 A worker that dies (a segfault in a native extension, the OOM killer, an
 ``os._exit`` in model code, the watchdog) fails the batch it was running
-with ``WorkerCrashed`` saying how it died, and a batch queued behind it with
-``WorkerCrashed(ran=False)``; the scheduler retries them (batching.recovery)
+with ``WorkerCrashed`` saying how it died (on CUDA, where a worker launches
+the next batch before collecting one, the batch after it too), and a batch
+queued behind them with ``WorkerCrashed(ran=False)``; the scheduler retries them (batching.recovery)
 and has the instance ``repair``ed at once: the standby, a spare worker kept
 ready (``[faults] standby_worker``), takes over in milliseconds; without
 one, a new worker is forked from the template, or loads.
@@ -48,6 +49,7 @@ from tensorserve.runtime.executor import Executed
 from tensorserve.runtime.ragged import join_rows
 from tensorserve.runtime.standby import SharedStandby, Standby
 from tensorserve.runtime.template import Template
+from tensorserve.runtime.worker_pipeline import CUDA_BATCHES_IN_FLIGHT
 from tensorserve.runtime.worker_process import WorkerProcess
 from tensorserve.tensors.dtypes import Feature, host_array
 
@@ -100,6 +102,9 @@ class ProcessExecutor:
             "intra_op_threads": intra_op_threads,
             "template_loads": template_loads,
             "log_level": self.log_level,
+            # On CUDA the worker launches a batch before collecting the one
+            # ahead (worker_pipeline.py); if it dies, both may have run.
+            "batches_in_flight": 1 if on_cpu else CUDA_BATCHES_IN_FLIGHT,
         }
         faults = config.faults
         self.uses_template = faults.worker_template

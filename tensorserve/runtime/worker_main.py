@@ -5,8 +5,11 @@ socketpair as file descriptor FD. The first message says which model to
 load and how; the worker loads it itself (model.py, safetensors weights),
 answers ``ready`` (or the reason it could not), then runs one padded batch
 per message with the same ``ThreadExecutor`` the threads use, on its own main
-thread, holding its own GIL. It exits when the server closes the socket,
-whether the server stopped or died.
+thread, holding its own GIL. On CUDA a batch's inputs are copied into pinned
+memory first, and a batch that is already waiting on the socket is launched
+before the one ahead of it is collected (two in flight,
+``worker_pipeline.py``); on a CPU it runs one batch at a time. It exits when
+the server closes the socket, whether the server stopped or died.
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ import contextlib
 import gc
 import logging
 import os
+import select
 import signal
 import socket
 import sys
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +41,10 @@ from tensorserve.errors import (
 from tensorserve.ipc import messages as ipc
 from tensorserve.repository.config import ModelConfig, parse_config
 from tensorserve.repository.loader import ModelSource, load_model
-from tensorserve.runtime.device import resolve_device
-from tensorserve.runtime.executor import ThreadExecutor, on_device
+from tensorserve.runtime.device import pinned, resolve_device
+from tensorserve.runtime.executor import Launched, ThreadExecutor, on_device
 from tensorserve.runtime.ragged import flat_rows
+from tensorserve.runtime.worker_pipeline import WorkerPorts, serve
 from tensorserve.tensors.dtypes import as_feature
 
 log = logging.getLogger("tensorserve.worker")
@@ -56,23 +62,54 @@ def _load(hello: dict[str, Any]) -> Loaded:
     return config, ThreadExecutor(module, config, device, intra_op_threads=threads, name=name)
 
 
-def _run_batch(
+@dataclass
+class Started:
+    """A batch the worker took: launched, or answered already (its launch failed)."""
+
+    launched: Launched | None
+    reply: ipc.Message | None  # the batch's answer, when launch failed
+    clock: float  # perf_counter() when it was taken (a CPU's batch time)
+
+
+def _start(
     config: ModelConfig,
     executor: ThreadExecutor,
     features: dict[str, np.ndarray],
     parameters: dict[str, list[Any]] | None,
-) -> ipc.Message:
-    """Reply to one batch: its outputs, one result per item, or the error;
-    per-row output parameters (plain scalars) ride in the reply's header."""
+) -> Started:
+    """Launch one batch as it came from the socket: on CUDA, its inputs
+    copied into pinned memory first (``device.pinned``), so the copies to
+    the device are queued on the instance's stream with the forward."""
     # Every tensor forward takes: the inputs, and a packed batch's batch inputs.
     forward_takes = [(s.name, s.dt) for s in config.input]
     forward_takes += [(b.name, b.dt) for b in config.batch_input]
     padded = {name: as_feature(features[name], dt) for name, dt in forward_takes}
+    clock = time.perf_counter()
     try:
-        started = time.perf_counter()
-        executed = executor.collect(executor.launch(padded, 0, parameters))
-        seconds = time.perf_counter() - started
-        returned = {"parameters": executed.parameters} if executed.parameters is not None else {}
+        staged = pinned(padded) if executor.pin_memory else padded
+        return Started(executor.launch(staged, 0, parameters), None, clock)
+    except Exception as exc:  # noqa: BLE001 - answered for this batch only (_failed)
+        return Started(None, _failed(exc, executor), clock)
+
+
+def _finish(executor: ThreadExecutor, started: Started) -> ipc.Message:
+    """Reply to one batch: its outputs, one result per item, or the error;
+    per-row output parameters (plain scalars) ride in the reply's header."""
+    if started.launched is None:
+        assert started.reply is not None
+        return started.reply
+    try:
+        executed = executor.collect(started.launched)
+    except Exception as exc:  # noqa: BLE001 - answered for this batch only (_failed)
+        return _failed(exc, executor)
+    # On CUDA, the GPU's time between the batch's events: a batch launched
+    # behind another waits for it on the stream, which a host clock would
+    # count as its own. On a CPU, the host's time from launch to here.
+    seconds = executed.seconds if started.launched.started is not None else None
+    if seconds is None:
+        seconds = time.perf_counter() - started.clock
+    returned = {"parameters": executed.parameters} if executed.parameters is not None else {}
+    try:
         if executed.per_item is None:
             assert executed.batched is not None
             return {"seconds": seconds, **returned}, flat_rows(executed.batched)
@@ -85,21 +122,36 @@ def _run_batch(
                 tensors.update({f"{i}/{key}": value for key, value in result.items()})
         header = {"items": len(executed.per_item), "failed": failed, "seconds": seconds}
         return {**header, **returned}, tensors
-    except BatchOutOfMemory as exc:  # the server splits the batch and lowers its ceiling
+    except Exception as exc:  # noqa: BLE001 - answered for this batch only (_failed)
+        return _failed(exc, executor)
+
+
+def _failed(exc: Exception, executor: ThreadExecutor) -> ipc.Message:
+    """A failed batch's reply. ``DeviceLost`` is raised again: the worker exits."""
+    if isinstance(exc, BatchOutOfMemory):  # the server splits the batch and lowers its ceiling
         return {"error": exc.message, "kind": "oom"}, {}
-    except RowErrors as exc:  # some rows failed: the server runs the others again
+    if isinstance(exc, RowErrors):  # some rows failed: the server runs the others again
         return {"error": str(exc), "kind": "rows", "rows": sorted(exc.errors.items())}, {}
-    except DeviceLost as exc:
-        log.error("%s; this worker exits and the server replaces it", exc.message)
-        logging.shutdown()
-        os._exit(ipc.EXIT_DEVICE_LOST)
-    except Exception as exc:  # noqa: BLE001 - the model failed: this batch only
-        return {"error": as_model_failure(exc, executor.label).message}, {}
+    if isinstance(exc, DeviceLost):
+        raise exc
+    return {"error": as_model_failure(exc, executor.label).message}, {}  # the model failed
+
+
+def _run_batch(
+    config: ModelConfig,
+    executor: ThreadExecutor,
+    features: dict[str, np.ndarray],
+    parameters: dict[str, list[Any]] | None,
+) -> ipc.Message:
+    """One batch from the socket to its reply, alone: the path ``_load_and_run``
+    takes for each batch (benchmarks/gpu_check_cuda.py profiles its copies)."""
+    return _finish(executor, _start(config, executor, features, parameters))
 
 
 def _load_and_run(sock: socket.socket, hello: dict[str, Any], loaded: Loaded | None) -> int:
     """Load the model (unless the template had), answer ready or why not,
-    then run batches until the server closes the socket."""
+    then run batches until the server closes the socket: on CUDA, up to the
+    hello's ``batches_in_flight`` at once (worker_pipeline.py)."""
     try:
         config, executor = loaded if loaded is not None else _load(hello)
         executor.start_instance(0)  # threads, inference mode, CUDA stream: on this thread
@@ -107,15 +159,29 @@ def _load_and_run(sock: socket.socket, hello: dict[str, Any], loaded: Loaded | N
         ipc.send(sock, {"error": _reason(exc)})
         return 1
     ipc.send(sock, {"ready": True, "pid": os.getpid()})
-    while True:
-        try:
-            header, features = ipc.recv(sock)
-        except (EOFError, ConnectionError):
-            return 0  # the server closed its end: stopped or gone
-        if header.get("stop"):
-            return 0
-        reply, tensors = _run_batch(config, executor, features, header.get("parameters"))
-        ipc.send(sock, reply, tensors)
+    # On a CPU, launch runs the batch to the end: one at a time.
+    depth = hello.get("batches_in_flight", 1) if executor.overlaps else 1
+    poller = select.poll()
+    # The socket's end (POLLHUP) counts as waiting too: recv then says so.
+    # A batch whose first bytes are in is read whole (blocking): the server
+    # writes each message as fast as the socket takes it.
+    poller.register(sock, select.POLLIN)
+    ports = WorkerPorts(
+        recv=lambda: ipc.recv(sock),
+        waiting=lambda: bool(poller.poll(0)),
+        launch=lambda message: _start(config, executor, message[1], message[0].get("parameters")),
+        collect=lambda started: _finish(executor, started),
+        send=lambda reply: ipc.send(sock, *reply),
+    )
+    try:
+        serve(ports, depth)
+    except DeviceLost as exc:
+        # Every later batch would fail the same way: the server replaces this
+        # worker, and fails or runs again every batch it had sent here.
+        log.error("%s; this worker exits and the server replaces it", exc.message)
+        logging.shutdown()
+        os._exit(ipc.EXIT_DEVICE_LOST)
+    return 0
 
 
 def _log_as(hello: dict[str, Any]) -> None:

@@ -204,8 +204,9 @@ class WorkerProcess:
     ) -> int:
         """On the scheduler's ``loop``: send one padded batch without blocking;
         ``on_reply(message, None)`` once its reply is in, or ``(None,
-        WorkerCrashed)`` if the worker dies first (``ran`` for the batch it was
-        running, not for those sent behind it). ``parameters`` (plain scalars,
+        WorkerCrashed)`` if the worker dies first (``ran`` for the hello's
+        ``batches_in_flight`` oldest, which it may have been running, not for
+        those sent behind them). ``parameters`` (plain scalars,
         one per row) travel in the msgpack header. Returns the ticket ``kill`` takes."""
         if not self.alive or loop is None:
             raise self._never_ran()
@@ -239,12 +240,20 @@ class WorkerProcess:
             except Exception:  # the batches below must still be answered
                 log.exception("%s: reporting a lost worker to the scheduler failed", self.label)
 
+        # The oldest was running; on CUDA the worker launches the next before
+        # collecting it (worker_pipeline.py), so that one may have run too
+        # and is a suspect as well. Those sent behind them never ran.
+        running = self.hello.get("batches_in_flight", 1)
+
         def fail(reported: asyncio.Future[WorkerCrashed] | None) -> None:
             crash = self._reported(reported)
             for i, on_reply in enumerate(waiting):
-                # The first was running; those sent behind it never ran.
+                # One exception per batch: each batch's callers raise their own.
+                error = crash if i == 0 else self._never_ran()
+                if 0 < i < running:
+                    error = WorkerCrashed(crash.message, ran=True, watchdog=crash.watchdog)
                 try:
-                    on_reply(None, crash if i == 0 else self._never_ran())
+                    on_reply(None, error)
                 except Exception:  # the rest must still be answered
                     log.exception("%s: answering a batch of a dead worker failed", self.label)
 
