@@ -49,7 +49,9 @@ def test_a_padded_batch_falls_into_the_bucket_above_it_on_each_axis() -> None:
     assert plan.batch_sizes == (1, 2, 4, 8, 16, 32)
     shapes = {"input_ids": (3, 37), "attention_mask": (3, 37)}
     assert plan.bucket(shapes) == Bucket(4, (64, 64))
-    assert plan.bucket({"input_ids": (32, 512), "attention_mask": (32, 512)}) == Bucket(32, (512, 512))
+    assert plan.bucket({"input_ids": (32, 512), "attention_mask": (32, 512)}) == Bucket(
+        32, (512, 512)
+    )
     assert plan.bucket({"input_ids": (1, 1), "attention_mask": (1, 1)}) == Bucket(1, (8, 8))
     assert plan.bucket_shape(0, Bucket(4, (64, 64))) == (4, 64)
     assert plan.representative() == Bucket(32, (64, 64))  # a full batch, a middle length

@@ -226,3 +226,18 @@ def test_auto_and_off_on_the_cpu_are_eager_and_quiet(caplog: pytest.LogCaptureFi
             assert on_device(model, config, CPU) is model
             assert ThreadExecutor(model, config, CPU)._graphs is None
     assert not caplog.records
+
+
+def test_out_of_memory_while_capturing_is_the_batchs_and_graphs_stay_on() -> None:
+    """The executor splits the batch; the bucket is tried again later."""
+
+    class OutOfMemory:
+        def capture(self, forward: Callable[[], Any]) -> Replay:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    config, model = bundled("tagger")
+    forward = graphed(config, model, OutOfMemory())
+    batch = pad(token_items([3, 4]), config.input)
+    with pytest.raises(torch.OutOfMemoryError), torch.inference_mode():
+        forward(**batch.features)
+    assert forward.switch.on and not forward.graphs

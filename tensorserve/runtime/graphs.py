@@ -184,8 +184,10 @@ class GraphedForward:
         try:
             replay = self.backend.capture(lambda: self.model(**static))
         except Exception as exc:
-            if sticky_cuda_error(exc) is not None:
-                raise  # the CUDA context is lost: the executor says so
+            # A lost CUDA context is the executor's to say; out of memory is
+            # the batch's (split and retried, the bucket tried again later).
+            if sticky_cuda_error(exc) is not None or isinstance(exc, torch.OutOfMemoryError):
+                raise
             self.switch.turn_off(
                 f"capturing a CUDA graph at batch {bucket.batch}, lengths "
                 f"{[n for n in bucket.lengths if n is not None]} failed: {type(exc).__name__}: {exc}"
