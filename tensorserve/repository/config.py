@@ -203,10 +203,9 @@ class ModelConfig(_Strict):
     faults: Faults = Field(default_factory=Faults)
     compile: Literal["auto", "off", "default", "reduce-overhead", "max-autotune"] = Field(
         "auto",
-        description="reduce-overhead: on CUDA, replay CUDA graphs captured per (batch size, "
-        "length) bucket (eager on the CPU). auto: on CUDA, those graphs when a timing at load "
-        "finds the forward launch-bound, else eager; on the CPU off. default, max-autotune: "
-        "torch.compile with that mode. off: eager, always (docs/gpu.md).",
+        description="reduce-overhead: on CUDA, CUDA graphs per (batch size, length) bucket. "
+        "auto: those graphs where a timing at load finds the forward launch-bound, else eager "
+        "(a CPU: off). default, max-autotune: torch.compile. off: eager (docs/gpu.md).",
     )
 
     @field_validator("device")
