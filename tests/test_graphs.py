@@ -19,7 +19,7 @@ from tensorserve.batching.collate import pad, unpad
 from tensorserve.repository.config import ModelConfig, load_config, parse_config
 from tensorserve.repository.loader import discover, load_model, read_config
 from tensorserve.runtime.executor import ThreadExecutor, on_device
-from tensorserve.runtime.graph_buckets import Bucket, graph_plan
+from tensorserve.runtime.graph_buckets import Bucket, ForwardTimings, graph_plan
 from tensorserve.runtime.graphs import GraphedForward, GraphSwitch, Replay
 from tests.conftest import REPOSITORY
 
@@ -241,3 +241,58 @@ def test_out_of_memory_while_capturing_is_the_batchs_and_graphs_stay_on() -> Non
     with pytest.raises(torch.OutOfMemoryError), torch.inference_mode():
         forward(**batch.features)
     assert forward.switch.on and not forward.graphs
+
+
+def test_the_executor_runs_an_instances_graphed_forward_and_unpads_as_ever() -> None:
+    """launch -> GraphedForward -> named outputs -> host, through the
+    executor's own path (on CUDA start_instance installs the forward)."""
+    config, model = bundled("tagger")
+    executor = ThreadExecutor(model, config, CPU, name="tagger")
+    backend = EagerCapture()
+    executor._forwards[0] = graphed(config, model, backend)
+    executor.start_instance(0)
+    items = token_items([6, 19, 3])
+    batch = pad(items, config.input)
+    executed = executor.collect(executor.launch(batch.features, 0))
+    assert executed.batched is not None
+    assert executed.batched["logits"].shape == (3, 19, 9)  # the padded batch's, not (4, 32, 9)
+    rows = unpad(executed.batched, batch, config.output, {"logits": "input_ids"})
+    for item, row in zip(items, rows):
+        (want,) = through(model, config, [item])
+        np.testing.assert_allclose(row["logits"], want["logits"], atol=1e-4, rtol=1e-4)
+    assert backend.captures == 1
+
+
+def test_auto_times_once_for_all_instances_and_logs_both_times(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config, _ = bundled("tagger")
+    switch = GraphSwitch("tagger", graph_plan(config), measure_first=True)
+    assert not switch.on  # eager until timed
+    timings = [ForwardTimings(gpu_s=0.0008, wall_s=0.0042)]
+    with caplog.at_level(logging.INFO, logger="tensorserve.runtime.graphs"):
+        assert switch.decide(timings.pop)  # a second timing would raise IndexError
+        assert switch.decide(timings.pop)
+    assert switch.on
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "model 'tagger': compile = 'auto' chose CUDA graphs: GPU time 0.800 ms, wall time "
+        "4.200 ms per batch at batch 32"
+    )
+    compute_bound = GraphSwitch("tagger", graph_plan(config), measure_first=True)
+    assert not compute_bound.decide(lambda: ForwardTimings(gpu_s=0.0049, wall_s=0.005))
+    assert not compute_bound.on
+
+
+def test_a_timing_that_fails_leaves_the_model_eager(caplog: pytest.LogCaptureFixture) -> None:
+    config, _ = bundled("tagger")
+    switch = GraphSwitch("tagger", graph_plan(config), measure_first=True)
+
+    def fails() -> Any:
+        raise RuntimeError("CUDA out of memory")
+
+    with caplog.at_level(logging.INFO, logger="tensorserve.runtime.graphs"):
+        assert not switch.decide(fails)
+    assert not switch.on
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "runs eager: timing its forward failed: RuntimeError: CUDA out of memory" in line

@@ -73,6 +73,8 @@ class CudaGraphs:
         # handles, workspaces, autotuning) may not be captured.
         forward()
         graph = torch.cuda.CUDAGraph()
+        # torch.cuda.graph synchronises the device and empties the caches
+        # first: once per bucket, the price of capturing at its first batch.
         # thread_local: another instance's thread may launch, copy or wait
         # while this one captures; only this thread's forward is restricted.
         with torch.cuda.graph(
