@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tensorserve_bench.tolerance import tolerance
 
 from tensorserve import ServedModel
 from tensorserve.runtime.graph_buckets import Bucket
@@ -64,9 +65,10 @@ def test_the_tagger_through_real_graphs_gives_eagers_rows(
     graphs = [bucket for f in forwards for bucket in f.graphs]
     assert len(captured) == len(graphs)  # each bucket an instance used: one capture
     assert all(len(set(f.graphs)) == len(f.graphs) for f in forwards)
-    for want, got in zip(expected, results):
+    for want, got in zip(expected, results):  # float32's bound (tensorserve_bench.tolerance)
         assert got["logits"].shape == want["logits"].shape
-        np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-4, rtol=1e-4)
+        bound = tolerance("float32", float(np.abs(want["logits"]).max()))
+        assert float(np.abs(got["logits"] - want["logits"]).max()) <= bound
 
 
 def test_a_forward_that_syncs_falls_back_to_eager_with_one_log_line(

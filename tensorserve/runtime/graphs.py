@@ -143,8 +143,9 @@ def graph_switch(config: ModelConfig, device: torch.device, label: str) -> Graph
     """The model's switch (None: it never replays graphs here, said once
     when the config asked for them and cannot have them)."""
     mode = graph_mode(config, device.type)
-    if mode.why is not None:
-        log.info("model %r: %s", label, mode.why)
+    if mode.why is not None:  # a warning where the config asked for graphs by name
+        level = logging.WARNING if config.compile == "reduce-overhead" else logging.INFO
+        log.log(level, "model %r: %s", label, mode.why)
     if mode.kind == "eager":
         return None
     return GraphSwitch(label, graph_plan(config), measure_first=mode.kind == "measure")
