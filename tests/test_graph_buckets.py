@@ -78,6 +78,17 @@ def test_outputs_know_the_input_whose_length_they_follow() -> None:
     assert (ids.pad_value, mask.pad_value, ids.warmup_value) == (0, 0, 1)
 
 
+def test_outputs_are_cut_back_to_the_padded_batchs_rows_and_length() -> None:
+    plan = graph_plan(bundled("tagger"))
+    shapes = {"input_ids": (3, 37), "attention_mask": (3, 37)}
+    cut = plan.output_cut(plan.outputs[0], Bucket(4, (64, 64)), shapes)
+    assert cut.expected == ((0, 4), (1, 64))  # logits [4, 64, 9] from the graph
+    assert cut.keep == ((0, 3), (1, 37))  # [3, 37, 9] to un-pad, as eager gives
+    pooled = graph_plan(bundled("embedder", request_parameter=[]))
+    cut = pooled.output_cut(pooled.outputs[0], Bucket(4, (64, 64)), shapes)
+    assert (cut.expected, cut.keep) == (((0, 4),), ((0, 3),))  # [B, D]: rows only
+
+
 @pytest.mark.parametrize(
     ("config", "problem"),
     [

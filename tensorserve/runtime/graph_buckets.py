@@ -88,6 +88,16 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class OutputCut:
+    """How one output of a bucket's graph is checked and cut back: each
+    ``(axis, size)`` of ``expected`` is the bucket's (else the graph does not
+    follow the inputs' padding), each of ``keep`` the padded batch's."""
+
+    expected: tuple[tuple[int, int], ...]
+    keep: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
 class GraphPlan:
     """A model's buckets, from its config (``graph_plan``)."""
 
@@ -129,6 +139,22 @@ class GraphPlan:
         length = bucket.lengths[index]
         dims = [length if d == -1 and length is not None else d for d in self.inputs[index].shape]
         return (bucket.batch, *dims)
+
+    def output_cut(
+        self, out: OutputPlan, bucket: Bucket, shapes: Mapping[str, Sequence[int]]
+    ) -> OutputCut:
+        """Output ``out`` of ``bucket``'s graph, for a padded batch of these
+        feature shapes: its rows, and the axis that follows an input's length."""
+        batch = int(next(iter(shapes.values()))[0])
+        expected, keep = [(0, bucket.batch)], [(0, batch)]
+        if out.variable_axis is not None and out.source is not None:
+            index = next(i for i, spec in enumerate(self.inputs) if spec.name == out.source)
+            source_axis = self.inputs[index].variable_axis
+            length = bucket.lengths[index]
+            if source_axis is not None and length is not None:
+                expected.append((1 + out.variable_axis, length))
+                keep.append((1 + out.variable_axis, int(shapes[out.source][1 + source_axis])))
+        return OutputCut(tuple(expected), tuple(keep))
 
     def representative(self) -> Bucket:
         """The bucket a timing runs at: a full batch at a middle length

@@ -177,7 +177,7 @@ class GraphedForward:
             return self.model(**features)
         static, replay = captured
         self._fill(static, features)
-        outputs = self._sliced(replay(), bucket, features)
+        outputs = self._sliced(replay(), bucket, shapes)
         if outputs is None:
             return self.model(**features)
         return outputs
@@ -231,7 +231,7 @@ class GraphedForward:
             buffer[tuple(slice(0, n) for n in feature.shape)].copy_(feature, non_blocking=True)
 
     def _sliced(
-        self, outputs: Any, bucket: Bucket, features: Mapping[str, Any]
+        self, outputs: Any, bucket: Bucket, shapes: Mapping[str, tuple[int, ...]]
     ) -> dict[str, torch.Tensor] | None:
         """Each output cut back from the bucket to the padded batch: its
         rows, and along an axis that follows an input, that input's padded
@@ -245,30 +245,22 @@ class GraphedForward:
                 f"dict of tensors"
             )
             return None
-        batch = next(iter(features.values())).shape[0]
         sliced: dict[str, torch.Tensor] = {}
         for out in plan.outputs:
             tensor = outputs.get(out.name)
             if not isinstance(tensor, torch.Tensor) or tensor.ndim < 1:
                 self.switch.turn_off(f"output {out.name!r} of its forward is not a tensor")
                 return None
-            expected = {0: bucket.batch}
-            if out.variable_axis is not None and out.source is not None:
-                source = next(i for i, s in enumerate(plan.inputs) if s.name == out.source)
-                spec = plan.inputs[source]
-                assert spec.variable_axis is not None
-                expected[1 + out.variable_axis] = bucket.lengths[source] or 0
-                real = features[out.source].shape[1 + spec.variable_axis]
-            if any(axis >= tensor.ndim or tensor.shape[axis] != n for axis, n in expected.items()):
+            cut = plan.output_cut(out, bucket, shapes)
+            if any(axis >= tensor.ndim or tensor.shape[axis] != n for axis, n in cut.expected):
                 self.switch.turn_off(
                     f"output {out.name!r} has shape {list(tensor.shape)} at batch {bucket.batch}, "
                     f"lengths {[n for n in bucket.lengths if n is not None]}: it does not follow "
                     f"the inputs' padding"
                 )
                 return None
-            tensor = tensor[:batch]
-            if out.variable_axis is not None and out.source is not None:
-                tensor = tensor.narrow(1 + out.variable_axis, 0, real)
+            for axis, size in cut.keep:
+                tensor = tensor.narrow(axis, 0, size)
             sliced[out.name] = tensor
         return sliced
 
