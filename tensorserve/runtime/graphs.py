@@ -61,8 +61,11 @@ class CaptureBackend(Protocol):
 
 class CudaGraphs:
     """Captures on the instance's stream, into one memory pool shared by the
-    instance's graphs: they replay one at a time, in its stream's order,
-    and each keeps its outputs alive, so only their scratch memory is shared."""
+    instance's graphs. A graph captured later may put its outputs where an
+    earlier one keeps its scratch, so replaying the earlier one overwrites
+    them: safe here because the graphs replay one at a time on the stream,
+    and each replay's outputs are copied out before the next replay (the
+    module's docstring). The static inputs are allocated outside the pool."""
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.stream = stream
