@@ -13,7 +13,7 @@ A CUDA graph replays fixed shapes at fixed addresses, so a model whose
 batches vary in size and length gets one graph per bucket: the batch size
 rounded up to a power of two (or ``max_batch_size``), each input's one
 variable axis rounded up to a power of two (or its ``max_length``). A
-ladder of powers of two bounds the graphs of a model to
+ladder of powers of two bounds the graphs of a model to about
 ``log2(max_batch_size) x log2(max_length)`` buckets, each captured on first
 use, and pads a batch by less than 2x on each axis.
 """
