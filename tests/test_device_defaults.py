@@ -78,18 +78,20 @@ def test_each_bundled_model_gets_a_gpu_budget_from_its_own_shapes(name: str, bud
     assert resolved(bundled(name), "cuda") == (budget, 8)
 
 
-@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
-def test_cuda_graphs_get_coarser_length_buckets(mode: str) -> None:
-    """64-token buckets: a tagger of max_length 512 is captured at 8 lengths
-    per batch size, not at up to 512."""
-    assert resolved(tokens(compile=mode), "cuda") == (32 * 512, 64)
-    assert resolved(tokens(compile="default"), "cuda") == (32 * 512, 8)
+def test_torch_compiles_cuda_graphs_get_coarser_length_buckets() -> None:
+    """64-token buckets under max-autotune: a tagger of max_length 512 is
+    captured at 8 lengths per batch size, not at up to 512. The server's own
+    graphs (auto, reduce-overhead) round up to their power-of-two buckets
+    themselves (runtime/graph_buckets.py): 8, as without graphs."""
+    assert resolved(tokens(compile="max-autotune"), "cuda") == (32 * 512, 64)
+    for mode in ("default", "reduce-overhead", "auto", "off"):
+        assert resolved(tokens(compile=mode), "cuda") == (32 * 512, 8)
 
 
 def test_on_a_gpu_what_a_config_sets_is_kept_too() -> None:
     assert resolved(tokens(max_batch_tokens=1024), "cuda") == (1024, 8)
     assert resolved(tokens(max_batch_tokens=0), "cuda") == (0, 8)  # 0: no budget, as asked
-    assert resolved(tokens(pad_to_multiple_of=1, compile="reduce-overhead"), "cuda") == (16384, 1)
+    assert resolved(tokens(pad_to_multiple_of=1, compile="max-autotune"), "cuda") == (16384, 1)
     assert resolved(tokens(pad_to_multiple_of=32), "cuda") == (16384, 32)
 
 
@@ -104,7 +106,7 @@ def test_a_model_without_variable_axes_gets_its_batch_size_as_the_budget() -> No
 
 
 def test_the_resolution_is_pure_and_leaves_the_rest_of_the_config_alone() -> None:
-    config = tokens(compile="reduce-overhead")
+    config = tokens(compile="max-autotune")
     gpu = for_device(config, "cuda")
     assert config.dynamic_batching.max_batch_tokens == "auto"  # the argument is untouched
     assert for_device(config, "cuda") == gpu  # the same answer every time

@@ -448,6 +448,9 @@ def test_the_auto_watchdog_is_off_for_a_compiled_model_and_a_number_still_applie
     assert watchdog_s() == "auto"  # 30 s until batches were timed (batching/watchdog.py)
     assert watchdog_s(compile="default") is None
     assert watchdog_s(compile="default", faults={"watchdog_ms": 2000}) == 2.0
+    # A CUDA graph's capture is no minutes-long compile: the watchdog stays on.
+    assert watchdog_s(compile="reduce-overhead") == "auto"
+    assert watchdog_s(compile="auto") == "auto"
     assert watchdog_s(faults={"watchdog_ms": 0}) is None
 
 

@@ -43,8 +43,8 @@ class DynamicBatching(_Strict):
         None,
         ge=1,
         description="Round each padded variable axis up to a multiple of this (never past "
-        "max_length). Unset: none on a CPU; on a GPU 8, or 64 when compile captures CUDA "
-        "graphs (reduce-overhead, max-autotune), so they capture few shapes; 1: never round.",
+        "max_length). Unset: none on a CPU; on a GPU 8, or 64 with compile = max-autotune "
+        "(torch.compile captures a CUDA graph per shape), so it captures few; 1: never round.",
     )
     max_queue_size: int = Field(4096, ge=1, description="Items waiting beyond this get ServerBusy.")
     max_batch_elements: int = Field(

@@ -53,6 +53,7 @@ from tensorserve.settings import BOUNDS, check_device
 # the model's schema find it here too.
 __all__ = [
     "DEFAULT_MAX_LENGTH",
+    "TORCH_COMPILE_MODES",
     "VARIABLE",
     "DynamicBatching",
     "InputSpec",
@@ -73,6 +74,10 @@ else:  # pragma: no cover
 # Bound on any variable axis when the config sets no max_length: keeps a
 # single client from asking the server to allocate an absurd padded batch.
 DEFAULT_MAX_LENGTH = 1 << 16
+
+# The compile modes that torch.compile the model; "reduce-overhead" and "auto"
+# are the server's own bucketed CUDA graphs (runtime/graphs.py), "off" neither.
+TORCH_COMPILE_MODES = frozenset({"default", "max-autotune"})
 
 
 class Warmup(_Strict):
@@ -196,11 +201,11 @@ class ModelConfig(_Strict):
     )
     warmup: Warmup = Field(default_factory=Warmup)
     faults: Faults = Field(default_factory=Faults)
-    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = Field(
-        "off",
-        description="torch.compile the model with this mode (reduce-overhead: CUDA graphs; "
-        "on a GPU an unset pad_to_multiple_of becomes 64 with it, so shapes fall into few "
-        "buckets).",
+    compile: Literal["auto", "off", "default", "reduce-overhead", "max-autotune"] = Field(
+        "auto",
+        description="reduce-overhead: on CUDA, CUDA graphs per (batch size, length) bucket. "
+        "auto: those graphs where a timing at load finds the forward launch-bound, else eager "
+        "(a CPU: off). default, max-autotune: torch.compile. off: eager (docs/gpu.md).",
     )
 
     @field_validator("device")

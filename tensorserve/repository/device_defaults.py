@@ -6,8 +6,8 @@ is known (``ServedModel``), so one config.toml suits a CPU and a GPU.
 setting                on a CPU                            on a GPU
 =====================  ==================================  ==========================================
 max_batch_tokens auto  learnt (``batching/budget.py``)     max_batch_size items of full length
-pad_to_multiple_of     none                                8; 64 with compile's CUDA graphs
-(unset)                                                    (reduce-overhead, max-autotune)
+pad_to_multiple_of     none                                8; 64 with torch.compile's CUDA
+(unset)                                                    graphs (max-autotune)
 =====================  ==================================  ==========================================
 
 Why they differ. On a CPU a batch costs about what its padded elements cost,
@@ -22,8 +22,11 @@ items of full length (at most ``max_batch_elements``), and learning one
 would only cost the smaller batches it explores. Every distinct padded shape
 is a new plan for the GPU's libraries, and under CUDA graphs a new capture
 (memory and a pause), so lengths are rounded up: to 8 (a tensor core's
-multiple), or to 64 when compile captures CUDA graphs, which bounds the
-captures to ``max_length / 64`` lengths per batch size. A value set in
+multiple), or to 64 when torch.compile captures CUDA graphs (max-autotune),
+which bounds its captures to ``max_length / 64`` lengths per batch size. The
+server's own graphs (compile "auto", "reduce-overhead") need no coarser
+multiple: each batch replays the graph of its power-of-two bucket
+(``runtime/graph_buckets.py``), which bounds the captures by itself. A value set in
 config.toml (or by the server's settings) is kept on every device.
 """
 
@@ -32,11 +35,12 @@ from __future__ import annotations
 from tensorserve.repository.config import DEFAULT_MAX_LENGTH, ModelConfig
 
 # Lengths rounded up on a GPU: a multiple of 8 suits tensor cores and keeps
-# the shapes the libraries plan for few; CUDA graphs capture each shape, so
-# compile's graph modes get coarser buckets.
+# the shapes the libraries plan for few; torch.compile's CUDA graphs capture
+# each shape, so max-autotune gets coarser buckets (the server's own graphs,
+# reduce-overhead, round up to their buckets themselves).
 GPU_PAD_MULTIPLE = 8
 CUDA_GRAPH_PAD_MULTIPLE = 64
-CUDA_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+CUDA_GRAPH_MODES = frozenset({"max-autotune"})
 
 
 def for_device(config: ModelConfig, device_type: str) -> ModelConfig:

@@ -22,7 +22,7 @@ class Faults(BaseModel):
         description="Longest one batch may run: past it a worker process is killed and "
         "replaced (the batch retried split); a thread's forward cannot be stopped, so its "
         "instance takes no batch until it returns (its callers are answered). auto: 50x the "
-        "slowest batch, at least 30 s (off when compiled); 0: off.",
+        "slowest batch, at least 30 s (off under torch.compile); 0: off.",
     )
     standby_worker: bool | Literal["auto"] = Field(
         "auto",

@@ -86,7 +86,7 @@ def platform_problem(
         return "platform = 'ensemble' and [[ensemble_scheduling.step]] go together"
     if PLATFORMS[platform].python:
         return None
-    if compile != "off":
+    if compile not in ("off", "auto"):  # auto: eager where graphs cannot be used
         return f"compile needs a model.py, not platform = {platform!r}"
     if weights_init:
         return f"weights = 'init' is for a model.py, not platform = {platform!r}"

@@ -98,6 +98,20 @@ class InputSpec(TensorSpec):
             raise ValueError(f"input {self.name!r}: {problem}")
         return self
 
+    @property
+    def warmup_value(self) -> int | float | bytes:
+        """What a synthetic item (warm-up, a timing run) holds: 1, or the
+        nearest value the input accepts (a warm-up request is validated as
+        any request is); b"1" for bytes."""
+        if self.dt.is_bytes:
+            return b"1"
+        value: int | float = 1
+        if self.min_value is not None:
+            value = max(value, self.min_value)
+        if self.max_value is not None:
+            value = min(value, self.max_value)
+        return value
+
 
 class OutputSpec(TensorSpec):
     unpad_like: str | None = Field(

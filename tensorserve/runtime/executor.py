@@ -35,8 +35,9 @@ import numpy as np
 import torch
 
 from tensorserve.errors import BatchOutOfMemory, DeviceLost, ModelFailure
-from tensorserve.repository.config import ModelConfig, OutputSpec
+from tensorserve.repository.config import TORCH_COMPILE_MODES, ModelConfig, OutputSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
+from tensorserve.runtime.graphs import CudaGraphs, GraphedForward, graph_switch
 from tensorserve.runtime.ragged import join_rows, split_rows
 from tensorserve.tensors.bytes_tensor import bytes_output
 from tensorserve.tensors.dtypes import Feature, host_array
@@ -47,10 +48,12 @@ def on_device(
     fn: Callable[..., Any], config: ModelConfig, device: torch.device
 ) -> Callable[..., Any]:
     """The model moved to its device and, if the config asks, ``torch.compile``d
-    (compiled lazily per shape: the warm-up grid pays for it before ready)."""
+    (compiled lazily per shape: the warm-up grid pays for it before ready).
+    ``compile = "auto"`` and ``"reduce-overhead"`` are the executor's own
+    bucketed CUDA graphs (``runtime/graphs.py``), made per instance."""
     if hasattr(fn, "to"):
         fn = fn.to(device)
-    if config.compile != "off":
+    if config.compile in TORCH_COMPILE_MODES:
         fn = torch.compile(fn, mode=None if config.compile == "default" else config.compile)
     return fn
 
@@ -111,6 +114,10 @@ class ThreadExecutor:
         self.restarts = 0  # a thread is never replaced
         self.restart_seconds: float | None = None
         self.label = name  # for messages
+        # Bucketed CUDA graphs (None: eager): one switch for the model, and
+        # each instance's own graphs, made on its thread (start_instance).
+        self._graphs = graph_switch(config, device, name)
+        self._forwards: dict[int, Callable[..., Any]] = {}
 
     def abort(self, launched: Launched, because: str) -> bool:
         return False  # a forward in a thread of this process cannot be stopped
@@ -134,7 +141,17 @@ class ThreadExecutor:
         return None if None in known else min(b for b in known if b is not None)
 
     def start_instance(self, instance: int) -> None:
-        self._contexts[instance].enter_thread()
+        context = self._contexts[instance]
+        context.enter_thread()
+        stream = context.stream
+        if self._graphs is None or stream is None:
+            return  # eager: the model itself
+        forward = GraphedForward(
+            self.models[instance], self._graphs, CudaGraphs(stream), context.device
+        )
+        with context.running():  # compile = "auto": timed once, on this instance's stream
+            self._graphs.decide(lambda: forward.time_eager(stream))
+        self._forwards[instance] = forward
 
     def launch(
         self,
@@ -184,7 +201,7 @@ class ThreadExecutor:
             arguments = context.to_device(features)
             if parameters:  # a model that declares none gets exactly its features
                 arguments.update(self._parameter_arguments(parameters, context))
-            result = self.models[instance](**arguments)
+            result = self._forwards.get(instance, self.models[instance])(**arguments)
             returned = None
             if isinstance(result, WithParameters):
                 result, returned = result.outputs, context.columns_to_host(result.parameters)

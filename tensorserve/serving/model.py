@@ -43,9 +43,9 @@ from tensorserve.batching.packing import make_collator
 from tensorserve.batching.policy import make_policy
 from tensorserve.batching.stats import BatchStats
 from tensorserve.repository.config import (
+    TORCH_COMPILE_MODES,
     VARIABLE,
     DynamicBatching,
-    InputSpec,
     ModelConfig,
     parse_config,
 )
@@ -67,26 +67,15 @@ log = logging.getLogger(__name__)
 
 
 def _watchdog_seconds(config: ModelConfig) -> float | str | None:
-    """The watchdog's limit for the batcher. "auto" is off for a compiled
-    model: torch.compile compiles at a new shape's first batch, which may
-    take minutes and is not a hang (give a number to watch it anyway)."""
+    """The watchdog's limit for the batcher. "auto" is off for a model that
+    torch.compile compiles: it compiles at a new shape's first batch, which
+    may take minutes and is not a hang (give a number to watch it anyway).
+    A CUDA graph's capture (compile "auto", "reduce-overhead") takes well
+    under the watchdog's least automatic limit, so it stays on."""
     watchdog_ms = config.faults.watchdog_ms
     if watchdog_ms == "auto":
-        return None if config.compile != "off" else "auto"
+        return None if config.compile in TORCH_COMPILE_MODES else "auto"
     return float(watchdog_ms) / 1000 or None
-
-
-def _warmup_value(spec: InputSpec) -> int | float | bytes:
-    """What a warm-up item holds: 1, or the nearest value the input accepts
-    (a warm-up request is validated as any request is); b"1" for bytes."""
-    if spec.dt.is_bytes:
-        return b"1"
-    value: int | float = 1
-    if spec.min_value is not None:
-        value = max(value, spec.min_value)
-    if spec.max_value is not None:
-        value = min(value, spec.max_value)
-    return value
 
 
 Item = Mapping[str, Any]
@@ -374,7 +363,7 @@ class ServedModel:
                 for spec in config.input:
                     limit = spec.max_length or length
                     shape = [min(length, limit) if d == VARIABLE else d for d in spec.shape]
-                    item[spec.name] = np.full(shape, _warmup_value(spec), dtype=spec.dt.numpy)
+                    item[spec.name] = np.full(shape, spec.warmup_value, dtype=spec.dt.numpy)
                 batches.append([item] * size)
         return batches
 

@@ -1,0 +1,296 @@
+"""CUDA graphs over buckets: each padded batch replays the graph of its
+(batch size, length) bucket instead of launching the forward's kernels one
+by one (``compile = "reduce-overhead"``, or ``"auto"`` where the forward is
+launch-bound). The buckets and the decisions are ``graph_buckets``'s; this
+module holds the state and the torch calls:
+
+    GraphSwitch     one per model, shared by its instances: graphs on or off
+                    (auto: decided once, from one timing), and off for good
+                    after the first failure, said in one log line
+    GraphedForward  one per instance (its thread): per bucket, static input
+                    buffers and the captured graph; pads a batch up to its
+                    bucket, replays, slices each output back to the batch
+    CudaGraphs      the capture backend on CUDA: the instance's stream and
+                    one memory pool for all the instance's graphs
+
+A batch reaches ``GraphedForward`` padded as ever (``batching.collate``) and
+leaves it with the padded batch's shapes, so un-padding per caller does not
+change. Rows past the batch and positions past its length hold each input's
+``pad_value`` (an attention mask's 0): the padded rows' outputs are sliced
+off like any padding.
+
+A graph's outputs are static buffers that its next replay overwrites. The
+executor copies every output to the host on the instance's stream right
+after the replay (``DeviceContext.to_host``), so the stream orders that copy
+before the instance's next replay; nothing else may keep them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from tensorserve.repository.config import ModelConfig
+from tensorserve.runtime.device import sticky_cuda_error
+from tensorserve.runtime.graph_buckets import (
+    Bucket,
+    ForwardTimings,
+    GraphPlan,
+    graph_mode,
+    graph_plan,
+    launch_bound,
+)
+from tensorserve.tensors.dtypes import DTYPES
+
+log = logging.getLogger(__name__)
+
+Replay = Callable[[], Any]  # runs the captured forward again; returns its outputs
+
+
+class CaptureBackend(Protocol):
+    """Turns a forward over static buffers into a replay of it. On CUDA a
+    graph capture (``CudaGraphs``); a test injects one that calls the forward."""
+
+    def capture(self, forward: Callable[[], Any]) -> Replay: ...
+
+
+class CudaGraphs:
+    """Captures on the instance's stream, into one memory pool shared by the
+    instance's graphs. A graph captured later may put its outputs where an
+    earlier one keeps its scratch, so replaying the earlier one overwrites
+    them: safe here because the graphs replay one at a time on the stream,
+    and each replay's outputs are copied out before the next replay (the
+    module's docstring). The static inputs are allocated outside the pool."""
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, forward: Callable[[], Any]) -> Replay:
+        # One eager run first, outside the capture: lazy initialisation (cuBLAS
+        # handles, workspaces, autotuning) may not be captured.
+        forward()
+        graph = torch.cuda.CUDAGraph()
+        # torch.cuda.graph synchronises the device and empties the caches
+        # first: once per bucket, the price of capturing at its first batch.
+        # thread_local: another instance's thread may launch, copy or wait
+        # while this one captures; only this thread's forward is restricted.
+        with torch.cuda.graph(
+            graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+        ):
+            outputs = forward()
+
+        def replay() -> Any:
+            graph.replay()  # on the current stream: the instance's (DeviceContext.running)
+            return outputs
+
+        return replay
+
+
+class GraphSwitch:
+    """Whether a model's batches replay graphs: shared by its instances, so
+    a decision is timed once and a failure turns graphs off for all of them
+    with one log line (a failed capture or a replay of the wrong shape: the
+    batch, and every later one, runs eager; no caller sees it)."""
+
+    def __init__(self, label: str, plan: GraphPlan, measure_first: bool) -> None:
+        self.label = label
+        self.plan = plan
+        self._lock = threading.Lock()
+        self._decided: bool | None = None if measure_first else True
+        self.off_reason: str | None = None
+
+    @property
+    def on(self) -> bool:
+        return self._decided is True and self.off_reason is None
+
+    def decide(self, measure: Callable[[], ForwardTimings]) -> bool:
+        """Graphs or not, from one timing (``graph_buckets.launch_bound``),
+        logged with both times; the first instance to start times it, the
+        others wait for its answer. A timing that fails leaves it eager."""
+        with self._lock:
+            if self._decided is None:
+                try:
+                    timings = measure()
+                except Exception as exc:  # noqa: BLE001 - eager, as without graphs
+                    self._decided = False
+                    log.warning(
+                        "model %r: compile = 'auto' runs eager: timing its forward failed: %s: %s",
+                        self.label, type(exc).__name__, exc,
+                    )  # fmt: skip
+                    return False
+                self._decided = launch_bound(timings)
+                log.info(
+                    "model %r: compile = 'auto' chose %s: GPU time %.3f ms, wall time %.3f ms "
+                    "per batch at batch %d",
+                    self.label,
+                    "CUDA graphs" if self._decided else "eager (not launch-bound)",
+                    timings.gpu_s * 1e3, timings.wall_s * 1e3, self.plan.batch_sizes[-1],
+                )  # fmt: skip
+            return self._decided
+
+    def turn_off(self, reason: str) -> None:
+        with self._lock:
+            if self.off_reason is not None:
+                return
+            self.off_reason = reason
+        log.warning("model %r runs eager from now on: %s", self.label, reason)
+
+
+def graph_switch(config: ModelConfig, device: torch.device, label: str) -> GraphSwitch | None:
+    """The model's switch (None: it never replays graphs here, said once
+    when the config asked for them and cannot have them)."""
+    mode = graph_mode(config, device.type)
+    if mode.why is not None:  # a warning where the config asked for graphs by name
+        level = logging.WARNING if config.compile == "reduce-overhead" else logging.INFO
+        log.log(level, "model %r: %s", label, mode.why)
+    if mode.kind == "eager":
+        return None
+    return GraphSwitch(label, graph_plan(config), measure_first=mode.kind == "measure")
+
+
+class GraphedForward:
+    """One instance's forward through the graphs of its buckets. Used by the
+    instance's thread alone: its static buffers and graphs are its own."""
+
+    def __init__(
+        self, model: Callable[..., Any], switch: GraphSwitch, backend: CaptureBackend,
+        device: torch.device,
+    ) -> None:  # fmt: skip
+        self.model = model
+        self.switch = switch
+        self.backend = backend
+        self.device = device
+        self.graphs: dict[Bucket, tuple[dict[str, torch.Tensor], Replay]] = {}
+
+    def __call__(self, **features: Any) -> Any:
+        if not self.switch.on:
+            return self.model(**features)
+        shapes = {n: tuple(t.shape) for n, t in features.items() if isinstance(t, torch.Tensor)}
+        bucket = self.switch.plan.bucket(shapes)
+        if bucket is None:  # not a shape of the config's: the model's own error, eager
+            return self.model(**features)
+        captured = self.graphs.get(bucket) or self._capture(bucket)
+        if captured is None:
+            return self.model(**features)
+        static, replay = captured
+        self._fill(static, features)
+        outputs = self._sliced(replay(), bucket, shapes)
+        if outputs is None:
+            return self.model(**features)
+        return outputs
+
+    def _capture(self, bucket: Bucket) -> tuple[dict[str, torch.Tensor], Replay] | None:
+        static = self.static_inputs(bucket)
+        try:
+            replay = self.backend.capture(lambda: self.model(**static))
+        except Exception as exc:
+            # A lost CUDA context is the executor's to say; out of memory is
+            # the batch's (split and retried, the bucket tried again later).
+            if sticky_cuda_error(exc) is not None or isinstance(exc, torch.OutOfMemoryError):
+                raise
+            self.switch.turn_off(
+                f"capturing a CUDA graph at batch {bucket.batch}, lengths "
+                f"{[n for n in bucket.lengths if n is not None]} failed: {type(exc).__name__}: {exc}"
+            )
+            return None
+        self.graphs[bucket] = static, replay
+        return static, replay
+
+    def static_inputs(self, bucket: Bucket, fill: bool = False) -> dict[str, torch.Tensor]:
+        """Fresh buffers of ``bucket``'s shapes: pad values (``fill``: each
+        input's warm-up value, a timing's items)."""
+        plan = self.switch.plan
+        return {
+            spec.name: torch.full(
+                plan.bucket_shape(index, bucket),
+                spec.warmup_value if fill else spec.pad_value,
+                dtype=DTYPES[spec.dtype].torch_dtype,
+                device=self.device,
+            )
+            for index, spec in enumerate(plan.inputs)
+        }
+
+    def time_eager(self, stream: torch.cuda.Stream) -> ForwardTimings:
+        """The eager forward's timings at the plan's representative bucket
+        (``measure_forward``), over items of warm-up values."""
+        inputs = self.static_inputs(self.switch.plan.representative(), fill=True)
+        return measure_forward(lambda: self.model(**inputs), stream)
+
+    def _fill(self, static: Mapping[str, torch.Tensor], features: Mapping[str, Any]) -> None:
+        """The batch into its bucket's buffers, the rest pad values (a
+        previous batch's values must not leak into this one's padding)."""
+        for spec in self.switch.plan.inputs:
+            buffer, feature = static[spec.name], features[spec.name]
+            if buffer.shape == feature.shape:
+                buffer.copy_(feature, non_blocking=True)
+                continue
+            buffer.fill_(spec.pad_value)
+            buffer[tuple(slice(0, n) for n in feature.shape)].copy_(feature, non_blocking=True)
+
+    def _sliced(
+        self, outputs: Any, bucket: Bucket, shapes: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, torch.Tensor] | None:
+        """Each output cut back from the bucket to the padded batch: its
+        rows, and along an axis that follows an input, that input's padded
+        length. None (graphs off) for outputs of another form or shape."""
+        plan = self.switch.plan
+        if isinstance(outputs, torch.Tensor) and len(plan.outputs) == 1:
+            outputs = {plan.outputs[0].name: outputs}
+        if not isinstance(outputs, Mapping):
+            self.switch.turn_off(
+                f"its forward returned {type(outputs).__name__}; graphs replay a tensor or a "
+                f"dict of tensors"
+            )
+            return None
+        sliced: dict[str, torch.Tensor] = {}
+        for out in plan.outputs:
+            tensor = outputs.get(out.name)
+            if not isinstance(tensor, torch.Tensor) or tensor.ndim < 1:
+                self.switch.turn_off(f"output {out.name!r} of its forward is not a tensor")
+                return None
+            cut = plan.output_cut(out, bucket, shapes)
+            if any(axis >= tensor.ndim or tensor.shape[axis] != n for axis, n in cut.expected):
+                self.switch.turn_off(
+                    f"output {out.name!r} has shape {list(tensor.shape)} at batch {bucket.batch}, "
+                    f"lengths {[n for n in bucket.lengths if n is not None]}: it does not follow "
+                    f"the inputs' padding"
+                )
+                return None
+            for axis, size in cut.keep:
+                tensor = tensor.narrow(axis, 0, size)
+            sliced[out.name] = tensor
+        return sliced
+
+
+def measure_forward(
+    forward: Callable[[], Any], stream: torch.cuda.Stream, repeats: int = 5
+) -> ForwardTimings:
+    """One batch's GPU time and wall time, eager, on the instance's stream.
+    Wall: ``repeats`` forwards launched back to back, then waited for. GPU:
+    the same forwards queued behind a kernel that keeps the device busy
+    while the host launches them all, so the events between them count the
+    device's work and none of its waiting for launches."""
+    forward()  # lazy initialisation is no batch's time
+    stream.synchronize()
+    clock = time.perf_counter()
+    for _ in range(repeats):
+        forward()
+    stream.synchronize()
+    wall = (time.perf_counter() - clock) / repeats
+    # Sleep the device for about three times the launches' time (2 GHz
+    # cycles; a slower clock sleeps longer, which only adds margin).
+    torch.cuda._sleep(int(min(3 * wall * repeats, 2.0) * 2e9))
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    for _ in range(repeats):
+        forward()
+    end.record(stream)
+    end.synchronize()
+    return ForwardTimings(gpu_s=start.elapsed_time(end) / 1000.0 / repeats, wall_s=wall)
