@@ -171,7 +171,7 @@ def _prestart_template(settings: Settings) -> None:
     from tensorserve.host import available_cpus
 
     if (
-        settings.frontends == 1
+        settings.frontends_choice().count == 1
         and settings.isolation != "thread"
         and settings.model_control_mode != "explicit"
         and available_cpus() >= 2
@@ -193,13 +193,13 @@ def _serve(settings: Settings) -> int:
             return 1
         front_ends.append(GrpcFrontEnd)
     try:
-        if settings.frontends != 1:  # a scheduler process and its front-end processes
-            from tensorserve.frontends.supervisor import frontend_count
+        # Unset, the front ends depend on the GPUs: decided here, before any
+        # model is placed (NVML, no CUDA context in this process).
+        if settings.frontends_choice().count > 1:  # a scheduler process and its front ends
             from tensorserve.frontends.supervisor import run as run_with_frontends
 
-            if frontend_count(settings) > 1:
-                run_with_frontends(settings)
-                return 0
+            run_with_frontends(settings)
+            return 0
         run(settings, front_ends)
     except StartupError as exc:
         print(f"tensorserve serve: error: {exc}", file=sys.stderr)
