@@ -154,10 +154,10 @@ class Settings(BaseSettings):
     )
     frontends: int | Literal["auto"] | None = Field(
         None,
-        description="Front-end processes that serve HTTP and gRPC on the same ports and feed one "
-        "scheduler process, which owns the models and batches every front end's requests "
-        "together (1: one process serves everything; auto: the CPUs this process may use "
-        "less one, 1 to 8; unset: auto where a GPU is visible and device is not cpu, else 1).",
+        description="Front-end processes serving HTTP and gRPC on the same ports, feeding one "
+        "scheduler process that owns the models and batches all their requests (1: one "
+        "process; auto: the CPUs this process may use less one, 1 to 8; unset: auto where a "
+        "GPU is visible and device is not cpu, else 1).",
     )
     model_repository: Path = Field(Path("model_repository"), description="Model repository folder.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
