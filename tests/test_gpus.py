@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tensorserve import cli, gpus, host
 from tensorserve.gpus import DriverGpus, visible_count, visible_gpus
@@ -162,3 +163,22 @@ def test_a_real_start_on_the_cpu_is_one_process_and_says_why(tmp_path: Path) -> 
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     (startup,) = [line for line in lines if "starting:" in line["message"]]
     assert startup["settings"]["frontends"] == "default → 1 (no GPU visible)"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_nvml_counts_the_gpus_torch_sees_and_leaves_cuda_uninitialised() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, tensorserve.gpus as g; n = g.visible_gpus(); "
+        "print(n, torch.cuda.is_initialized(), torch.cuda.device_count())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    count, initialised, torch_count = done.stdout.split()
+    assert initialised == "False"  # NVML made no CUDA context (read before torch asked)
+    assert int(count) == int(torch_count) > 0
+    one = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "0"})  # fmt: skip
+    assert one.stdout.split()[0] == "1"

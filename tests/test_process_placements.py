@@ -124,7 +124,7 @@ def test_on_one_device_the_worker_gets_the_models_own_config(tmp_path: Path) -> 
     source = ModelSource("m", tmp_path / "m", (1,))
     config = _config(device="cpu", instance_count=2)
     executor = ProcessExecutor(source, 1, config, placements=[Placement("cpu", 2)])
-    assert executor.devices == ["cpu", "cpu"]
+    assert executor.device_of == ["cpu", "cpu"]
     assert executor.hello["config"] == config.model_dump(mode="json")
     assert list(executor.standbys) == ["cpu"]  # on the CPU a spare by default, as before
 
@@ -164,7 +164,8 @@ def test_worker_processes_on_two_gpus(tmp_path: Path) -> None:  # pragma: no cov
     text += '[[instance_group]]\ncount = 1\nkind = "KIND_GPU"\ngpus = [0, 1]\n'
     write_model(tmp_path, "where", text, DEVICE_INDEX)
     with ServedModel.from_repository(tmp_path, "where") as model:
-        assert model.executor.devices == ["cuda:0", "cuda:1"]  # type: ignore[union-attr]
+        assert model.executor.device_of == ["cuda:0", "cuda:1"]  # type: ignore[union-attr]
+        assert model.devices == ["cuda:0", "cuda:1"]
         seen = set()
         for _ in range(20):
             futures = model.submit_many([{"x": np.ones(2, np.float32)} for _ in range(8)])
@@ -185,5 +186,5 @@ def test_device_auto_in_processes_puts_a_worker_on_every_gpu(
     with ServedModel.from_repository(tmp_path, "where") as model:
         gpus = torch.cuda.device_count()
         expected = [f"cuda:{g}" for g in range(gpus)]
-        assert getattr(model.executor, "devices", None) == expected
+        assert getattr(model.executor, "device_of", None) == expected
         assert model.infer_sync({"x": np.ones(2, np.float32)})["y"][0].item() in range(gpus)

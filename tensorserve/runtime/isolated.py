@@ -107,12 +107,12 @@ class ProcessExecutor:
         intra_op_threads: int | None = None,
         placements: Sequence[Placement] | None = None,
     ) -> None:
-        self.devices = instance_devices(config, placements)  # instance -> its device
-        self.instance_count = len(self.devices)
+        self.device_of = instance_devices(config, placements)  # instance -> its device
+        self.instance_count = len(self.device_of)
         self.outputs = config.output
         self.label = f"model {source.name!r}"
-        several = len(set(self.devices)) > 1
-        on_cpu = all(resolve_device(device).type == "cpu" for device in set(self.devices))
+        several = len(set(self.device_of)) > 1
+        on_cpu = all(resolve_device(device).type == "cpu" for device in set(self.device_of))
         # The template loads the weights only on the CPU, of a model that
         # starts no threads as it loads: it never touches CUDA (template.py).
         self.log_level = logging.getLevelName(logging.getLogger("tensorserve").getEffectiveLevel())
@@ -125,16 +125,16 @@ class ProcessExecutor:
                 "path": str(source.path),
                 "version": version,
                 "key": self.key,
-                "config": worker_config(config, device, self.devices.count(device)).model_dump(
+                "config": worker_config(config, device, self.device_of.count(device)).model_dump(
                     mode="json"
                 ),
                 "intra_op_threads": intra_op_threads,
                 "template_loads": template_loads,
                 "log_level": self.log_level,
             }
-            for device in dict.fromkeys(self.devices)
+            for device in dict.fromkeys(self.device_of)
         }
-        self.hello = self.hellos[self.devices[0]]
+        self.hello = self.hellos[self.device_of[0]]
         faults = config.faults
         self.uses_template = faults.worker_template
         self.template: Template | None = None  # the shared one, from ``start`` on
@@ -144,7 +144,7 @@ class ProcessExecutor:
                 self.hellos[device],
                 f"{self.label} instance {i}" + (f" on {device}" if several else ""),
             )
-            for i, device in enumerate(self.devices)
+            for i, device in enumerate(self.device_of)
         ]
         # A spare on a GPU would hold a CUDA context and a copy of the weights
         # there for a crash that may never come: by default, only on the CPU.
@@ -168,7 +168,7 @@ class ProcessExecutor:
     @property
     def standby(self) -> Standby | SharedStandby | None:
         """The first device's standby (on one device, the model's)."""
-        return self.standbys.get(self.devices[0])
+        return self.standbys.get(self.device_of[0])
 
     def start(self) -> None:
         try:
@@ -255,7 +255,7 @@ class ProcessExecutor:
             return  # replaced already (a batch behind the dead one)
         started = time.perf_counter()
         old.stop()
-        standby = self.standbys.get(self.devices[instance])  # a spare on its device
+        standby = self.standbys.get(self.device_of[instance])  # a spare on its device
         spare = standby.take() if standby is not None else None
         if spare is not None:
             spare.label, spare.on_lost = old.label, old.on_lost
