@@ -165,14 +165,20 @@ def serve(settings: Settings) -> int:
 
 def _prestart_template(settings: Settings) -> None:
     """Where the models' workers will likely be forked from a worker template
-    in this process (``isolation = "auto"`` on 2 CPUs or more), spawn it now:
-    it imports torch while this process does, which halves the time to
-    ready on a small machine (docs/threading.md, "One template, one spare")."""
+    in this process (``isolation = "auto"`` on 2 CPUs or more, with no GPU to
+    feed: there ``auto`` is a thread), spawn it now: it imports torch while
+    this process does, which halves the time to ready on a small machine
+    (docs/threading.md, "One template, one spare")."""
+    from tensorserve.gpus import visible_gpus
     from tensorserve.host import available_cpus
 
+    feeds_gpu = settings.device != "cpu" and visible_gpus() > 0
+    in_workers = settings.isolation == "process" or (
+        settings.isolation != "thread" and not feeds_gpu
+    )
     if (
-        settings.frontends_choice().count == 1
-        and settings.isolation != "thread"
+        in_workers
+        and settings.frontends_choice().count == 1
         and settings.model_control_mode != "explicit"
         and available_cpus() >= 2
     ):

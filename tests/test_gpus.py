@@ -134,13 +134,20 @@ def test_the_worker_template_is_prestarted_only_for_one_front_end(
     started: list[str] = []
     monkeypatch.setattr(shared_workers, "prestart", started.append)
     monkeypatch.setattr(host, "available_cpus", lambda: 4)
-    monkeypatch.setattr(host, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(gpus, "_driver_gpus", lambda: DriverGpus(("GPU-x",)))  # one GPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for name in ("TENSORSERVE_FRONTENDS", "TENSORSERVE_DEVICE", "TENSORSERVE_ISOLATION"):
         monkeypatch.delenv(name, raising=False)
     cli._prestart_template(Settings())  # a GPU: 3 front ends, models in the scheduler process
+    cli._prestart_template(Settings(frontends=1))  # a GPU: auto isolation is a thread
     assert started == []
+    cli._prestart_template(Settings(frontends=1, isolation="process"))
     cli._prestart_template(Settings(device="cpu"))
-    assert started == ["INFO"]
+    assert started == ["INFO", "INFO"]
+    monkeypatch.setattr(gpus, "_driver_gpus", lambda: None)  # no driver
+    cli._prestart_template(Settings(frontends=1))  # no GPU: workers, as before
+    cli._prestart_template(Settings(frontends=1, isolation="thread"))
+    assert started == ["INFO", "INFO", "INFO"]
 
 
 def test_a_real_start_on_the_cpu_is_one_process_and_says_why(tmp_path: Path) -> None:
