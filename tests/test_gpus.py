@@ -57,6 +57,47 @@ def test_no_nvml_or_no_gpu_is_zero_gpus() -> None:
     assert visible_gpus(FOUR, {}) == 4
 
 
+FAKE_NVML = r"""
+#include <stdio.h>
+#include <stdlib.h>
+int shutdowns = 0;
+static int count(void) { return atoi(getenv("FAKE_NVML_COUNT")); }
+int nvmlInit_v2(void) { return getenv("FAKE_NVML_FAIL") ? 9 : 0; }
+int nvmlShutdown(void) { shutdowns++; return 0; }
+int nvmlDeviceGetCount_v2(unsigned int *n) { *n = count(); return 0; }
+int nvmlDeviceGetHandleByIndex_v2(unsigned int i, void **h) { *h = (void *)(long)(i + 1); return 0; }
+int nvmlDeviceGetUUID(void *h, char *uuid, unsigned int length) {
+    snprintf(uuid, length, "GPU-fake-%ld", (long)h - 1);
+    return 0;
+}
+"""
+
+
+def test_nvml_is_read_through_ctypes_and_shut_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fake libnvidia-ml built here: the calls, their arguments and the
+    shutdown, as the real library takes them."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    source, library = tmp_path / "nvml.c", tmp_path / "libfake-nvml.so"
+    source.write_text(FAKE_NVML)
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    shutdowns = ctypes.c_int.in_dll(ctypes.CDLL(str(library)), "shutdowns")
+    monkeypatch.setenv("FAKE_NVML_COUNT", "3")
+    driver = gpus.read_nvml(str(library))
+    assert driver == DriverGpus(("GPU-fake-0", "GPU-fake-1", "GPU-fake-2"))
+    assert shutdowns.value == 1
+    assert visible_gpus(driver, {"CUDA_VISIBLE_DEVICES": "GPU-fake-2,GPU-fake-0"}) == 2
+    monkeypatch.setenv("FAKE_NVML_FAIL", "1")
+    assert gpus.read_nvml(str(library)) is None  # no driver loaded: no GPU
+    assert shutdowns.value == 1  # nothing to shut down
+
+
 def test_without_a_driver_this_machine_sees_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpus, "_driver_gpus", lambda: None)
     assert visible_gpus(environ={"CUDA_VISIBLE_DEVICES": "0"}) == 0
