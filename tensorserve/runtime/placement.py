@@ -39,11 +39,12 @@ class Placement:
 
 def place(config: ModelConfig, gpu_count: int | None = None) -> list[Placement]:
     """One placement per device, in the order the groups name them. Without
-    instance groups: ``device = "auto"`` (what the server's ``device`` left
-    so) is ``instance_count`` on each visible GPU, or on the CPU when there
-    is none (its placement stays ``auto``: the server warns once); any other
-    device is the config's own, with ``instance_count``. ``gpu_count``: the
-    GPUs torch sees (for tests; None: ask torch, which will run them)."""
+    instance groups: ``device = "auto"`` (still auto once the server's
+    ``--device`` applied) is ``instance_count`` on each visible GPU, or on
+    the CPU when there is none (its placement stays ``auto``: the server
+    warns once); any other device is the config's own, with
+    ``instance_count``. ``gpu_count``: the GPUs torch sees (for tests; None:
+    ask torch, which will run the model)."""
     if not config.instance_group and config.device != "auto":
         return [Placement(config.device, config.instance_count)]
     if gpu_count is None:
