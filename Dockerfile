@@ -4,7 +4,9 @@
 #   the host needs only an NVIDIA driver >= 525 (docs/deployment.md has the
 #   table) and the NVIDIA container toolkit (docker run --gpus all, or
 #   nvidia.com/gpu on Kubernetes). TENSORSERVE_DEVICE=cuda: without CUDA its
-#   models are FAILED with the reason, never quietly served on the CPU.
+#   models are FAILED with the reason, never quietly served on the CPU. With a
+#   GPU visible it starts --frontends auto's front ends (the CPUs less one);
+#   the CPU variant (DEVICE=cpu) one process. TENSORSERVE_FRONTENDS overrides.
 #     docker build -t tensorserve:gpu .
 #   CPU: torch's CPU build (no CUDA libraries: a far smaller image).
 #     docker build -t tensorserve:cpu --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu --build-arg DEVICE=cpu .
@@ -56,6 +58,8 @@ FROM ${BASE_IMAGE}
 # cuda for the GPU variant; cpu for the CPU one (auto: CUDA if found, else
 # the CPU with a warning).
 ARG DEVICE=cuda
+# NVIDIA_DRIVER_CAPABILITIES "utility" mounts NVML (libnvidia-ml.so.1): the
+# server counts the GPUs through it, without CUDA, to decide its front ends.
 
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

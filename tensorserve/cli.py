@@ -165,14 +165,20 @@ def serve(settings: Settings) -> int:
 
 def _prestart_template(settings: Settings) -> None:
     """Where the models' workers will likely be forked from a worker template
-    in this process (``isolation = "auto"`` on 2 CPUs or more), spawn it now:
-    it imports torch while this process does, which halves the time to
-    ready on a small machine (docs/threading.md, "One template, one spare")."""
+    in this process (``isolation = "auto"`` on 2 CPUs or more, with no GPU to
+    feed: there ``auto`` is a thread), spawn it now: it imports torch while
+    this process does, which halves the time to ready on a small machine
+    (docs/threading.md, "One template, one spare")."""
+    from tensorserve.gpus import visible_gpus
     from tensorserve.host import available_cpus
 
+    feeds_gpu = settings.device != "cpu" and visible_gpus() > 0
+    in_workers = settings.isolation == "process" or (
+        settings.isolation != "thread" and not feeds_gpu
+    )
     if (
-        settings.frontends == 1
-        and settings.isolation != "thread"
+        in_workers
+        and settings.frontends_choice().count == 1
         and settings.model_control_mode != "explicit"
         and available_cpus() >= 2
     ):
@@ -193,13 +199,13 @@ def _serve(settings: Settings) -> int:
             return 1
         front_ends.append(GrpcFrontEnd)
     try:
-        if settings.frontends != 1:  # a scheduler process and its front-end processes
-            from tensorserve.frontends.supervisor import frontend_count
+        # Unset, the front ends depend on the GPUs: decided here, before any
+        # model is placed (NVML, no CUDA context in this process).
+        if settings.frontends_choice().count > 1:  # a scheduler process and its front ends
             from tensorserve.frontends.supervisor import run as run_with_frontends
 
-            if frontend_count(settings) > 1:
-                run_with_frontends(settings)
-                return 0
+            run_with_frontends(settings)
+            return 0
         run(settings, front_ends)
     except StartupError as exc:
         print(f"tensorserve serve: error: {exc}", file=sys.stderr)

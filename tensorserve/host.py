@@ -2,7 +2,8 @@
 run on, and a container's CPU quota (cgroup v2 ``cpu.max``, v1
 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``). The runtime sizes its
 threads and picks process isolation by it, the front-end supervisor its
-``--frontends auto``: a fact of the machine, below both.
+``--frontends auto``: a fact of the machine, below both. ``choose_frontends``
+adds the GPUs (``gpus.py``) to decide the front ends a server starts.
 
 ``os.cpu_count()`` counts the node's cores: a pod limited to 2 CPUs on a
 64-core node would otherwise start 63 intra-op threads, which the kernel then
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from tensorserve.gpus import visible_gpus
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
@@ -120,3 +124,48 @@ MAX_AUTO_FRONTENDS = 8
 def auto_frontends(cpus: int) -> int:
     """The front-end processes ``--frontends auto`` starts on ``cpus`` CPUs."""
     return max(1, min(MAX_AUTO_FRONTENDS, cpus - 1))
+
+
+@dataclass(frozen=True)
+class FrontendsChoice:
+    """How many front-end processes a server starts, and why, as its startup
+    line shows it (``default → 3 (auto: 1 GPU, 4 CPUs)``)."""
+
+    count: int
+    shown: str
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def choose_frontends(
+    frontends: int | str | None,
+    device: str,
+    *,
+    gpus: int | None = None,
+    cpus: int | None = None,
+) -> FrontendsChoice:
+    """The front ends for ``--frontends`` (None: not set) on this machine.
+
+    A number, or ``auto``, is the user's and always wins. Unset, a server
+    that will feed a GPU (one is visible and ``device`` is not ``cpu``)
+    takes ``auto``'s count: one process decoding and encoding every request
+    left a GPU-like model 70-74% idle, four fed it 98% (docs/gpu.md). On the
+    CPU, one process: there the front ends would take cores from the models.
+    ``gpus`` and ``cpus`` are for tests (None: this machine's)."""
+    if isinstance(frontends, int):
+        return FrontendsChoice(frontends, str(frontends))
+    cpus = available_cpus() if cpus is None else cpus
+    if frontends == "auto":
+        count = auto_frontends(cpus)
+        return FrontendsChoice(count, f"auto → {count} ({_plural(cpus, 'CPU')})")
+    if device == "cpu":
+        return FrontendsChoice(1, "default → 1 (device=cpu)")
+    gpus = visible_gpus() if gpus is None else gpus
+    if gpus == 0:
+        return FrontendsChoice(1, "default → 1 (no GPU visible)")
+    count = auto_frontends(cpus)
+    return FrontendsChoice(
+        count, f"default → {count} (auto: {_plural(gpus, 'GPU')}, {_plural(cpus, 'CPU')})"
+    )

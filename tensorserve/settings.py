@@ -18,6 +18,8 @@ from typing import Any, Literal, NamedTuple, TypedDict
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tensorserve.host import FrontendsChoice, choose_frontends
+
 # No timeout may be longer than this: a deadline of days is a client's bug (a
 # unit mix-up), not a deadline. The one bound: the server's timeouts, a model's
 # default_timeout_ms (config.toml) and every protocol's timeout parameter
@@ -150,12 +152,12 @@ class Settings(BaseSettings):
         le=65535,
         description="Port of the KServe v2 gRPC front end (0: any free port; -1: no gRPC).",
     )
-    frontends: int | Literal["auto"] = Field(
-        1,
-        description="Front-end processes that serve HTTP and gRPC on the same ports and feed one "
-        "scheduler process, which owns the models and batches every front end's requests "
-        "together (1: one process serves everything; auto: the CPUs this process may use "
-        "less one, 1 to 8).",
+    frontends: int | Literal["auto"] | None = Field(
+        None,
+        description="Front-end processes serving HTTP and gRPC on the same ports, feeding one "
+        "scheduler process that owns the models and batches all their requests (1: one "
+        "process; auto: the CPUs this process may use less one, 1 to 8; unset: auto where a "
+        "GPU is visible and device is not cpu, else 1).",
     )
     model_repository: Path = Field(Path("model_repository"), description="Model repository folder.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
@@ -360,6 +362,11 @@ class Settings(BaseSettings):
         if value is not None:
             parse_restricted_api(value)  # a bad spec fails at start-up, not per request
         return value
+
+    def frontends_choice(self) -> FrontendsChoice:
+        """The front ends this server starts, and why (``host.choose_frontends``:
+        unset, it depends on the GPUs visible, read without initialising CUDA)."""
+        return choose_frontends(self.frontends, self.device)
 
     def bytes_limits(self) -> BytesLimits:
         """``max_bytes_element_length`` and ``max_bytes_item_bytes``, as validation takes them."""

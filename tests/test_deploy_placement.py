@@ -53,6 +53,56 @@ def test_kind_auto_is_every_gpu_or_the_cpu() -> None:
     assert place(cfg, gpu_count=0) == [Placement("cpu", 3)]
 
 
+@pytest.mark.parametrize("gpu_count", [0, 1, 4])
+def test_device_auto_without_groups_is_an_implicit_kind_auto_group(gpu_count: int) -> None:
+    """Triton's default: instance_count instances on every visible GPU, else
+    on the CPU (where the placement stays "auto", so the server warns)."""
+    placements = place(config(instance_count=2), gpu_count=gpu_count)
+    if gpu_count == 0:
+        assert placements == [Placement("auto", 2)]
+    else:
+        assert placements == [Placement(f"cuda:{g}", 2) for g in range(gpu_count)]
+
+
+@pytest.mark.parametrize("gpu_count", [0, 1, 4])
+@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
+def test_an_explicit_device_keeps_its_one_placement(device: str, gpu_count: int) -> None:
+    assert place(config(device=device, instance_count=3), gpu_count=gpu_count) == [
+        Placement(device, 3)
+    ]
+
+
+@pytest.mark.parametrize("gpu_count", [1, 4])
+def test_groups_still_limit_the_gpus_and_the_count(gpu_count: int) -> None:
+    one = config(instance_group=[{"count": 2, "gpus": [0]}])
+    assert place(one, gpu_count=gpu_count) == [Placement("cuda:0", 2)]
+    every = config(instance_group=[{"count": 3}])
+    assert place(every, gpu_count=gpu_count) == [
+        Placement(f"cuda:{g}", 3) for g in range(gpu_count)
+    ]
+    assert place(config(instance_group=[{"kind": "KIND_CPU"}]), gpu_count=gpu_count) == [
+        Placement("cpu", 1)
+    ]
+
+
+def test_the_servers_device_decides_before_the_implicit_group() -> None:
+    """--device cpu pins a model left to auto to the CPU, --device cuda to the
+    first GPU (with_default_device); auto leaves every GPU to it."""
+    auto = config(instance_count=2)
+    assert place(auto.with_default_device("cpu"), gpu_count=4) == [Placement("cpu", 2)]
+    assert place(auto.with_default_device("cuda"), gpu_count=4) == [Placement("cuda", 2)]
+    assert len(place(auto.with_default_device("auto"), gpu_count=4)) == 4
+
+
+@pytest.mark.parametrize(("gpu_count", "device"), [(0, "auto"), (1, "cuda:0")])
+def test_auto_on_one_device_comes_back_as_that_device(gpu_count: int, device: str) -> None:
+    resolved, placements = resolve_placement(config(instance_count=2), gpu_count=gpu_count)
+    assert placements == [Placement(device, 2)]
+    assert (resolved.device, resolved.instance_count) == (device, 2)
+    resolved, placements = resolve_placement(config(instance_count=2), gpu_count=3)
+    assert len(placements) == 3 and resolved.device == "auto"  # PlacedExecutor's or workers'
+
+
 def test_groups_naming_the_same_device_add_up_and_keep_their_order() -> None:
     cfg = config(
         instance_group=[
@@ -135,7 +185,9 @@ def test_two_cpu_instances_from_instance_groups_run_at_once(tmp_path: Path) -> N
         assert model.config.device == "cpu"
         with ThreadPoolExecutor(2) as pool:
             rows = list(
-                pool.map(lambda v: model.infer_sync({"x": np.full(3, v, np.float32)}, timeout=30), [1, 2])
+                pool.map(
+                    lambda v: model.infer_sync({"x": np.full(3, v, np.float32)}, timeout=30), [1, 2]
+                )
             )
     assert [r["y"].tolist() for r in rows] == [[2, 2, 2], [4, 4, 4]]
 
@@ -175,36 +227,28 @@ def test_placed_executor_runs_one_model_copy_per_device() -> None:
     assert executor.devices() == [torch.device("cpu"), torch.device("cpu")]
     with ServedModel("meet", cfg, None, executor=executor) as model, ThreadPoolExecutor(2) as pool:
         rows = list(
-            pool.map(lambda v: model.infer_sync({"x": np.full(2, v, np.float32)}, timeout=30), [1, 3])
+            pool.map(
+                lambda v: model.infer_sync({"x": np.full(2, v, np.float32)}, timeout=30), [1, 3]
+            )
         )
     assert [r["y"].tolist() for r in rows] == [[2, 2], [6, 6]]
     assert sorted(copy for copy, _ in SEEN) == ["copy", "original"]  # each copy ran one batch
     assert len({thread for _, thread in SEEN}) == 2
 
 
-def test_process_isolation_over_several_devices_is_refused(tmp_path: Path) -> None:
-    text = toy_config(
-        {"x": {"dtype": "float32", "shape": [-1]}},
-        {"y": {"dtype": "float32", "shape": [-1]}},
-        isolation="process",
-    )
-    text += '[[instance_group]]\nkind = "KIND_CPU"\n[[instance_group]]\nkind = "KIND_GPU"\ngpus = [0]\n'
-    write_model(tmp_path, "two", text, MEET_MODEL)
-    if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="KIND_GPU needs a GPU"):
-            ServedModel.from_repository(tmp_path, "two")
-    else:
-        with pytest.raises(ConfigError, match="needs isolation = 'thread'"):
-            ServedModel.from_repository(tmp_path, "two")
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_instances_on_two_gpus() -> None:  # pragma: no cover - GPU machines only
-    cfg = config(max_batch_size=4, instance_group=[{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}])
-    with ServedModel.from_function(lambda x: x * 2, inputs=SPEC["input"], outputs=SPEC["output"],
-                                   instance_group=[{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}],
-                                   device="auto") as model:
+    cfg = config(
+        max_batch_size=4, instance_group=[{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}]
+    )
+    with ServedModel.from_function(
+        lambda x: x * 2,
+        inputs=SPEC["input"],
+        outputs=SPEC["output"],
+        instance_group=[{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}],
+        device="auto",
+    ) as model:
         assert model.executor.devices() == [torch.device("cuda:0"), torch.device("cuda:1")]
         assert model.infer_sync({"x": np.ones(3, np.float32)})["y"].tolist() == [2, 2, 2]
     assert cfg.instance_group[0].gpus == [0, 1]

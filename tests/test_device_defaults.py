@@ -148,3 +148,31 @@ def test_a_model_resolved_to_a_gpu_batches_with_the_gpus_defaults(monkeypatch: p
         assert model.batcher.collator.pad_to_multiple_of == 8
         out = model.infer_sync({"ids": np.arange(5), "mask": np.ones(5, np.int64)})
     np.testing.assert_array_equal(out["y"], [0.0, 2.0, 4.0, 6.0, 8.0])  # un-padded from 8
+
+
+# ---------------------------------------------------------------------- isolation on each device
+ALL_MODELS = BUNDLED + sorted(path.parent.name for path in EXAMPLES.glob("*/config.toml"))
+
+
+@pytest.mark.parametrize("name", ALL_MODELS)
+def test_no_bundled_model_pins_a_worker_process_that_a_gpu_would_serialise(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every bundled model that runs where the server puts it leaves isolation
+    to auto: a worker process on a CPU of 2 cores or more, a thread on a GPU
+    (one per placement there), and a thread on one CPU."""
+    import torch
+
+    from tensorserve.runtime import placement
+    from tensorserve.runtime.placement import place, resolve_isolation
+
+    config = bundled(name)
+    if config.device == "cpu":
+        return  # never on a GPU: its own choice holds (the tokenizer's thread)
+    assert config.isolation == "auto", f"{name}: {config.isolation}"
+    monkeypatch.setattr(placement, "resolve_device", lambda d: torch.device("cpu" if d == "auto" else d))
+    on_cpu = place(config, gpu_count=0)
+    assert resolve_isolation(config, on_cpu, cpus=2).isolation == "process"
+    assert resolve_isolation(config, on_cpu, cpus=1).isolation == "thread"
+    for gpus in (1, 4):
+        assert resolve_isolation(config, place(config, gpu_count=gpus), cpus=16).isolation == "thread"

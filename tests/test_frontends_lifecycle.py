@@ -182,7 +182,7 @@ def test_frontends_must_be_auto_or_a_count() -> None:
 def test_auto_is_the_cpus_less_one_from_1_to_8(
     monkeypatch: pytest.MonkeyPatch, cpus: int, count: int
 ) -> None:
-    monkeypatch.setattr(supervisor, "available_cpus", lambda: cpus)
+    monkeypatch.setattr("tensorserve.host.available_cpus", lambda: cpus)
     assert supervisor.frontend_count(Settings(frontends="auto")) == count
     assert supervisor.frontend_count(Settings(frontends=3)) == 3
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
-from tensorserve.host import auto_frontends, available_cpus
+from tensorserve.host import available_cpus, choose_frontends
 
 REQUEST_ID: ContextVar[str] = ContextVar("tensorserve_request_id", default="-")
 HEADER = "X-Request-ID"  # gRPC: the same name, as metadata (lower case)
@@ -178,13 +178,14 @@ STARTUP_SETTINGS = (
 )
 
 
-def effective_frontends(frontends: int | str, cpus: int | None = None) -> str:
+def effective_frontends(
+    frontends: int | str | None, device: str = "auto", cpus: int | None = None
+) -> str:
     """``--frontends`` as the startup line shows it: a number as given, and
-    ``auto`` with what it became here (``auto → 1 (2 CPUs)``)."""
-    if frontends != "auto":
-        return str(frontends)
+    ``auto`` or the default with what it became here and why
+    (``auto → 1 (2 CPUs)``, ``default → 1 (no GPU visible)``)."""
     cpus = available_cpus() if cpus is None else cpus
-    return f"auto → {auto_frontends(cpus)} ({cpus} CPU{'s' if cpus != 1 else ''})"
+    return choose_frontends(frontends, device, cpus=cpus).shown
 
 
 def log_startup(settings: Any) -> None:
@@ -194,7 +195,7 @@ def log_startup(settings: Any) -> None:
     from tensorserve import __version__
 
     chosen = {name: getattr(settings, name) for name in STARTUP_SETTINGS}
-    chosen["frontends"] = effective_frontends(settings.frontends)
+    chosen["frontends"] = effective_frontends(settings.frontends, settings.device)
     chosen.update(settings.model_overrides())
     logging.getLogger("tensorserve").info(
         "tensorserve %s (Python %s) starting: %s",

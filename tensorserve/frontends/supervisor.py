@@ -32,7 +32,7 @@ from tensorserve.dataplane.assembly import build_plane, models_served
 from tensorserve.frontends.hub import FrontEndHub
 from tensorserve.frontends.liveness import Stuck
 from tensorserve.frontends.process import SETTINGS_ENV
-from tensorserve.host import auto_frontends, available_cpus
+from tensorserve.host import available_cpus
 from tensorserve.http.server import CLOSE_TIMEOUT_S, cannot_listen, check_repository, tune_process
 from tensorserve.settings import Settings
 
@@ -44,11 +44,10 @@ STABLE_S = 10.0  # a front end up this long had started well: restarted at once
 
 
 def frontend_count(settings: Settings) -> int:
-    """``--frontends``: a number, or ``auto``: the CPUs this process may use
-    less one (for the scheduler process), 1 to 8."""
-    if settings.frontends == "auto":
-        return auto_frontends(available_cpus())
-    return settings.frontends
+    """``--frontends``: a number; ``auto``: the CPUs this process may use less
+    one (for the scheduler process), 1 to 8; unset: ``auto`` where the server
+    feeds a GPU, else 1 (``Settings.frontends_choice``)."""
+    return settings.frontends_choice().count
 
 
 def reserve(host: str, port: int, what: str) -> socket.socket:

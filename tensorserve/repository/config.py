@@ -159,16 +159,23 @@ class ModelConfig(_Strict):
         "ask for less, or more up to the server's max_timeout_ms. Unset: the server's "
         "default_timeout_ms.",
     )
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    device: str = Field(
+        "auto",
+        description="auto | cpu | cuda | cuda:N. auto without instance_group: instance_count "
+        "instances on every visible GPU, else on the CPU (Triton's KIND_AUTO); the others: "
+        "that one device (cuda: the first GPU).",
+    )
     instance_count: int = Field(
-        1, **BOUNDS["instance_count"], description="Model copies executing in parallel."
+        1,
+        **BOUNDS["instance_count"],
+        description="Model copies executing in parallel (device auto: on each visible GPU).",
     )
     isolation: Literal["auto", "thread", "process"] = Field(
         "auto",
-        description="thread: each instance runs in a thread of the server. process: in a "
-        "worker process of its own, so the event loop never holds the GIL the forward needs "
-        "(a socket copy of the batch each way; repository models only). auto: "
-        "process on the CPU with 2 or more CPUs, else thread (docs/threading.md).",
+        description="thread: each instance in a thread of the server. process: in a worker "
+        "process on its instance's device, whose forward never waits for the event loop's GIL "
+        "(a socket copy of each batch; repository models only). auto: process on the CPU "
+        "with 2 or more CPUs, else thread (docs/threading.md).",
     )
     instance_group: list[InstanceGroup] = Field(
         default_factory=list,

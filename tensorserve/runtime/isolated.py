@@ -21,6 +21,10 @@ and has the instance ``repair``ed at once: the standby, a spare worker kept
 ready (``[faults] standby_worker``), takes over in milliseconds; without
 one, a new worker is forked from the template, or loads.
 
+Over several devices (``[[instance_group]]``, or ``device = "auto"`` on
+several GPUs) each worker runs on its own instance's device: one hello per
+device, which a replacement (a restart, or that device's standby) keeps.
+
 Every process-isolated model of the process forks its workers from one
 worker template and shares one spare with the others
 (``shared_workers.py``): the bundled repository's five such models run in
@@ -34,7 +38,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +50,7 @@ from tensorserve.repository.platforms import PLATFORMS
 from tensorserve.runtime import shared_workers
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import Executed
+from tensorserve.runtime.placement import Placement
 from tensorserve.runtime.ragged import join_rows
 from tensorserve.runtime.standby import SharedStandby, Standby
 from tensorserve.runtime.template import Template
@@ -57,6 +62,25 @@ log = logging.getLogger(__name__)
 
 RESTART_ALPHA = 0.3  # the weight of the newest restart in ``restart_seconds``
 _KEYS = itertools.count(1)  # one key per executor: its model in the shared template
+
+
+def instance_devices(config: ModelConfig, placements: Sequence[Placement] | None) -> list[str]:
+    """Each instance's device, instance ``i`` being the ``i``-th of the
+    placements' instances in order (as ``PlacedExecutor`` counts them); no
+    placements: ``instance_count`` on the config's own device."""
+    if not placements:
+        return [config.device] * config.instance_count
+    return [placement.device for placement in placements for _ in range(placement.count)]
+
+
+def worker_config(config: ModelConfig, device: str, count: int) -> ModelConfig:
+    """The config a worker on ``device`` loads: its one device, no groups
+    (the worker runs one instance; ``count`` is how many share the device)."""
+    if device == config.device and not config.instance_group:
+        return config  # one device: the model's own config, as before
+    return config.model_copy(
+        update={"device": device, "instance_count": count, "instance_group": []}
+    )
 
 
 @dataclass(frozen=True)
@@ -83,52 +107,75 @@ class ProcessExecutor:
         config: ModelConfig,
         *,
         intra_op_threads: int | None = None,
+        placements: Sequence[Placement] | None = None,
     ) -> None:
-        self.instance_count = config.instance_count
+        self.device_of = instance_devices(config, placements)  # instance -> its device
+        self.instance_count = len(self.device_of)
         self.outputs = config.output
         self.label = f"model {source.name!r}"
-        on_cpu = resolve_device(config.device).type == "cpu"
+        several = len(set(self.device_of)) > 1
+        on_cpu = all(resolve_device(device).type == "cpu" for device in set(self.device_of))
         # The template loads the weights only on the CPU, of a model that
         # starts no threads as it loads: it never touches CUDA (template.py).
         self.log_level = logging.getLevelName(logging.getLogger("tensorserve").getEffectiveLevel())
         template_loads = on_cpu and PLATFORMS[config.platform].loads_before_fork
         self.key = f"{source.name}/{version}/{next(_KEYS)}"  # its model in the template
-        self.hello: dict[str, Any] = {
-            "name": source.name,
-            "path": str(source.path),
-            "version": version,
-            "key": self.key,
-            "config": config.model_dump(mode="json"),
-            "intra_op_threads": intra_op_threads,
-            "template_loads": template_loads,
-            "log_level": self.log_level,
-            # On CUDA the worker launches a batch before collecting the one
-            # ahead (worker_pipeline.py); if it dies, both may have run.
-            "batches_in_flight": 1 if on_cpu else CUDA_BATCHES_IN_FLIGHT,
+        # One hello per device, in the devices' order; ``hello``: the first.
+        self.hellos: dict[str, dict[str, Any]] = {
+            device: {
+                "name": source.name,
+                "path": str(source.path),
+                "version": version,
+                "key": self.key,
+                "config": worker_config(config, device, self.device_of.count(device)).model_dump(
+                    mode="json"
+                ),
+                "intra_op_threads": intra_op_threads,
+                "template_loads": template_loads,
+                "log_level": self.log_level,
+                # On CUDA the worker launches a batch before collecting the one
+                # ahead (worker_pipeline.py); if it dies, both may have run.
+                "batches_in_flight": 1
+                if resolve_device(device).type == "cpu"
+                else CUDA_BATCHES_IN_FLIGHT,
+            }
+            for device in dict.fromkeys(self.device_of)
         }
+        self.hello = self.hellos[self.device_of[0]]
         faults = config.faults
         self.uses_template = faults.worker_template
         self.template: Template | None = None  # the shared one, from ``start`` on
         self.shared: shared_workers.SharedWorkers | None = None
         self.workers = [
-            WorkerProcess(self.hello, f"{self.label} instance {i}")
-            for i in range(config.instance_count)
+            WorkerProcess(
+                self.hellos[device],
+                f"{self.label} instance {i}" + (f" on {device}" if several else ""),
+            )
+            for i, device in enumerate(self.device_of)
         ]
         # A spare on a GPU would hold a CUDA context and a copy of the weights
         # there for a crash that may never come: by default, only on the CPU.
         # A model the template holds loaded shares its spare; one it does not
-        # (on a GPU, ONNX Runtime) needs a spare of its own, loaded.
+        # (on a GPU, ONNX Runtime) needs a spare of its own, loaded: one per
+        # device, since a replacement keeps the dead worker's device.
         standby = on_cpu if faults.standby_worker == "auto" else faults.standby_worker
-        self.standby: Standby | SharedStandby | None = None
-        if standby and template_loads and self.uses_template:
-            self.standby = SharedStandby(self.hello, self.label)
-        elif standby:
-            self.standby = Standby(self.hello, self.label)
+        self.standbys: dict[str, Standby | SharedStandby] = {}
+        for device, hello in self.hellos.items():
+            label = self.label + (f" on {device}" if several else "")
+            if standby and template_loads and self.uses_template:
+                self.standbys[device] = SharedStandby(hello, label)
+            elif standby:
+                self.standbys[device] = Standby(hello, label)
         self.loop: asyncio.AbstractEventLoop | None = None  # the scheduler's (attach)
         self.restarts = 0  # dead workers replaced (tensorserve_worker_restarts_total)
         # A moving average of what replacing one cost: a swap when the standby
         # was loaded, a wait for it or a model load when crashes came faster.
         self.restart_seconds: float | None = None
+
+    @property
+    def standby(self) -> Standby | SharedStandby | None:
+        """The first device's standby (on one device, the model's)."""
+        return self.standbys.get(self.device_of[0])
 
     def start(self) -> None:
         try:
@@ -138,21 +185,22 @@ class ProcessExecutor:
                 self.template.add(self.key, self.hello)
                 for worker in self.workers:
                     worker.template = self.template
-                if isinstance(self.standby, SharedStandby):
-                    self.standby.spare = self.shared.spare
-                elif self.standby is not None:
-                    self.standby.template = self.template
+                for standby in self.standbys.values():
+                    if isinstance(standby, SharedStandby):
+                        standby.spare = self.shared.spare
+                    else:
+                        standby.template = self.template
             for worker in self.workers:
                 worker.start()
         except BaseException:
             self.close()
             raise
-        if self.standby is not None:
-            self.standby.refill()  # in the background: ready does not wait for it
+        for standby in self.standbys.values():
+            standby.refill()  # in the background: ready does not wait for it
 
     def close(self) -> None:
-        if self.standby is not None:
-            self.standby.close()
+        for standby in self.standbys.values():
+            standby.close()
         for worker in self.workers:
             worker.stop()
         shared, self.shared = self.shared, None
@@ -214,7 +262,8 @@ class ProcessExecutor:
             return  # replaced already (a batch behind the dead one)
         started = time.perf_counter()
         old.stop()
-        spare = self.standby.take() if self.standby is not None else None
+        standby = self.standbys.get(self.device_of[instance])  # a spare on its device
+        spare = standby.take() if standby is not None else None
         if spare is not None:
             spare.label, spare.on_lost = old.label, old.on_lost
             self.workers[instance] = spare

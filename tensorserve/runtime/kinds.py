@@ -5,7 +5,7 @@ the executor that runs its batches.
               devices, ``PlacedExecutor``): a repository model loaded here, or
               a batch function handed to ``ServedModel.from_function``
     process   one worker process per instance (``ProcessExecutor``), which
-              loads the repository model itself
+              loads the repository model itself on its instance's device
 
 A new kind (an ONNX Runtime session, a remote executor) is one builder
 here and one entry in ``KINDS``; ``ServedModel`` asks for a kind by name
@@ -73,14 +73,14 @@ def _process(request: ExecutorRequest) -> BuiltExecutor:
             f"{request.name}: isolation = 'process' needs a repository model (its worker "
             f"process imports the model's model.py); use from_repository"
         )
-    if len(request.placements) > 1:
-        raise ConfigError(
-            f"{request.name}: instance_group over several devices needs isolation = "
-            f"'thread' (each worker process runs on the model's one device)"
-        )
     version = resolve_version(request.source, request.version)
+    # Over several devices, each worker runs on its own instance's device.
     executor = ProcessExecutor(
-        request.source, version, request.config, intra_op_threads=request.intra_op_threads
+        request.source,
+        version,
+        request.config,
+        intra_op_threads=request.intra_op_threads,
+        placements=request.placements,
     )
     executor.start()  # the workers load the model; a failure raises ConfigError
     return BuiltExecutor(executor, version, None)

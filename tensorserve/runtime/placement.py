@@ -6,8 +6,12 @@
     gpus = [0, 1]
 
 ``place`` turns the groups into one ``Placement`` per device (the counts of
-groups that name the same device add up). A model on several devices gets a
-``PlacedExecutor``, so one server keeps every GPU busy.
+groups that name the same device add up). A model whose ``device`` is left to
+``auto`` with no group has Triton's default, an implicit ``KIND_AUTO`` group:
+``instance_count`` instances on every visible GPU, else on the CPU. A model on
+several devices gets a ``PlacedExecutor`` (threads) or a ``ProcessExecutor``
+with one worker per instance on its own device, so one server keeps every GPU
+busy.
 """
 
 from __future__ import annotations
@@ -35,11 +39,20 @@ class Placement:
 
 def place(config: ModelConfig, gpu_count: int | None = None) -> list[Placement]:
     """One placement per device, in the order the groups name them. Without
-    instance groups: the config's own ``device`` and ``instance_count``."""
-    if not config.instance_group:
+    instance groups: ``device = "auto"`` (still auto once the server's
+    ``--device`` applied) is ``instance_count`` on each visible GPU, or on
+    the CPU when there is none (its placement stays ``auto``: the server
+    warns once); any other device is the config's own, with
+    ``instance_count``. ``gpu_count``: the GPUs torch sees (for tests; None:
+    ask torch, which will run the model)."""
+    if not config.instance_group and config.device != "auto":
         return [Placement(config.device, config.instance_count)]
     if gpu_count is None:
         gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not config.instance_group:
+        if gpu_count == 0:
+            return [Placement("auto", config.instance_count)]
+        return [Placement(f"cuda:{g}", config.instance_count) for g in range(gpu_count)]
     counts: dict[str, int] = {}
     for index, group in enumerate(config.instance_group):
         kind = group.kind
@@ -71,9 +84,10 @@ def resolve_placement(
 ) -> tuple[ModelConfig, list[Placement]]:
     """The config to build the model with, and where its instances go. On
     one device the config comes back with that ``device`` and
-    ``instance_count`` and no groups, so every executor runs it as before."""
+    ``instance_count`` and no groups, so every executor runs it as before
+    (``auto`` on one GPU becomes ``cuda:0``; on none it stays ``auto``)."""
     placements = place(config, gpu_count)
-    if config.instance_group and len(placements) == 1:
+    if len(placements) == 1 and (config.instance_group or placements[0].device != config.device):
         only = placements[0]
         config = config.model_copy(
             update={"device": only.device, "instance_count": only.count, "instance_group": []}

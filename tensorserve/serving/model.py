@@ -239,6 +239,8 @@ class ServedModel:
         ``auto`` became, for metadata and metrics."""
         if isinstance(self.executor, PlacedExecutor):
             return list(dict.fromkeys(str(d) for d in self.executor.devices()))
+        if isinstance(self.executor, ProcessExecutor) and len(set(self.executor.device_of)) > 1:
+            return list(dict.fromkeys(self.executor.device_of))  # placed: cuda:N or cpu
         return [str(self.device)]
 
     def stuck_instances(self) -> list[tuple[int, float]]:
