@@ -65,11 +65,22 @@ def test_device_auto_without_groups_is_an_implicit_kind_auto_group(gpu_count: in
 
 
 @pytest.mark.parametrize("gpu_count", [0, 1, 4])
-@pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
+@pytest.mark.parametrize("device", ["cpu", "cuda:1"])
 def test_an_explicit_device_keeps_its_one_placement(device: str, gpu_count: int) -> None:
     assert place(config(device=device, instance_count=3), gpu_count=gpu_count) == [
         Placement(device, 3)
     ]
+
+
+@pytest.mark.parametrize("gpu_count", [0, 1, 4])
+def test_a_bare_cuda_is_every_visible_gpu(gpu_count: int) -> None:
+    """Triton's KIND_GPU default; with no GPU it stays "cuda", which fails to
+    load saying why CUDA is missing (resolve_device)."""
+    placements = place(config(device="cuda", instance_count=3), gpu_count=gpu_count)
+    if gpu_count == 0:
+        assert placements == [Placement("cuda", 3)]
+    else:
+        assert placements == [Placement(f"cuda:{g}", 3) for g in range(gpu_count)]
 
 
 @pytest.mark.parametrize("gpu_count", [1, 4])
@@ -86,12 +97,15 @@ def test_groups_still_limit_the_gpus_and_the_count(gpu_count: int) -> None:
 
 
 def test_the_servers_device_decides_before_the_implicit_group() -> None:
-    """--device cpu pins a model left to auto to the CPU, --device cuda to the
-    first GPU (with_default_device); auto leaves every GPU to it."""
+    """--device cpu pins a model left to auto to the CPU, --device cuda:1 to
+    that GPU (with_default_device); --device cuda (the GPU image's) and auto
+    leave every GPU to it."""
     auto = config(instance_count=2)
     assert place(auto.with_default_device("cpu"), gpu_count=4) == [Placement("cpu", 2)]
-    assert place(auto.with_default_device("cuda"), gpu_count=4) == [Placement("cuda", 2)]
-    assert len(place(auto.with_default_device("auto"), gpu_count=4)) == 4
+    assert place(auto.with_default_device("cuda:1"), gpu_count=4) == [Placement("cuda:1", 2)]
+    every = [Placement(f"cuda:{g}", 2) for g in range(4)]
+    assert place(auto.with_default_device("cuda"), gpu_count=4) == every
+    assert place(auto.with_default_device("auto"), gpu_count=4) == every
 
 
 @pytest.mark.parametrize(("gpu_count", "device"), [(0, "auto"), (1, "cuda:0")])

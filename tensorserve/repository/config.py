@@ -162,8 +162,8 @@ class ModelConfig(_Strict):
     device: str = Field(
         "auto",
         description="auto | cpu | cuda | cuda:N. auto without instance_group: instance_count "
-        "instances on every visible GPU, else on the CPU (Triton's KIND_AUTO); the others: "
-        "that one device (cuda: the first GPU).",
+        "instances on every visible GPU, else on the CPU (Triton's KIND_AUTO); cuda: the same "
+        "on every GPU, failing without CUDA; cpu, cuda:N: that one device.",
     )
     instance_count: int = Field(
         1,

@@ -39,19 +39,22 @@ class Placement:
 
 def place(config: ModelConfig, gpu_count: int | None = None) -> list[Placement]:
     """One placement per device, in the order the groups name them. Without
-    instance groups: ``device = "auto"`` (still auto once the server's
-    ``--device`` applied) is ``instance_count`` on each visible GPU, or on
-    the CPU when there is none (its placement stays ``auto``: the server
-    warns once); any other device is the config's own, with
-    ``instance_count``. ``gpu_count``: the GPUs torch sees (for tests; None:
-    ask torch, which will run the model)."""
-    if not config.instance_group and config.device != "auto":
+    instance groups, Triton's default: ``device = "auto"`` or a bare
+    ``"cuda"`` (the model's own, or the server's ``--device`` in its place:
+    the GPU image says ``cuda``) is ``instance_count`` on each visible GPU.
+    With none, ``auto`` runs on the CPU (its placement stays ``auto``: the
+    server warns once) and ``cuda`` stays ``cuda``, which fails to load
+    saying why CUDA is missing. ``cpu`` and ``cuda:N`` are that one device.
+    ``gpu_count``: the GPUs torch sees (for tests; None: ask torch, which
+    will run the model)."""
+    every_gpu = config.device in ("auto", "cuda")
+    if not config.instance_group and not every_gpu:
         return [Placement(config.device, config.instance_count)]
     if gpu_count is None:
         gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not config.instance_group:
         if gpu_count == 0:
-            return [Placement("auto", config.instance_count)]
+            return [Placement(config.device, config.instance_count)]
         return [Placement(f"cuda:{g}", config.instance_count) for g in range(gpu_count)]
     counts: dict[str, int] = {}
     for index, group in enumerate(config.instance_group):
