@@ -185,7 +185,7 @@ def ceilings(repository: Path, work: Sequence[Workload], device: str, seconds: f
     found: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(w.ceiling_model for w in work):
         try:
-            forward, batch_size = load_forward(repository, name, device)
+            loaded = load_forward(repository, name, device)
         except Exception as exc:  # noqa: BLE001 - reported, and the run goes on
             for w in work:
                 if w.ceiling_model == name:
@@ -193,12 +193,12 @@ def ceilings(repository: Path, work: Sequence[Workload], device: str, seconds: f
             continue
         for w in (w for w in work if w.ceiling_model == name):
             try:
-                found[w.key] = measure(forward, w.ids, batch_size, device, seconds, name).as_json()
+                found[w.key] = measure(loaded, w.ids, device, seconds, name).as_json()
             except Exception as exc:  # noqa: BLE001
                 found[w.key] = {"model": name, "error": f"{type(exc).__name__}: {exc}"[:300]}
             print(f"[gpu_fill] ceiling {w.key}: {found[w.key].get('items_per_s', 'failed')}",
                   file=sys.stderr, flush=True)  # fmt: skip
-        del forward
+        del loaded
         if device.startswith("cuda"):
             torch.cuda.empty_cache()  # the server comes next, on the same GPU
     return found

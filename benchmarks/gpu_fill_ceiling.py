@@ -2,7 +2,10 @@
 on one device, with nothing of a server around it.
 
 The model is loaded as the server loads it (the repository's loader, then
-``on_device``: the same weights, the same dtype, the same ``compile``), the
+``on_device``: the same weights, the same dtype, the same ``compile``; on
+CUDA the same bucketed graphs where ``compile`` gives the server graphs,
+decided by the same timing, so that a served model replaying graphs is
+held to a ceiling that replays them too), the
 items are sorted by length and cut into full batches of ``max_batch_size``,
 each padded to its own longest item and put on the device before the clock
 starts. On a GPU, whole passes over those batches run back to back on one
@@ -35,16 +38,26 @@ class Ceiling:
     seconds: float  # timed
     padded_share: float  # padded positions / all positions of the sorted batches
     timer: str  # "cuda events" or "wall clock"
+    forward: str  # "cuda graphs" or "eager": what the timed loop ran
 
     def as_json(self) -> dict[str, Any]:
         return {"model": self.model, "items_per_s": round(self.items_per_s, 1),
                 "batches": self.batches, "batch_size": self.batch_size, "batches_run": self.batches_run,
                 "seconds": round(self.seconds, 3), "padded_share": round(self.padded_share, 4),
-                "timer": self.timer}  # fmt: skip
+                "timer": self.timer, "forward": self.forward}  # fmt: skip
 
 
-def load_forward(repository: Path, name: str, device: str) -> tuple[Any, int]:
-    """The model ``name`` on ``device`` as the server loads it, and its max_batch_size."""
+@dataclass(frozen=True)
+class Loaded:
+    """A model as the server loads it: its module on the device, its config."""
+
+    module: Any
+    config: Any  # ModelConfig
+    batch_size: int  # max_batch_size
+
+
+def load_forward(repository: Path, name: str, device: str) -> Loaded:
+    """The model ``name`` on ``device`` as the server loads it."""
     import torch
 
     from tensorserve.repository.loader import discover, load_model, read_config
@@ -53,7 +66,28 @@ def load_forward(repository: Path, name: str, device: str) -> tuple[Any, int]:
     source = discover(repository)[name]
     config = read_config(source, {"device": device})
     loaded = load_model(source, None, config)
-    return on_device(loaded.module, config, torch.device(device)), int(config.max_batch_size)
+    module = on_device(loaded.module, config, torch.device(device))
+    return Loaded(module, config, int(config.max_batch_size))
+
+
+def as_served(loaded: Loaded, device: Any, stream: Any, name: str) -> tuple[Any, str]:
+    """The forward the server's instance would run on ``stream``: the
+    module, or its bucketed CUDA graphs where the config gives the server
+    graphs (``compile = "auto"`` decided by the server's own timing)."""
+    from tensorserve.runtime.graphs import CudaGraphs, GraphedForward, graph_switch
+
+    switch = graph_switch(loaded.config, device, name)
+    if switch is None:
+        return loaded.module, "eager"
+    graphed = GraphedForward(loaded.module, switch, CudaGraphs(stream), device)
+    if not switch.decide(lambda: graphed.time_eager(stream)):
+        return loaded.module, "eager"
+    names = [spec.name for spec in loaded.config.input]
+
+    def forward(*tensors: Any) -> Any:
+        return graphed(**dict(zip(names, tensors)))
+
+    return forward, "cuda graphs"
 
 
 def sorted_batches(ids: Sequence[np.ndarray], batch_size: int) -> tuple[list[np.ndarray], float]:
@@ -73,11 +107,12 @@ def sorted_batches(ids: Sequence[np.ndarray], batch_size: int) -> tuple[list[np.
     return batches, padded / total if total else 0.0
 
 
-def measure(forward: Any, ids: Sequence[np.ndarray], batch_size: int, device: str,
-            seconds: float, name: str) -> Ceiling:  # fmt: skip
-    """Items/s of ``forward`` over full length-sorted batches of ``ids``."""
+def measure(loaded: Loaded, ids: Sequence[np.ndarray], device: str, seconds: float,
+            name: str) -> Ceiling:  # fmt: skip
+    """Items/s of the model over full length-sorted batches of ``ids``."""
     import torch
 
+    batch_size, forward, ran = loaded.batch_size, loaded.module, "eager"
     host, padded_share = sorted_batches(ids, batch_size)
     torch_device = torch.device(device)
     batches = [(torch.from_numpy(b).to(torch_device), torch.from_numpy((b != 0).astype(np.int64))
@@ -95,6 +130,7 @@ def measure(forward: Any, ids: Sequence[np.ndarray], batch_size: int, device: st
         if cuda:
             stream = torch.cuda.Stream(torch_device)
             with torch.cuda.stream(stream):
+                forward, ran = as_served(loaded, torch_device, stream, name)
                 one_pass()  # warm-up: allocator, kernels' first launches, lazy init
                 stream.synchronize()
                 started = time.perf_counter()
@@ -126,4 +162,4 @@ def measure(forward: Any, ids: Sequence[np.ndarray], batch_size: int, device: st
             took, run = time.perf_counter() - started, k
             torch.set_num_threads(threads)
     return Ceiling(name, done / took, len(batches), batch_size, run, took,
-                   padded_share, "cuda events" if cuda else "wall clock")  # fmt: skip
+                   padded_share, "cuda events" if cuda else "wall clock", ran)  # fmt: skip
