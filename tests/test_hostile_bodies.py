@@ -586,13 +586,22 @@ def flood_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 
 
 def _front_ends(server: Any) -> set[int]:
-    """The pids of the server's front-end processes (none in one process)."""
+    """The pids of the server's front-end processes (none in one process).
+    A child that has just exited (a zombie until the server reaps it: a
+    spare template or worker that was stopped) has no command line, and is
+    no front end."""
     import psutil
+
+    def command(child: psutil.Process) -> str:
+        try:
+            return " ".join(child.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            return ""
 
     return {
         child.pid
         for child in psutil.Process(server.process.pid).children()
-        if "tensorserve.frontends.process" in " ".join(child.cmdline())
+        if "tensorserve.frontends.process" in command(child)
     }
 
 
