@@ -37,7 +37,7 @@ import torch
 from tensorserve.errors import BatchOutOfMemory, DeviceLost, ModelFailure
 from tensorserve.repository.config import TORCH_COMPILE_MODES, ModelConfig, OutputSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
-from tensorserve.runtime.graphs import CudaGraphs, GraphedForward, graph_switch
+from tensorserve.runtime.graphs import CudaGraphs, GraphedForward, empty_cache, graph_switch
 from tensorserve.runtime.ragged import join_rows, split_rows
 from tensorserve.tensors.bytes_tensor import bytes_output
 from tensorserve.tensors.dtypes import Feature, host_array
@@ -135,9 +135,13 @@ class ThreadExecutor:
         return [context.device for context in self._contexts]
 
     def free_memory_bytes(self) -> int | None:
-        """The least any instance's device has (None: a CPU among them):
-        batches form under one ceiling."""
-        known = [free_device_bytes(device) for device in dict.fromkeys(self.devices())]
+        """The least any instance's device has (None: a CPU among them),
+        less its graphs' pools: batches form under one ceiling."""
+        held: dict[torch.device, int] = dict.fromkeys(self.devices(), 0)
+        for instance, forward in self._forwards.items():
+            if isinstance(forward, GraphedForward):
+                held[self._contexts[instance].device] += forward.reserved_bytes
+        known = [free_device_bytes(device, graphs) for device, graphs in held.items()]
         return None if None in known else min(b for b in known if b is not None)
 
     def start_instance(self, instance: int) -> None:
@@ -149,8 +153,12 @@ class ThreadExecutor:
         forward = GraphedForward(
             self.models[instance], self._graphs, CudaGraphs(stream), context.device
         )
-        with context.running():  # compile = "auto": timed once, on this instance's stream
-            self._graphs.decide(lambda: forward.time_eager(stream))
+        try:
+            with context.running():  # compile = "auto": timed once, on this instance's stream
+                self._graphs.decide(lambda: forward.time_eager(stream))
+        except Exception as exc:
+            self._raise_if_sticky(exc)  # the timing lost the context: DeviceLost
+            raise
         self._forwards[instance] = forward
 
     def launch(
@@ -181,7 +189,7 @@ class ThreadExecutor:
         # collection finds anything older.
         gc.collect(1)
         if self._contexts[instance].device.type == "cuda":
-            torch.cuda.empty_cache()
+            empty_cache()  # never while another instance captures a graph
         raise BatchOutOfMemory(reason)
 
     def _launch(
@@ -341,14 +349,15 @@ def is_out_of_memory(exc: BaseException) -> bool:
     )
 
 
-def free_device_bytes(device: torch.device) -> int | None:
+def free_device_bytes(device: torch.device, graphs: int = 0) -> int | None:
     """Memory a batch could still use on ``device``: free, plus what torch's
-    caching allocator holds unused (None on a CPU)."""
+    caching allocator holds unused, less the ``graphs`` bytes its CUDA graphs'
+    pools reserve, whose free blocks no batch can use (None on a CPU)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(free + cached)
+    return int(free + max(0, cached - graphs))  # the pools' free blocks are cached ones
 
 
 def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -157,7 +157,8 @@ def _load_and_run(sock: socket.socket, hello: dict[str, Any], loaded: Loaded | N
         executor.start_instance(0)  # threads, inference mode, CUDA stream: on this thread
     except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
         ipc.send(sock, {"error": _reason(exc)})
-        return 1
+        # start_instance's timing met a sticky CUDA error: the context is lost.
+        return ipc.EXIT_DEVICE_LOST if isinstance(exc, DeviceLost) else 1
     ipc.send(sock, {"ready": True, "pid": os.getpid()})
     # On a CPU, launch runs the batch to the end: one at a time.
     depth = hello.get("batches_in_flight", 1) if executor.overlaps else 1
