@@ -141,6 +141,7 @@ def test_two_instances_capturing_at_once_both_keep_their_graphs() -> None:
     assert not forwards[0].switch.eager_buckets
     assert all(len(f.graphs) == 1 and f.backend.reserved_bytes > 0 for f in forwards)
     for instance, batch in enumerate(batches):
+        assert executed[instance].captured  # its time is the capture's
         want = model(batch.cuda()).cpu().numpy()
         np.testing.assert_allclose(executed[instance].batched["y"], want, atol=1e-4, rtol=1e-4)
     held = sum(f.backend.reserved_bytes for f in forwards)  # the pools' free blocks are no batch's

@@ -2,29 +2,37 @@
 injected: captures take turns across the process (and no cache is emptied
 during one), a failed capture costs its bucket before it costs the model,
 a sticky CUDA error in auto's timing is a lost context, graphs switched off
-let their memory go, and the graphs' pools are not counted as free memory."""
+let their memory go, the graphs' pools are not counted as free memory, and
+a bucket's first batch (its capture) teaches neither the cost model nor the
+watchdog's slowest batch."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import tensorserve
+from tensorserve.batching.collate import pad
 from tensorserve.errors import DeviceLost
 from tensorserve.repository.config import ModelConfig, parse_config
 from tensorserve.runtime import executor as executor_module
-from tensorserve.runtime import graphs
+from tensorserve.runtime import graphs, worker_main
 from tensorserve.runtime.device import CONTEXT_LOSS
-from tensorserve.runtime.executor import ThreadExecutor, free_device_bytes
+from tensorserve.runtime.executor import Executed, Launched, ThreadExecutor, free_device_bytes
 from tensorserve.runtime.graph_buckets import Bucket, ForwardTimings, graph_plan
 from tensorserve.runtime.graphs import GraphedForward, GraphSwitch, Replay
+from tensorserve.runtime.isolated import ProcessExecutor
+from tests.test_scheduler import Clock, ScriptedInstance, scheduler, settle, submit
 
 CPU = torch.device("cpu")
 CUDA0 = torch.device("cuda", 0)
@@ -254,3 +262,51 @@ def test_the_executor_subtracts_its_instances_graphs(monkeypatch: pytest.MonkeyP
     for forward in executor._forwards.values():
         forward(x=x(3))
     assert executor.free_memory_bytes() == 1600 - 300
+
+
+# ------------------------------------------------------------------ 6: the capture's time
+def test_the_batch_that_captured_is_marked_and_the_next_is_not() -> None:
+    executor = ThreadExecutor(double, CONFIG, CPU, name="toy")
+    executor._forwards[0] = graphed(Scripted({}))
+    executor.start_instance(0)
+    batch = pad([{"x": np.ones(4, np.float32)}] * 3, CONFIG.input)
+    first = executor.collect(executor.launch(batch.features, 0))
+    again = executor.collect(executor.launch(batch.features, 0))
+    assert first.captured and not again.captured
+    assert first.batched is not None and first.batched["y"].tolist() == [[2.0] * 4] * 3
+
+
+def test_a_capturing_batch_teaches_neither_the_cost_model_nor_the_slowest_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        instance, clock = ScriptedInstance(), Clock()
+        batcher = scheduler(loop, instance, clock, max_batch_size=2)
+        learnt: list[float | None] = []
+        cost = batcher.scheduler.results.cost
+        monkeypatch.setattr(cost, "observe", lambda n, longest, s: learnt.append(s))
+        for seconds, captured in ((4.0, True), (0.01, False)):
+            futures = submit(loop, batcher, 1.0, 2.0)
+            settle(loop, batcher.scheduler.wake)
+            sent = instance.sent[-1]
+            outputs = Executed({"y": sent.x * 2}, None, seconds, captured=captured)
+            settle(loop, lambda sent=sent, outputs=outputs: sent.done(outputs, None))
+            assert [f.result()["y"][0] for f in futures] == [2.0, 4.0]
+        assert learnt == [0.01]
+        assert batcher.scheduler.slowest_s == pytest.approx(0.01, rel=0.01)
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("captured", [True, False])
+def test_a_workers_reply_carries_the_capture_mark_to_the_server(captured: bool) -> None:
+    """isolation = "process": the worker's reply header (worker_main._finish)
+    and the server's reading of it (ProcessExecutor._executed)."""
+    executor = ThreadExecutor(double, CONFIG, CPU, name="toy")
+    launched = Launched({"y": torch.ones(2, 3)}, None, None, seconds=0.5, captured=captured)
+    started = worker_main.Started(launched, None, time.perf_counter())
+    header, tensors = worker_main._finish(executor, started)
+    reader = types.SimpleNamespace(outputs=CONFIG.output)
+    executed = ProcessExecutor._executed(reader, (header, tensors))  # type: ignore[arg-type]
+    assert executed.captured is captured and executed.seconds is not None

@@ -66,6 +66,7 @@ class Executed:
     per_item: list[Any] | None  # or: each item's host arrays, or its Exception
     seconds: float | None = None  # the model's own time, when known better
     parameters: dict[str, list[Any]] | None = None  # per-row output parameters
+    captured: bool = False  # it captured a CUDA graph: its seconds are no batch's cost
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Launched:
     parameters: Mapping[str, Any] | None = None  # as the model returned them
     started: torch.cuda.Event | None = None  # recorded before the forward (CUDA)
     seconds: float | None = None  # the forward's time, where launch ran it (a CPU)
+    captured: bool = False  # the forward captured its bucket's CUDA graph first
 
 
 class ThreadExecutor:
@@ -209,14 +211,16 @@ class ThreadExecutor:
             arguments = context.to_device(features)
             if parameters:  # a model that declares none gets exactly its features
                 arguments.update(self._parameter_arguments(parameters, context))
-            result = self._forwards.get(instance, self.models[instance])(**arguments)
+            forward = self._forwards.get(instance, self.models[instance])
+            result = forward(**arguments)
+            captured = isinstance(forward, GraphedForward) and forward.captured
             returned = None
             if isinstance(result, WithParameters):
                 result, returned = result.outputs, context.columns_to_host(result.parameters)
             if isinstance(result, (list, tuple)):
                 done = context.record() if on_cuda else None
                 seconds = None if on_cuda else time.perf_counter() - clock
-                return Launched(None, done, list(result), returned, started, seconds)
+                return Launched(None, done, list(result), returned, started, seconds, captured)
             named = named_outputs(result, self.outputs)
             # A padded feature's first axis is the batch's rows; a packed one has no
             # batch axis (with only packed inputs, un-packing counts a ragged output's rows).
@@ -230,7 +234,7 @@ class ThreadExecutor:
             for spec in self._bytes_outputs:
                 host[spec.name] = bytes_output(named[spec.name], spec.name)
         seconds = None if on_cuda else time.perf_counter() - clock
-        return Launched(host, done, None, returned, started, seconds)
+        return Launched(host, done, None, returned, started, seconds, captured)
 
     def _raise_if_sticky(self, exc: BaseException) -> None:
         """A sticky CUDA error lost this process's CUDA context: say so once
@@ -277,13 +281,14 @@ class ThreadExecutor:
             parameters = None if returned is None else output_parameters(returned)
             if launched.per_item is not None:
                 items = [self._item_result(entry) for entry in launched.per_item]
-                return Executed(None, items, seconds, parameters)
+                return Executed(None, items, seconds, parameters, launched.captured)
         except Exception as exc:
             self._raise_if_sticky(exc)  # an asynchronous CUDA error surfaces here
             raise
         assert launched.host is not None
         host = {name: host_array(t) for name, t in launched.host.items()}
-        return Executed(join_rows(host, [s.name for s in self._ragged]), None, seconds, parameters)
+        batched = join_rows(host, [s.name for s in self._ragged])
+        return Executed(batched, None, seconds, parameters, launched.captured)
 
     def _item_result(self, entry: Any) -> Any:
         """One entry of a per-item result list, as host arrays (or the item's Exception)."""

@@ -243,6 +243,9 @@ class GraphedForward:
         self.backend = backend
         self.device = device
         self.graphs: dict[Bucket, tuple[dict[str, torch.Tensor], Replay]] = {}
+        # Whether the last call captured its bucket's graph: its time is the
+        # capture's (an eager run and the capture), not a batch's.
+        self.captured = False
 
     @property
     def reserved_bytes(self) -> int:
@@ -250,6 +253,7 @@ class GraphedForward:
         return self.backend.reserved_bytes if self.graphs else 0
 
     def __call__(self, **features: Any) -> Any:
+        self.captured = False
         if not self.switch.on:
             if self.graphs:  # off since: their pool and static buffers can go
                 self.graphs.clear()
@@ -275,6 +279,7 @@ class GraphedForward:
             with CAPTURE_LOCK:  # one capture at a time in the process
                 if bucket in self.switch.eager_buckets or not self.switch.on:
                     return None  # another instance's capture failed meanwhile
+                self.captured = True
                 replay = self.backend.capture(lambda: self.model(**static))
         except Exception as exc:
             # A lost CUDA context is the executor's to say; out of memory is

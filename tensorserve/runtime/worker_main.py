@@ -108,7 +108,11 @@ def _finish(executor: ThreadExecutor, started: Started) -> ipc.Message:
     seconds = executed.seconds if started.launched.started is not None else None
     if seconds is None:
         seconds = time.perf_counter() - started.clock
-    returned = {"parameters": executed.parameters} if executed.parameters is not None else {}
+    returned: dict[str, Any] = {}
+    if executed.parameters is not None:
+        returned["parameters"] = executed.parameters
+    if executed.captured:  # its seconds are a CUDA graph's capture, no batch's cost
+        returned["captured"] = True
     try:
         if executed.per_item is None:
             assert executed.batched is not None
