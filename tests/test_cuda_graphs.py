@@ -7,6 +7,7 @@ logs its decision once per model."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,8 @@ import torch
 from tensorserve_bench.tolerance import tolerance
 
 from tensorserve import ServedModel
+from tensorserve.repository.config import parse_config
+from tensorserve.runtime.executor import ThreadExecutor, free_device_bytes
 from tensorserve.runtime.graph_buckets import Bucket
 from tensorserve.runtime.graphs import GraphedForward
 from tests.conftest import REPOSITORY
@@ -99,3 +102,71 @@ def test_auto_times_the_tagger_once_and_logs_both_timings(
     lines = [r.getMessage() for r in caplog.records if "compile = 'auto'" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "GPU time" in lines[0] and "wall time" in lines[0]
+
+
+TOY = {
+    "max_batch_size": 8,
+    "compile": "reduce-overhead",
+    "input": [{"name": "x", "dtype": "float32", "shape": [-1], "max_length": 64}],
+    "output": [{"name": "y", "dtype": "float32", "shape": [-1], "unpad_like": "x"}],
+}
+
+
+def test_two_instances_capturing_at_once_both_keep_their_graphs() -> None:
+    """Each capture empties the caches; two at once used to trip torch's
+    captures_underway assert and turn graphs off for the model."""
+    weight = torch.randn(64, 64, device="cuda:0")
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x @ weight[: x.shape[1], : x.shape[1]]) + x
+
+    config = parse_config(TOY, "two")
+    executor = ThreadExecutor(model, config, torch.device("cuda", 0), instance_count=2, name="two")
+    start = threading.Barrier(2, timeout=30)
+    batches = [torch.randn(3, 20), torch.randn(5, 30)]
+    executed: dict[int, Any] = {}
+
+    def run(instance: int) -> None:
+        executor.start_instance(instance)
+        start.wait()  # both instances capture their first bucket at once
+        executed[instance] = executor.collect(executor.launch({"x": batches[instance]}, instance))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    forwards = list(executor._forwards.values())
+    assert len(forwards) == 2 and forwards[0].switch.on
+    assert not forwards[0].switch.eager_buckets
+    assert all(len(f.graphs) == 1 and f.backend.reserved_bytes > 0 for f in forwards)
+    for instance, batch in enumerate(batches):
+        assert executed[instance].captured  # its time is the capture's
+        want = model(batch.cuda()).cpu().numpy()
+        np.testing.assert_allclose(executed[instance].batched["y"], want, atol=1e-4, rtol=1e-4)
+    held = sum(f.backend.reserved_bytes for f in forwards)  # the pools' free blocks are no batch's
+    assert executor.free_memory_bytes() == free_device_bytes(torch.device("cuda", 0), held)
+
+
+def test_a_capture_that_fails_at_one_bucket_leaves_the_others_graphed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The pool is left usable (endAllocateToPool): the next bucket captures."""
+
+    def picky(x: torch.Tensor) -> torch.Tensor:
+        if torch.cuda.is_current_stream_capturing() and x.shape[1] == 16:
+            raise RuntimeError("something of this bucket's own")
+        return x * 2
+
+    config = parse_config(TOY, "picky")
+    executor = ThreadExecutor(picky, config, torch.device("cuda", 0), name="picky")
+    executor.start_instance(0)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for length in (12, 12, 5):  # bucket 16 fails once, then eager; bucket 8 captures
+            x = torch.randn(2, length)
+            out = executor.collect(executor.launch({"x": x}, 0))
+            np.testing.assert_allclose(out.batched["y"], (x * 2).numpy(), rtol=1e-6)
+    (forward,) = executor._forwards.values()
+    assert forward.switch.on and list(forward.graphs) == [Bucket(2, (8,))]
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and "bucket at batch 2, lengths [16] runs eager" in lines[0]

@@ -45,6 +45,11 @@ class BatchOutputs(Protocol):
         better than the batcher's launch-to-collect clock (a worker with a
         batch queued behind another); None otherwise."""
 
+    @property
+    def captured(self) -> bool:
+        """True when the batch's time is mostly a CUDA graph's capture (its
+        bucket's first batch): no batch's cost, nor the slowest batch's."""
+
 
 class Executor(Protocol):
     instance_count: int

@@ -87,7 +87,10 @@ class BatchResults:
         """Teach the policy what a batch of this padded volume cost (one that
         ran), tell the latency target, and count the batch in the stats."""
         entries = batch.entries
-        if batch.error is None:
+        # A batch that captured a CUDA graph took the capture's time: the
+        # stats count it, the cost model and the latency target do not learn it.
+        captured = batch.outputs is not None and batch.outputs.captured
+        if batch.error is None and not captured:
             volumes = [e.volume for e in entries]
             longest = max(volumes)
             self.cost.observe(len(entries), longest, batch.seconds)

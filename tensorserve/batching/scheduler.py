@@ -307,7 +307,7 @@ class Scheduler:
                     self.name, len(batch.entries), batch.seconds, error or "results",
                 )  # fmt: skip
             else:
-                if error is None:
+                if error is None and not (outputs and outputs.captured):  # no capture's time
                     self.slowest.observe(batch.seconds)
                 self._finish(batch)
         except BaseException as exc:  # noqa: BLE001 - a bug here must answer every caller

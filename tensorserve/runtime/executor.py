@@ -37,7 +37,7 @@ import torch
 from tensorserve.errors import BatchOutOfMemory, DeviceLost, ModelFailure
 from tensorserve.repository.config import TORCH_COMPILE_MODES, ModelConfig, OutputSpec
 from tensorserve.runtime.device import CONTEXT_LOSS, DeviceContext, sticky_cuda_error
-from tensorserve.runtime.graphs import CudaGraphs, GraphedForward, graph_switch
+from tensorserve.runtime.graphs import CudaGraphs, GraphedForward, empty_cache, graph_switch
 from tensorserve.runtime.ragged import join_rows, split_rows
 from tensorserve.tensors.bytes_tensor import bytes_output
 from tensorserve.tensors.dtypes import Feature, host_array
@@ -66,6 +66,7 @@ class Executed:
     per_item: list[Any] | None  # or: each item's host arrays, or its Exception
     seconds: float | None = None  # the model's own time, when known better
     parameters: dict[str, list[Any]] | None = None  # per-row output parameters
+    captured: bool = False  # it captured a CUDA graph: its seconds are no batch's cost
 
 
 @dataclass
@@ -83,6 +84,7 @@ class Launched:
     parameters: Mapping[str, Any] | None = None  # as the model returned them
     started: torch.cuda.Event | None = None  # recorded before the forward (CUDA)
     seconds: float | None = None  # the forward's time, where launch ran it (a CPU)
+    captured: bool = False  # the forward captured its bucket's CUDA graph first
 
 
 class ThreadExecutor:
@@ -135,9 +137,13 @@ class ThreadExecutor:
         return [context.device for context in self._contexts]
 
     def free_memory_bytes(self) -> int | None:
-        """The least any instance's device has (None: a CPU among them):
-        batches form under one ceiling."""
-        known = [free_device_bytes(device) for device in dict.fromkeys(self.devices())]
+        """The least any instance's device has (None: a CPU among them),
+        less its graphs' pools: batches form under one ceiling."""
+        held: dict[torch.device, int] = dict.fromkeys(self.devices(), 0)
+        for instance, forward in self._forwards.items():
+            if isinstance(forward, GraphedForward):
+                held[self._contexts[instance].device] += forward.reserved_bytes
+        known = [free_device_bytes(device, graphs) for device, graphs in held.items()]
         return None if None in known else min(b for b in known if b is not None)
 
     def start_instance(self, instance: int) -> None:
@@ -149,8 +155,12 @@ class ThreadExecutor:
         forward = GraphedForward(
             self.models[instance], self._graphs, CudaGraphs(stream), context.device
         )
-        with context.running():  # compile = "auto": timed once, on this instance's stream
-            self._graphs.decide(lambda: forward.time_eager(stream))
+        try:
+            with context.running():  # compile = "auto": timed once, on this instance's stream
+                self._graphs.decide(lambda: forward.time_eager(stream))
+        except Exception as exc:
+            self._raise_if_sticky(exc)  # the timing lost the context: DeviceLost
+            raise
         self._forwards[instance] = forward
 
     def launch(
@@ -181,7 +191,7 @@ class ThreadExecutor:
         # collection finds anything older.
         gc.collect(1)
         if self._contexts[instance].device.type == "cuda":
-            torch.cuda.empty_cache()
+            empty_cache()  # never while another instance captures a graph
         raise BatchOutOfMemory(reason)
 
     def _launch(
@@ -201,14 +211,16 @@ class ThreadExecutor:
             arguments = context.to_device(features)
             if parameters:  # a model that declares none gets exactly its features
                 arguments.update(self._parameter_arguments(parameters, context))
-            result = self._forwards.get(instance, self.models[instance])(**arguments)
+            forward = self._forwards.get(instance, self.models[instance])
+            result = forward(**arguments)
+            captured = isinstance(forward, GraphedForward) and forward.captured
             returned = None
             if isinstance(result, WithParameters):
                 result, returned = result.outputs, context.columns_to_host(result.parameters)
             if isinstance(result, (list, tuple)):
                 done = context.record() if on_cuda else None
                 seconds = None if on_cuda else time.perf_counter() - clock
-                return Launched(None, done, list(result), returned, started, seconds)
+                return Launched(None, done, list(result), returned, started, seconds, captured)
             named = named_outputs(result, self.outputs)
             # A padded feature's first axis is the batch's rows; a packed one has no
             # batch axis (with only packed inputs, un-packing counts a ragged output's rows).
@@ -222,7 +234,7 @@ class ThreadExecutor:
             for spec in self._bytes_outputs:
                 host[spec.name] = bytes_output(named[spec.name], spec.name)
         seconds = None if on_cuda else time.perf_counter() - clock
-        return Launched(host, done, None, returned, started, seconds)
+        return Launched(host, done, None, returned, started, seconds, captured)
 
     def _raise_if_sticky(self, exc: BaseException) -> None:
         """A sticky CUDA error lost this process's CUDA context: say so once
@@ -269,13 +281,14 @@ class ThreadExecutor:
             parameters = None if returned is None else output_parameters(returned)
             if launched.per_item is not None:
                 items = [self._item_result(entry) for entry in launched.per_item]
-                return Executed(None, items, seconds, parameters)
+                return Executed(None, items, seconds, parameters, launched.captured)
         except Exception as exc:
             self._raise_if_sticky(exc)  # an asynchronous CUDA error surfaces here
             raise
         assert launched.host is not None
         host = {name: host_array(t) for name, t in launched.host.items()}
-        return Executed(join_rows(host, [s.name for s in self._ragged]), None, seconds, parameters)
+        batched = join_rows(host, [s.name for s in self._ragged])
+        return Executed(batched, None, seconds, parameters, launched.captured)
 
     def _item_result(self, entry: Any) -> Any:
         """One entry of a per-item result list, as host arrays (or the item's Exception)."""
@@ -341,14 +354,15 @@ def is_out_of_memory(exc: BaseException) -> bool:
     )
 
 
-def free_device_bytes(device: torch.device) -> int | None:
+def free_device_bytes(device: torch.device, graphs: int = 0) -> int | None:
     """Memory a batch could still use on ``device``: free, plus what torch's
-    caching allocator holds unused (None on a CPU)."""
+    caching allocator holds unused, less the ``graphs`` bytes its CUDA graphs'
+    pools reserve, whose free blocks no batch can use (None on a CPU)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(free + cached)
+    return int(free + max(0, cached - graphs))  # the pools' free blocks are cached ones
 
 
 def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

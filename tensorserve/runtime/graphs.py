@@ -5,13 +5,17 @@ launch-bound). The buckets and the decisions are ``graph_buckets``'s; this
 module holds the state and the torch calls:
 
     GraphSwitch     one per model, shared by its instances: graphs on or off
-                    (auto: decided once, from one timing), and off for good
-                    after the first failure, said in one log line
+                    (auto: decided once, from one timing); a bucket whose
+                    capture failed runs eager, and graphs go off for good
+                    after a failure every bucket would meet (or failures at
+                    two buckets), said in one log line
     GraphedForward  one per instance (its thread): per bucket, static input
                     buffers and the captured graph; pads a batch up to its
                     bucket, replays, slices each output back to the batch
     CudaGraphs      the capture backend on CUDA: the instance's stream and
                     one memory pool for all the instance's graphs
+    CAPTURE_LOCK    one capture at a time in the process, and no emptied
+                    cache during one (``empty_cache``)
 
 A batch reaches ``GraphedForward`` padded as ever (``batching.collate``) and
 leaves it with the padded batch's shapes, so un-padding per caller does not
@@ -27,6 +31,7 @@ before the instance's next replay; nothing else may keep them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -51,10 +56,37 @@ log = logging.getLogger(__name__)
 
 Replay = Callable[[], Any]  # runs the captured forward again; returns its outputs
 
+# Entering torch.cuda.graph synchronises and empties every device's cache,
+# and emptying a cache while any capture is under way in the process trips
+# torch's assert (captures_underway.empty(); "thread_local" does not help):
+# torch allows one capture at a time per process. Each whole capture (its
+# eager run too) and every cache the server empties hold this lock, so two
+# instances' threads (several instances, models or GPUs) take turns.
+CAPTURE_LOCK = threading.Lock()
+
+# A capture that fails with these fails at every bucket: the forward syncs
+# with the host (cudaErrorStreamCaptureUnsupported's text) or calls what a
+# capture forbids. Any other failure (out of memory mid-capture can surface
+# as cudaErrorStreamCaptureInvalidated) costs its bucket alone.
+EVERY_BUCKET_FAILS = (
+    "operation not permitted when stream is capturing",
+    "cudaErrorStreamCaptureUnsupported",
+)
+BUCKET_FAILURES_OFF = 2  # failed buckets after which graphs go off for the model
+
+
+def empty_cache() -> None:
+    """``torch.cuda.empty_cache`` between captures, never during one."""
+    with CAPTURE_LOCK:
+        torch.cuda.empty_cache()
+
 
 class CaptureBackend(Protocol):
     """Turns a forward over static buffers into a replay of it. On CUDA a
-    graph capture (``CudaGraphs``); a test injects one that calls the forward."""
+    graph capture (``CudaGraphs``); a test injects one that calls the forward.
+    ``reserved_bytes``: device memory its graphs' pool holds (0 where none)."""
+
+    reserved_bytes: int
 
     def capture(self, forward: Callable[[], Any]) -> Replay: ...
 
@@ -65,25 +97,44 @@ class CudaGraphs:
     earlier one keeps its scratch, so replaying the earlier one overwrites
     them: safe here because the graphs replay one at a time on the stream,
     and each replay's outputs are copied out before the next replay (the
-    module's docstring). The static inputs are allocated outside the pool."""
+    module's docstring). The static inputs are allocated outside the pool.
+    The caller holds ``CAPTURE_LOCK`` (``GraphedForward``).
+
+    ``reserved_bytes`` adds up what each capture grew the device's reserved
+    memory by: the pool, whose free blocks no ordinary allocation can use
+    (the executor's free-memory estimate leaves them out)."""
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.stream = stream
         self.pool = torch.cuda.graph_pool_handle()
+        self.reserved_bytes = 0
 
     def capture(self, forward: Callable[[], Any]) -> Replay:
         # One eager run first, outside the capture: lazy initialisation (cuBLAS
         # handles, workspaces, autotuning) may not be captured.
         forward()
         graph = torch.cuda.CUDAGraph()
+        device = self.stream.device
+        before = 0
         # torch.cuda.graph synchronises the device and empties the caches
         # first: once per bucket, the price of capturing at its first batch.
         # thread_local: another instance's thread may launch, copy or wait
         # while this one captures; only this thread's forward is restricted.
-        with torch.cuda.graph(
-            graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
-        ):
-            outputs = forward()
+        try:
+            with torch.cuda.graph(
+                graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+            ):
+                # Measured inside: entering emptied the cache (host-side stats only).
+                before = torch.cuda.memory_reserved(device)
+                outputs = forward()
+        except BaseException:
+            # Leave the allocator routing nothing more into the pool (torch's
+            # own exit may have failed before it did).
+            if hasattr(torch._C, "_cuda_endAllocateToPool"):
+                with contextlib.suppress(Exception):
+                    torch._C._cuda_endAllocateToPool(device.index, self.pool)
+            raise
+        self.reserved_bytes += max(0, torch.cuda.memory_reserved(device) - before)
 
         def replay() -> Any:
             graph.replay()  # on the current stream: the instance's (DeviceContext.running)
@@ -95,8 +146,10 @@ class CudaGraphs:
 class GraphSwitch:
     """Whether a model's batches replay graphs: shared by its instances, so
     a decision is timed once and a failure turns graphs off for all of them
-    with one log line (a failed capture or a replay of the wrong shape: the
-    batch, and every later one, runs eager; no caller sees it)."""
+    with one log line (a replay of the wrong shape, a capture that fails
+    at every bucket, or failed captures at two buckets: the batch, and every
+    later one, runs eager; no caller sees it). A bucket whose capture failed
+    for a reason of its own runs eager from then on, said once."""
 
     def __init__(self, label: str, plan: GraphPlan, measure_first: bool) -> None:
         self.label = label
@@ -104,6 +157,7 @@ class GraphSwitch:
         self._lock = threading.Lock()
         self._decided: bool | None = None if measure_first else True
         self.off_reason: str | None = None
+        self.eager_buckets: set[Bucket] = set()  # their capture failed: never tried again
 
     @property
     def on(self) -> bool:
@@ -112,12 +166,15 @@ class GraphSwitch:
     def decide(self, measure: Callable[[], ForwardTimings]) -> bool:
         """Graphs or not, from one timing (``graph_buckets.launch_bound``),
         logged with both times; the first instance to start times it, the
-        others wait for its answer. A timing that fails leaves it eager."""
+        others wait for its answer. A timing that fails leaves it eager,
+        unless the CUDA context is lost (re-raised, undecided)."""
         with self._lock:
             if self._decided is None:
                 try:
                     timings = measure()
-                except Exception as exc:  # noqa: BLE001 - eager, as without graphs
+                except Exception as exc:
+                    if sticky_cuda_error(exc) is not None:
+                        raise  # the context is lost: the executor's to say (DeviceLost)
                     self._decided = False
                     log.warning(
                         "model %r: compile = 'auto' runs eager: timing its forward failed: %s: %s",
@@ -140,6 +197,25 @@ class GraphSwitch:
                 return
             self.off_reason = reason
         log.warning("model %r runs eager from now on: %s", self.label, reason)
+
+    def capture_failed(self, bucket: Bucket, exc: BaseException) -> None:
+        """A failed capture: that bucket eager for good (one log line), or,
+        for a failure every bucket would meet or at a second bucket, graphs off."""
+        where = f"batch {bucket.batch}, lengths {[n for n in bucket.lengths if n is not None]}"
+        cause = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            if bucket in self.eager_buckets or self.off_reason is not None:
+                return
+            self.eager_buckets.add(bucket)
+            failed = len(self.eager_buckets)
+        if any(text in str(exc) for text in EVERY_BUCKET_FAILS):
+            self.turn_off(f"capturing a CUDA graph at {where} failed: {cause}")
+        elif failed >= BUCKET_FAILURES_OFF:
+            self.turn_off(f"capturing CUDA graphs failed at {failed} buckets, the last at {where}: "
+                          f"{cause}")  # fmt: skip
+        else:
+            log.warning("model %r: bucket at %s runs eager from now on: capturing its CUDA "
+                        "graph failed: %s", self.label, where, cause)  # fmt: skip
 
 
 def graph_switch(config: ModelConfig, device: torch.device, label: str) -> GraphSwitch | None:
@@ -167,13 +243,25 @@ class GraphedForward:
         self.backend = backend
         self.device = device
         self.graphs: dict[Bucket, tuple[dict[str, torch.Tensor], Replay]] = {}
+        # Whether the last call captured its bucket's graph: its time is the
+        # capture's (an eager run and the capture), not a batch's.
+        self.captured = False
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Device memory this instance's graphs hold apart (0 once dropped)."""
+        return self.backend.reserved_bytes if self.graphs else 0
 
     def __call__(self, **features: Any) -> Any:
+        self.captured = False
         if not self.switch.on:
+            if self.graphs:  # off since: their pool and static buffers can go
+                self.graphs.clear()
             return self.model(**features)
         shapes = {n: tuple(t.shape) for n, t in features.items() if isinstance(t, torch.Tensor)}
         bucket = self.switch.plan.bucket(shapes)
-        if bucket is None:  # not a shape of the config's: the model's own error, eager
+        if bucket is None or bucket in self.switch.eager_buckets:
+            # Not a shape of the config's (the model's own error), or a failed bucket.
             return self.model(**features)
         captured = self.graphs.get(bucket) or self._capture(bucket)
         if captured is None:
@@ -188,16 +276,17 @@ class GraphedForward:
     def _capture(self, bucket: Bucket) -> tuple[dict[str, torch.Tensor], Replay] | None:
         static = self.static_inputs(bucket)
         try:
-            replay = self.backend.capture(lambda: self.model(**static))
+            with CAPTURE_LOCK:  # one capture at a time in the process
+                if bucket in self.switch.eager_buckets or not self.switch.on:
+                    return None  # another instance's capture failed meanwhile
+                self.captured = True
+                replay = self.backend.capture(lambda: self.model(**static))
         except Exception as exc:
             # A lost CUDA context is the executor's to say; out of memory is
             # the batch's (split and retried, the bucket tried again later).
             if sticky_cuda_error(exc) is not None or isinstance(exc, torch.OutOfMemoryError):
                 raise
-            self.switch.turn_off(
-                f"capturing a CUDA graph at batch {bucket.batch}, lengths "
-                f"{[n for n in bucket.lengths if n is not None]} failed: {type(exc).__name__}: {exc}"
-            )
+            self.switch.capture_failed(bucket, exc)
             return None
         self.graphs[bucket] = static, replay
         return static, replay

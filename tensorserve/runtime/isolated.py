@@ -292,9 +292,11 @@ class ProcessExecutor:
                 raise RowErrors(dict(header["rows"]))
             raise ModelFailure(header["error"])
         parameters = header.get("parameters")  # per-row output parameters, if any
+        captured = bool(header.get("captured", False))  # a CUDA graph's capture, no batch's cost
         if "items" not in header:
             ragged = [spec.name for spec in self.outputs if spec.ragged]
-            return Executed(join_rows(tensors, ragged), None, header["seconds"], parameters)
+            batched = join_rows(tensors, ragged)
+            return Executed(batched, None, header["seconds"], parameters, captured)
         failed = dict(header["failed"])
         per_item: list[Any] = [
             ModelFailure(failed[i])
@@ -302,4 +304,4 @@ class ProcessExecutor:
             else {spec.name: tensors[f"{i}/{spec.name}"] for spec in self.outputs}
             for i in range(header["items"])
         ]
-        return Executed(None, per_item, header["seconds"], parameters)
+        return Executed(None, per_item, header["seconds"], parameters, captured)

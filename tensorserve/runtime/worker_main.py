@@ -108,7 +108,11 @@ def _finish(executor: ThreadExecutor, started: Started) -> ipc.Message:
     seconds = executed.seconds if started.launched.started is not None else None
     if seconds is None:
         seconds = time.perf_counter() - started.clock
-    returned = {"parameters": executed.parameters} if executed.parameters is not None else {}
+    returned: dict[str, Any] = {}
+    if executed.parameters is not None:
+        returned["parameters"] = executed.parameters
+    if executed.captured:  # its seconds are a CUDA graph's capture, no batch's cost
+        returned["captured"] = True
     try:
         if executed.per_item is None:
             assert executed.batched is not None
@@ -157,7 +161,8 @@ def _load_and_run(sock: socket.socket, hello: dict[str, Any], loaded: Loaded | N
         executor.start_instance(0)  # threads, inference mode, CUDA stream: on this thread
     except Exception as exc:  # noqa: BLE001 - any load failure is told to the server
         ipc.send(sock, {"error": _reason(exc)})
-        return 1
+        # start_instance's timing met a sticky CUDA error: the context is lost.
+        return ipc.EXIT_DEVICE_LOST if isinstance(exc, DeviceLost) else 1
     ipc.send(sock, {"ready": True, "pid": os.getpid()})
     # On a CPU, launch runs the batch to the end: one at a time.
     depth = hello.get("batches_in_flight", 1) if executor.overlaps else 1
