@@ -169,10 +169,10 @@ def _prestart_template(settings: Settings) -> None:
     feed: there ``auto`` is a thread), spawn it now: it imports torch while
     this process does, which halves the time to ready on a small machine
     (docs/threading.md, "One template, one spare")."""
-    from tensorserve.gpus import visible_gpus
+    from tensorserve.gpus import torch_has_cuda, visible_gpus
     from tensorserve.host import available_cpus
 
-    feeds_gpu = settings.device != "cpu" and visible_gpus() > 0
+    feeds_gpu = settings.device != "cpu" and visible_gpus() > 0 and torch_has_cuda()
     in_workers = settings.isolation == "process" or (
         settings.isolation != "thread" and not feeds_gpu
     )

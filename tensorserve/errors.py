@@ -139,12 +139,18 @@ class ModelFailure(TensorServeError):
 
 class WorkerCrashed(ModelFailure):
     """The worker process running (``ran``) or holding the batch died. A batch
-    that never ran is sent again whole; one that ran is split (batching.recovery)."""
+    that never ran is sent again whole; one that ran is split (batching.recovery).
+    ``behind``: the batch was launched behind the one the worker was running
+    (a CUDA worker holds two); it may have run and caused the crash, so it is
+    a suspect, but the crash is not counted against its items."""
 
-    def __init__(self, message: str, *, ran: bool, watchdog: bool = False) -> None:
+    def __init__(
+        self, message: str, *, ran: bool, watchdog: bool = False, behind: bool = False
+    ) -> None:
         super().__init__(message)
         self.ran = ran
         self.watchdog = watchdog  # killed for running too long, not a crash of its own
+        self.behind = behind
 
 
 class DeviceLost(ModelFailure):

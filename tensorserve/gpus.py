@@ -15,14 +15,22 @@ then ``CUDA_VISIBLE_DEVICES`` narrows them by CUDA's own rule:
   unknown UUID) count; a repeated entry makes the list invalid (none).
 
 No NVML library (no NVIDIA driver, a CPU-only container) is no GPU.
+
+NVML counts the driver's GPUs, which a CPU-only torch wheel cannot use:
+``torch_has_cuda`` says whether the installed torch is a CUDA build, read
+from ``torch/version.py`` without importing torch (nor initialising CUDA).
 """
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import functools
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 NVML_LIBRARY = "libnvidia-ml.so.1"
 NVML_SUCCESS = 0
@@ -120,3 +128,41 @@ def visible_gpus(driver: DriverGpus | None = None, environ: dict[str, str] | Non
         return 0
     environ = dict(os.environ) if environ is None else environ
     return visible_count(driver, environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+@functools.cache
+def torch_has_cuda() -> bool:
+    """Whether the installed torch was built with CUDA (``torch.version.cuda``
+    is set), without initialising CUDA: from the module if torch is imported
+    already, else from ``torch/version.py``'s text, so that a process that has
+    not imported torch (a supervisor deciding its front ends) does not pay
+    for it. No torch is no CUDA."""
+    version = getattr(sys.modules.get("torch"), "version", None)
+    if version is not None:
+        return getattr(version, "cuda", None) is not None
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return False
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            tree = ast.parse((Path(folder) / "version.py").read_text())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        return _cuda_assigned(tree)
+    return False
+
+
+def _cuda_assigned(tree: ast.Module) -> bool:
+    """``cuda`` in torch/version.py is set to something other than None
+    (``cuda: Optional[str] = '12.4'``; a CPU build's is ``None``)."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(target, ast.Name) and target.id == "cuda" for target in targets):
+            return not (isinstance(value, ast.Constant) and value.value is None)
+    return False

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from tensorserve.gpus import visible_gpus
+from tensorserve.gpus import torch_has_cuda, visible_gpus
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
@@ -145,6 +145,7 @@ def choose_frontends(
     *,
     gpus: int | None = None,
     cpus: int | None = None,
+    torch_cuda: bool | None = None,
 ) -> FrontendsChoice:
     """The front ends for ``--frontends`` (None: not set) on this machine.
 
@@ -152,8 +153,10 @@ def choose_frontends(
     that will feed a GPU (one is visible and ``device`` is not ``cpu``)
     takes ``auto``'s count: one process decoding and encoding every request
     left a GPU-like model 70-74% idle, four fed it 98% (docs/gpu.md). On the
-    CPU, one process: there the front ends would take cores from the models.
-    ``gpus`` and ``cpus`` are for tests (None: this machine's)."""
+    CPU, one process: there the front ends would take cores from the models,
+    as on a GPU that this torch cannot use (a CPU-only build: NVML counts the
+    driver's GPUs). ``gpus``, ``cpus`` and ``torch_cuda`` are for tests (None:
+    this machine's)."""
     if isinstance(frontends, int):
         return FrontendsChoice(frontends, str(frontends))
     cpus = available_cpus() if cpus is None else cpus
@@ -165,6 +168,10 @@ def choose_frontends(
     gpus = visible_gpus() if gpus is None else gpus
     if gpus == 0:
         return FrontendsChoice(1, "default → 1 (no GPU visible)")
+    if not (torch_has_cuda() if torch_cuda is None else torch_cuda):
+        return FrontendsChoice(
+            1, f"default → 1 ({_plural(gpus, 'GPU')} visible, but torch has no CUDA)"
+        )
     count = auto_frontends(cpus)
     return FrontendsChoice(
         count, f"default → {count} (auto: {_plural(gpus, 'GPU')}, {_plural(cpus, 'CPU')})"

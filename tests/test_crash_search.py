@@ -166,6 +166,62 @@ def test_a_trial_that_fails_without_a_crash_leaves_the_culprit_among_the_rest() 
     assert [e.item for e in trial.suspects + trial.rest] == [1, 2]
 
 
+def _behind(entries: list[Pending], rest: list[Pending] | None = None) -> Batch:
+    """Launched behind the batch its CUDA worker was running when it crashed."""
+    crash = WorkerCrashed("died", ran=True, behind=True)
+    return Batch(entries, 0.0, error=crash, rest=rest)
+
+
+def test_a_lone_item_crashed_behind_a_killer_twice_is_searched_and_never_failed() -> None:
+    recovery = Recovery("m", True, BatchStats(), _flat(), lambda: SWAP_S)
+    (innocent,) = _entries([1])
+    for _ in range(3):  # behind a killer's trial again and again
+        plan = recovery.plan(_behind([innocent]))
+        assert plan is not None and not plan.outcomes and not plan.cleared
+        (trial,) = plan.trials
+        assert trial.suspects == [innocent] and trial.rest == []
+        assert innocent.crashes == 0  # a suspect, not counted against it
+    # Its own trial runs alone and answers it.
+    search = Search(recovery, killers=set())
+    search.run([Trial([innocent])])
+    assert search.answered == {1: "ok"}
+
+
+def test_a_killer_crashed_behind_is_counted_only_when_its_own_trial_crashes() -> None:
+    recovery = Recovery("m", True, BatchStats(), _flat(), lambda: SWAP_S)
+    (killer,) = _entries([7])
+    plan = recovery.plan(_behind([killer]))
+    assert plan is not None and killer.crashes == 0
+    search = Search(recovery, killers={7})
+    search.run(search.take(plan))
+    assert search.trials_run == [[7], [7]]  # alone: once more, then condemned
+    assert killer.crashes == 2
+    assert search.answered[7].startswith("model 'm': this item crashed")
+
+
+def test_a_batch_crashed_behind_is_searched_without_counting_the_crash() -> None:
+    recovery = Recovery("m", True, BatchStats(), _flat(), lambda: SWAP_S)
+    entries = _entries(range(4))
+    plan = recovery.plan(_behind(entries))
+    assert plan is not None and not plan.outcomes and not plan.cleared
+    (trial,) = plan.trials
+    assert trial.suspects + trial.rest == entries
+    assert all(e.crashes == 0 for e in entries)
+    # Without splitting, the whole batch fails as any crashed batch does.
+    unsplit = Recovery("m", False, BatchStats(), _flat(), lambda: SWAP_S)
+    assert unsplit.plan(_behind(entries)) is None
+
+
+def test_a_trial_crashed_behind_runs_again_as_the_same_trial_and_clears_nothing() -> None:
+    recovery = Recovery("m", True, BatchStats(), _flat(), lambda: SWAP_S)
+    suspects, rest = _entries(range(2)), _entries(range(2, 6))
+    plan = recovery.plan(_behind(suspects, rest))
+    assert plan is not None and not plan.cleared and not plan.outcomes
+    (trial,) = plan.trials
+    assert trial.suspects == suspects and trial.rest == rest
+    assert all(e.crashes == 0 for e in suspects + rest)
+
+
 def test_reruns_run_a_poisoned_batchs_parts_first_and_trials_every_other_batch() -> None:
     reruns = Reruns()
     part, suspects, rest = _entries([1]), _entries([2]), _entries([3])

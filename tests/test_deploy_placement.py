@@ -250,6 +250,17 @@ def test_placed_executor_runs_one_model_copy_per_device() -> None:
     assert len({thread for _, thread in SEEN}) == 2
 
 
+def test_a_placed_executor_is_labelled_with_its_models_name() -> None:
+    from tensorserve.runtime.kinds import ExecutorRequest, build_executor
+
+    cfg = config(max_batch_size=1, warmup={"enabled": False})
+    placements = [Placement("cpu", 1), Placement("cpu", 1)]
+    request = ExecutorRequest("tagger", cfg, placements, 1, fn=lambda x: x)
+    executor = build_executor("thread", request).executor
+    assert isinstance(executor, PlacedExecutor)
+    assert executor.label == "tagger"  # its logs and errors say model 'tagger', not 'model'
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_instances_on_two_gpus() -> None:  # pragma: no cover - GPU machines only

@@ -6,6 +6,7 @@ the CPU with a made-up driver; one real start shows the CPU default."""
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 from pathlib import Path
 
@@ -129,12 +130,55 @@ def test_gpus_imports_no_torch() -> None:
 def test_the_default_is_auto_where_the_server_feeds_a_gpu(
     frontends: int | str | None, device: str, gpu_count: int, count: int, shown: str
 ) -> None:
-    choice = choose_frontends(frontends, device, gpus=gpu_count, cpus=4)
+    choice = choose_frontends(frontends, device, gpus=gpu_count, cpus=4, torch_cuda=True)
     assert (choice.count, choice.shown) == (count, shown)
 
 
 def test_on_two_cpus_the_gpu_default_is_still_one_front_end() -> None:
-    assert choose_frontends(None, "auto", gpus=1, cpus=2).count == 1  # auto's rule: CPUs less one
+    choice = choose_frontends(None, "auto", gpus=1, cpus=2, torch_cuda=True)
+    assert choice.count == 1  # auto's rule: CPUs less one
+
+
+def test_a_gpu_that_a_cpu_only_torch_cannot_use_keeps_one_front_end() -> None:
+    choice = choose_frontends(None, "auto", gpus=1, cpus=4, torch_cuda=False)
+    assert (choice.count, choice.shown) == (1, "default → 1 (1 GPU visible, but torch has no CUDA)")
+    # The user's auto still wins.
+    assert choose_frontends("auto", "auto", gpus=1, cpus=4, torch_cuda=False).count == 3
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="a CUDA build of torch")
+def test_this_cpu_only_torch_keeps_one_front_end_whatever_nvml_counts() -> None:
+    assert not gpus.torch_has_cuda()
+    choice = choose_frontends(None, "auto", gpus=2, cpus=4)  # as NVML might on a driver's host
+    assert (choice.count, choice.shown) == (
+        1,
+        "default → 1 (2 GPUs visible, but torch has no CUDA)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "cuda"),
+    [
+        ("from typing import Optional\ncuda: Optional[str] = None\nhip = None\n", False),
+        ("from typing import Optional\ncuda: Optional[str] = '12.4'\n", True),
+        ("cuda = '11.8'\n", True),
+        ("__version__ = '2.5.1'\n", False),
+    ],
+)
+def test_a_cuda_build_is_read_from_torch_version_py(text: str, cuda: bool) -> None:
+    assert gpus._cuda_assigned(ast.parse(text)) is cuda
+
+
+def test_a_cuda_build_is_read_without_importing_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tensorserve.gpus as g; c = g.torch_has_cuda(); "
+        "print(c, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == [str(torch.version.cuda is not None), "False"]
 
 
 def _settings(argv: list[str]) -> Settings:
@@ -159,6 +203,7 @@ def test_each_source_of_the_setting_wins_over_the_gpu_default(
     monkeypatch: pytest.MonkeyPatch, argv: list[str], env: dict[str, str], count: int
 ) -> None:
     monkeypatch.setattr(host, "visible_gpus", lambda: 2)
+    monkeypatch.setattr(host, "torch_has_cuda", lambda: True)
     monkeypatch.setattr(host, "available_cpus", lambda: 8)
     for name in ("TENSORSERVE_FRONTENDS", "TENSORSERVE_DEVICE"):
         monkeypatch.delenv(name, raising=False)
@@ -176,6 +221,8 @@ def test_the_worker_template_is_prestarted_only_for_one_front_end(
     monkeypatch.setattr(shared_workers, "prestart", started.append)
     monkeypatch.setattr(host, "available_cpus", lambda: 4)
     monkeypatch.setattr(gpus, "_driver_gpus", lambda: DriverGpus(("GPU-x",)))  # one GPU
+    monkeypatch.setattr(gpus, "torch_has_cuda", lambda: True)  # that torch can use
+    monkeypatch.setattr(host, "torch_has_cuda", lambda: True)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     for name in ("TENSORSERVE_FRONTENDS", "TENSORSERVE_DEVICE", "TENSORSERVE_ISOLATION"):
         monkeypatch.delenv(name, raising=False)
@@ -189,6 +236,12 @@ def test_the_worker_template_is_prestarted_only_for_one_front_end(
     cli._prestart_template(Settings(frontends=1))  # no GPU: workers, as before
     cli._prestart_template(Settings(frontends=1, isolation="thread"))
     assert started == ["INFO", "INFO", "INFO"]
+    # A GPU the driver has but a CPU-only torch cannot use: as without one.
+    monkeypatch.setattr(gpus, "_driver_gpus", lambda: DriverGpus(("GPU-x",)))
+    monkeypatch.setattr(gpus, "torch_has_cuda", lambda: False)
+    monkeypatch.setattr(host, "torch_has_cuda", lambda: False)
+    cli._prestart_template(Settings())
+    assert started == ["INFO", "INFO", "INFO", "INFO"]
 
 
 def test_a_real_start_on_the_cpu_is_one_process_and_says_why(tmp_path: Path) -> None:

@@ -188,3 +188,62 @@ def test_device_auto_in_processes_puts_a_worker_on_every_gpu(
         expected = [f"cuda:{g}" for g in range(gpus)]
         assert getattr(model.executor, "device_of", None) == expected
         assert model.infer_sync({"x": np.ones(2, np.float32)})["y"][0].item() in range(gpus)
+
+
+def test_a_worker_selects_its_gpu_before_model_py_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor model.py creates on a bare "cuda" lands on the worker's GPU."""
+    from tensorserve.runtime import worker_main
+
+    order: list[str] = []
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args: Any) -> Any:
+        order.append("load_model")
+        raise Loaded
+
+    monkeypatch.setattr(worker_main, "resolve_device", torch.device)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: order.append(f"set {device}"))
+    monkeypatch.setattr(worker_main, "load_model", load_model)
+    for device, expected in (("cuda:1", ["set cuda:1", "load_model"]), ("cpu", ["load_model"])):
+        order.clear()
+        hello = {"name": "m", "path": str(tmp_path / "m"), "version": 1, "intra_op_threads": 1,
+                 "config": _config(device=device).model_dump(mode="json")}  # fmt: skip
+        with pytest.raises(Loaded):
+            worker_main._load(hello)
+        assert order == expected
+
+
+MADE_ON = """
+    import torch
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.made_on = float(torch.zeros(1, device="cuda").device.index)
+
+        def forward(self, x):
+            return torch.full_like(x, self.made_on)
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_model_py_on_a_bare_cuda_runs_on_each_workers_gpu(
+    tmp_path: Path,
+) -> None:  # pragma: no cover - GPUs only
+    text = toy_config(SPEC["inputs"], SPEC["outputs"], isolation="process", max_batch_size=1,
+                      weights="init", warmup={"enabled": False})  # fmt: skip
+    text += '[[instance_group]]\ncount = 1\nkind = "KIND_GPU"\ngpus = [0, 1]\n'
+    write_model(tmp_path, "made_on", text, MADE_ON)
+    with ServedModel.from_repository(tmp_path, "made_on") as model:
+        seen = set()
+        for _ in range(20):
+            futures = model.submit_many([{"x": np.ones(2, np.float32)} for _ in range(8)])
+            seen |= {f.result(60)["y"][0].item() for f in futures}
+            if seen == {0.0, 1.0}:
+                break
+    assert seen == {0.0, 1.0}  # not both on GPU 0

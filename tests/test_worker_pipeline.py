@@ -311,15 +311,28 @@ class _Running:
 
 
 @pytest.mark.parametrize(
-    ("in_flight", "ran"), [(1, [True, False, False]), (2, [True, True, False])]
+    ("in_flight", "watchdog", "ran", "behind"),
+    [
+        (1, False, [True, False, False], [False, False, False]),
+        # A crash: the batch launched behind the oldest may have caused it.
+        (2, False, [True, True, False], [False, True, False]),
+        # The watchdog killed it: the oldest hung, the next never ran.
+        (2, True, [True, False, False], [False, False, False]),
+    ],
 )
 def test_a_dead_cuda_worker_had_both_its_batches_running_and_none_behind_them(
-    in_flight: int, ran: list[bool], monkeypatch: pytest.MonkeyPatch
+    in_flight: int,
+    watchdog: bool,
+    ran: list[bool],
+    behind: list[bool],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     def report(self: Lost) -> WorkerCrashed:
         if self.sock is not None:
             self.sock.close()
-        return WorkerCrashed("model 'm': the worker process died (exit code 70)", ran=True)
+        return WorkerCrashed(
+            "model 'm': the worker process died (exit code 70)", ran=True, watchdog=watchdog
+        )
 
     monkeypatch.setattr(Lost, "report", report)
 
@@ -351,6 +364,8 @@ def test_a_dead_cuda_worker_had_both_its_batches_running_and_none_behind_them(
     errors = [a[0] for a in answers]
     assert all(isinstance(e, WorkerCrashed) for e in errors)
     assert [e.ran for e in errors] == ran  # type: ignore[union-attr]
+    assert [e.behind for e in errors] == behind  # type: ignore[union-attr]
+    assert [e.watchdog for e in errors] == [watchdog, False, False]  # type: ignore[union-attr]
     assert len({id(e) for e in errors}) == 3  # each batch its own exception
 
 

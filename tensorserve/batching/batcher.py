@@ -11,8 +11,9 @@ batcher in pieces".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, cast, final
 
@@ -70,6 +71,19 @@ class Batcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @contextlib.contextmanager
+    def pinned(self, instance: int) -> Iterator[None]:
+        """Every batch goes to ``instance`` until the block ends: the warm-up
+        runs its grid on each instance in turn, before the model takes
+        traffic (the scheduler otherwise picks the least busy, always the
+        first one for batches sent one after another)."""
+        self.scheduler.pinned = instance
+        try:
+            yield
+        finally:
+            self.scheduler.pinned = None
+            self.scheduler.wake()  # anything still queued may go to any instance now
 
     def warmed_up(self) -> None:
         """Forget what the warm-up batches taught (a model's first runs

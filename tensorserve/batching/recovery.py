@@ -41,7 +41,11 @@ The flow, and where each step lives:
                                     crashes clears the crash's other suspects, which
                                     go back to the queue's head. Only an item that
                                     kills its worker alone fails (a lone item whose
-                                    worker died runs once more: it may not be the cause)
+                                    worker died runs once more: it may not be the cause).
+      a batch launched behind the   a suspect too (a CUDA worker holds two batches), but
+      one the worker was running    the crash is not counted against its items
+                                    (``WorkerCrashed.behind``); behind a batch the
+                                    watchdog killed, it never ran (second row)
     anything else: a poisoned item  the batch runs again in halves, until every
                                     failure is pinned on an item that fails alone
 
@@ -285,6 +289,8 @@ class Recovery:
                     f"{self.ceiling.limit} elements ({error}); send a smaller item"
                 )
                 return Plan([(entries[0], alone, True)])
+        if isinstance(error, WorkerCrashed) and error.behind:
+            return self._behind(entries, batch.rest)
         if isinstance(error, WorkerCrashed):
             for entry in entries:
                 entry.crashes += 1
@@ -301,8 +307,10 @@ class Recovery:
     def _after_trial(self, batch: Batch) -> Plan:
         """Where a trial sends the rest of its crash's suspects."""
         rest, error = batch.rest, batch.error
-        if not rest or (isinstance(error, WorkerCrashed) and not error.ran):
-            return Plan()  # an ordinary batch; or a trial that never ran: it runs again (_rerun)
+        if not rest or (isinstance(error, WorkerCrashed) and (not error.ran or error.behind)):
+            # An ordinary batch; or a trial that never ran, or ran behind the
+            # crash: it runs again (_rerun, _behind).
+            return Plan()
         if isinstance(error, WorkerCrashed):
             return Plan(cleared=rest)  # the trial held the culprit
         return Plan(trials=[self.search(rest)])  # it ran: the culprit is among the rest
@@ -354,6 +362,23 @@ class Recovery:
         if again:
             return Plan(spent, trials=[Trial(again, rest)])
         return Plan(spent, trials=[self.search(rest)] if rest else [])
+
+    def _behind(self, entries: list[Pending], rest: list[Pending] | None) -> Plan | None:
+        """The worker died while this batch waited behind the one it was
+        running (a CUDA worker holds two, ``WorkerCrashed.behind``): it may
+        have run and caused the crash, so its items are searched as suspects,
+        but the crash is not counted against them (``Pending.crashes``): an
+        innocent item queued behind a killer again and again must not fail
+        for it. A culprit is counted when its own trial crashes. A trial runs
+        again as the same trial. None: the whole batch fails (no splitting)."""
+        if rest is not None:
+            return Plan(trials=[Trial(entries, rest)])
+        if len(entries) == 1:
+            self.stats.record_recovery("rerun")
+            return Plan(trials=[Trial(entries)])
+        if self.split:
+            return Plan(trials=[self.search(entries)])
+        return None
 
     def _crashed_alone(self, entry: Pending, error: WorkerCrashed) -> Plan:
         """A worker died running this item alone. The first time (a lone

@@ -103,6 +103,7 @@ class Scheduler:
         self.depth = 2 if executor.overlaps else 1  # batches an instance may hold at once
         self.reruns = Reruns()  # failed batches' parts and crashes' trials (recovery)
         self.repairing: set[int] = set()  # instances being restored (a new worker)
+        self.pinned: int | None = None  # only this instance takes batches (Batcher.pinned)
         self.hung: list[Batch | None] = [None] * count  # forwards the watchdog gave up on
         self.free_at = [0.0] * count  # perf_counter() when each last finished a batch
         self.slowest = SlowestBatch()  # the longest recent batch (the watchdog's "auto")
@@ -220,6 +221,8 @@ class Scheduler:
         """The least busy instance that can take a batch (None: none can)."""
         best, fewest = None, self.depth  # room: fewer than depth batches; hung: a Batch
         for instance, running in enumerate(self.running):
+            if self.pinned not in (None, instance):
+                continue
             if len(running) < fewest and not (instance in self.repairing or self.hung[instance]):
                 best, fewest = instance, len(running)
         return best

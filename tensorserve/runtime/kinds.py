@@ -55,7 +55,9 @@ def _thread(request: ExecutorRequest) -> BuiltExecutor:
         loaded = load_model(request.source, request.version, config, request.intra_op_threads)
         fn, version = loaded.module, loaded.version
     if len(request.placements) > 1:
-        placed = PlacedExecutor(fn, config, request.placements, request.intra_op_threads)
+        placed = PlacedExecutor(
+            fn, config, request.placements, request.intra_op_threads, name=request.name
+        )
         return BuiltExecutor(placed, version, placed.fn)
     device = resolve_device(request.placements[0].device)
     fn = on_device(fn, config, device)

@@ -111,6 +111,8 @@ class PlacedExecutor(ThreadExecutor):
         config: ModelConfig,
         placements: Sequence[Placement],
         intra_op_threads: int | None = None,
+        *,
+        name: str = "model",
     ) -> None:
         if not placements:
             raise ValueError("PlacedExecutor needs at least one placement")
@@ -121,8 +123,9 @@ class PlacedExecutor(ThreadExecutor):
         placement_of = [i for i, placement in enumerate(placements) for _ in range(placement.count)]
         count = len(placement_of)
         super().__init__(
-            models[0], config, devices[0], instance_count=count, intra_op_threads=intra_op_threads
-        )
+            models[0], config, devices[0],
+            instance_count=count, intra_op_threads=intra_op_threads, name=name,
+        )  # fmt: skip
         self.models = [models[i] for i in placement_of]
         self._contexts = [DeviceContext(devices[i], intra_op_threads) for i in placement_of]
         # Any device that queues work makes launching ahead worth it; on a

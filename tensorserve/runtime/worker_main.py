@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from tensorserve.errors import (
     BatchOutOfMemory,
@@ -56,8 +57,12 @@ def _load(hello: dict[str, Any]) -> Loaded:
     name, version, threads = hello["name"], hello["version"], hello["intra_op_threads"]
     config = parse_config(hello["config"], f"{name} (worker)")
     source = ModelSource(name, Path(hello["path"]), (version,))
-    loaded = load_model(source, version, config, threads)
     device = resolve_device(config.device)
+    if device.type == "cuda":
+        # Before model.py runs: a tensor it creates on a bare "cuda" lands on
+        # the current GPU, which must be this worker's, not GPU 0.
+        torch.cuda.set_device(device)
+    loaded = load_model(source, version, config, threads)
     module = on_device(loaded.module, config, device)
     return config, ThreadExecutor(module, config, device, intra_op_threads=threads, name=name)
 
@@ -205,7 +210,6 @@ def template(control: socket.socket) -> int:
     """The worker template (runtime/template.py, which says why each fork is
     safe): load models on request, and fork a worker per request."""
     import msgpack
-    import torch
 
     torch.set_num_threads(1)
     hello = msgpack.unpackb(socket.recv_fds(control, 1 << 16, 0)[0])

@@ -204,8 +204,9 @@ class WorkerProcess:
     ) -> int:
         """On the scheduler's ``loop``: send one padded batch without blocking;
         ``on_reply(message, None)`` once its reply is in, or ``(None,
-        WorkerCrashed)`` if the worker dies first (``ran`` for the hello's
-        ``batches_in_flight`` oldest, which it may have been running, not for
+        WorkerCrashed)`` if the worker dies first (``ran`` for the oldest, and
+        ``behind`` too for the rest of the hello's ``batches_in_flight``, which
+        it may have been running unless the watchdog killed it; not ``ran`` for
         those sent behind them). ``parameters`` (plain scalars,
         one per row) travel in the msgpack header. Returns the ticket ``kill`` takes."""
         if not self.alive or loop is None:
@@ -241,8 +242,12 @@ class WorkerProcess:
                 log.exception("%s: reporting a lost worker to the scheduler failed", self.label)
 
         # The oldest was running; on CUDA the worker launches the next before
-        # collecting it (worker_pipeline.py), so that one may have run too
-        # and is a suspect as well. Those sent behind them never ran.
+        # collecting it (worker_pipeline.py), so that one may have run too:
+        # a device-side assert it caused can surface while the worker collects
+        # the oldest. It is a suspect, launched ``behind`` (recovery does not
+        # count the crash against its items). Not when the watchdog killed
+        # the worker: the oldest hung, and the next waited behind it on the
+        # same stream, or was never launched. Those sent behind them never ran.
         running = self.hello.get("batches_in_flight", 1)
 
         def fail(reported: asyncio.Future[WorkerCrashed] | None) -> None:
@@ -250,8 +255,8 @@ class WorkerProcess:
             for i, on_reply in enumerate(waiting):
                 # One exception per batch: each batch's callers raise their own.
                 error = crash if i == 0 else self._never_ran()
-                if 0 < i < running:
-                    error = WorkerCrashed(crash.message, ran=True, watchdog=crash.watchdog)
+                if 0 < i < running and not crash.watchdog:
+                    error = WorkerCrashed(crash.message, ran=True, behind=True)
                 try:
                     on_reply(None, error)
                 except Exception:  # the rest must still be answered

@@ -57,6 +57,7 @@ from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.isolated import ProcessExecutor
 from tensorserve.runtime.kinds import ExecutorRequest, build_executor
 from tensorserve.runtime.placement import PlacedExecutor, resolve_isolation, resolve_placement
+from tensorserve.serving.warmup import instance_devices, warmed_instances
 from tensorserve.settings import DEFAULT_BYTES_LIMITS, BytesLimits
 from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
 
@@ -370,12 +371,20 @@ class ServedModel:
         return batches
 
     def warmup(self) -> None:
+        """The grid on each instance that needs its own warm-up, in turn
+        (``warmup.warmed_instances``: every one on a GPU), before traffic."""
+        for instance in warmed_instances(instance_devices(self.executor)):
+            with self.batcher.pinned(instance):
+                for batch in self.warmup_items():
+                    self.warm(batch)
+        self.stats.reset()  # stats describe real traffic only
+        self.batcher.warmed_up()  # a model's first runs are slow: learn from real traffic
+
+    def warm(self, batch: list[dict[str, np.ndarray]]) -> None:
+        """Run one warm-up batch to its end."""
         # A required parameter has no default to warm up with: zero, False or "".
         zero = {"bool": False, "int": 0, "float": 0.0, "string": ""}
         parameters = {
             spec.name: zero[spec.type] for spec in self.config.request_parameter if spec.required
         }
-        for batch in self.warmup_items():
-            self.infer_many_sync(batch, timeout=600, parameters=parameters)
-        self.stats.reset()  # stats describe real traffic only
-        self.batcher.warmed_up()  # a model's first runs are slow: learn from real traffic
+        self.infer_many_sync(batch, timeout=600, parameters=parameters)

@@ -160,13 +160,10 @@ class TextServedModel(ServedModel):
         """The grid of the tokenized model: ids of the warm-up lengths."""
         return super().warmup_items(config or self.tokenized)
 
-    def warmup(self) -> None:
-        for batch in self.warmup_items():
-            futures = self.batcher.submit_many(batch, timeout=600)
-            for future in futures:
-                future.result(600)
-        self.stats.reset()
-        self.batcher.warmed_up()
+    def warm(self, batch: list[dict[str, np.ndarray]]) -> None:
+        """Token ids already: straight to the batcher."""
+        for future in self.batcher.submit_many(batch, timeout=600):
+            future.result(600)
 
 
 def _with_truncation(results: Sequence[Result], encoded: Sequence[EncodedText]) -> list[Result]:
