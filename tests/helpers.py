@@ -32,7 +32,8 @@ def from_wire(t: dict[str, Any]) -> np.ndarray:
 
 def body(items: list[dict[str, Any]], **extra: Any) -> bytes:
     wire_items = [
-        {k: tensor(v) if isinstance(v, np.ndarray) else v for k, v in item.items()} for item in items
+        {k: tensor(v) if isinstance(v, np.ndarray) else v for k, v in item.items()}
+        for item in items
     ]
     return msgpack.packb({"items": wire_items, **extra})
 
@@ -44,7 +45,9 @@ def token_item(length: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     }
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 10.0, poll: float = 0.01) -> None:
+def wait_until(
+    condition: Callable[[], bool], what: str, timeout: float = 10.0, poll: float = 0.01
+) -> None:
     """The one way a test waits: poll ``condition`` (a public signal: a
     model's ``health()``, its stats, ``Batcher.queue_depth``, a server's
     endpoint) until it holds; fail the test, saying ``what`` never happened,
@@ -253,8 +256,11 @@ def build_server_wheel(folder: Path, root: Path, timeout: float = 600) -> Path:
     source.mkdir(parents=True)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, source / name)
-    shutil.copytree(root / "tensorserve", source / "tensorserve",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(
+        root / "tensorserve",
+        source / "tensorserve",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+    )
     wheels = folder / "wheels"
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(source)],
@@ -263,3 +269,49 @@ def build_server_wheel(folder: Path, root: Path, timeout: float = 600) -> Path:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (wheel,) = wheels.glob("tensorserve-*.whl")
     return wheel
+
+
+# --------------------------------------------- batches sent to a worker that dies
+class _RunningProcess:
+    """A worker's process that never exits: the tests replace its death report."""
+
+    pid = 123456789
+    returncode = None
+
+    def poll(self) -> None:
+        return None
+
+
+def answers_of_a_dead_worker(hello: dict[str, Any], batches: int = 3) -> list[list[Any]]:
+    """Each answer ``batches`` one-batch callers got when the worker they were
+    sent to died with all of them sent (its socket closed): a list per caller,
+    so that a second answer to one caller shows. ``Lost.report`` is the test's."""
+    import socket
+
+    from tensorserve.ipc import messages as ipc
+    from tensorserve.runtime.worker_process import WorkerProcess
+
+    async def run() -> list[list[Any]]:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        worker = WorkerProcess(hello, "model 'm' instance 0")
+        worker.process, worker.sock, worker.generation = _RunningProcess(), ours, 1  # type: ignore[assignment]
+        answers: list[list[Any]] = [[] for _ in range(batches)]
+        all_in = asyncio.Event()
+
+        def on_reply(i: int) -> Any:
+            def got(message: ipc.Message | None, error: BaseException | None) -> None:
+                answers[i].append(error)
+                if all(answers):
+                    all_in.set()
+
+            return got
+
+        for i in range(batches):
+            worker.dispatch({"x": np.zeros((2, 4), np.float32)}, None, on_reply(i), loop)
+        theirs.close()  # the worker died with every batch sent to it
+        await asyncio.wait_for(all_in.wait(), 10)
+        await asyncio.sleep(0.1)  # a second answer would come in the same callback
+        return answers
+
+    return asyncio.run(run())

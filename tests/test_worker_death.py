@@ -24,11 +24,10 @@ import pytest
 
 from tensorserve import ServedModel
 from tensorserve.errors import WorkerCrashed
-from tensorserve.ipc import messages as ipc
 from tensorserve.runtime import template as template_module
 from tensorserve.runtime import worker_process
 from tensorserve.runtime.worker_process import Lost, WorkerProcess
-from tests.helpers import ECHO, wait_until_async, write_toy_model
+from tests.helpers import ECHO, answers_of_a_dead_worker, wait_until_async, write_toy_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -73,16 +72,6 @@ def test_a_real_time_signal_is_named_by_number() -> None:
 
 
 # ------------------------------------------------------- the report cannot lose a reply
-class _Running:
-    """A process that never exits (the report is replaced in these tests)."""
-
-    pid = 0
-    returncode = None
-
-    def poll(self) -> None:
-        return None
-
-
 @pytest.mark.parametrize("report", ["raises", "returns None"])
 def test_every_waiting_batch_is_answered_once_when_the_report_fails(
     report: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
@@ -96,31 +85,8 @@ def test_every_waiting_batch_is_answered_once_when_the_report_fails(
 
     monkeypatch.setattr(Lost, "report", broken_report)
 
-    async def run() -> list[list[BaseException | None]]:
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        worker = WorkerProcess({}, "model 'm' instance 0")
-        worker.process, worker.sock, worker.generation = _Running(), ours, 1  # type: ignore[assignment]
-        answers: list[list[BaseException | None]] = [[], [], []]
-        all_in = asyncio.Event()
-
-        def on_reply(i: int) -> Any:
-            def got(message: ipc.Message | None, error: BaseException | None) -> None:
-                answers[i].append(error)
-                if all(answers):
-                    all_in.set()
-
-            return got
-
-        for i in range(3):
-            worker.dispatch({"x": np.zeros((2, 4), np.float32)}, None, on_reply(i), loop)
-        theirs.close()  # the worker died with three batches sent to it
-        await asyncio.wait_for(all_in.wait(), 10)
-        await asyncio.sleep(0.1)  # a second answer would come in the same callback
-        return answers
-
     with caplog.at_level(logging.ERROR, logger="tensorserve.runtime.isolated"):
-        answers = asyncio.run(run())
+        answers = answers_of_a_dead_worker({})
     assert [len(a) for a in answers] == [1, 1, 1]
     first, *behind = (a[0] for a in answers)
     assert isinstance(first, WorkerCrashed) and first.ran

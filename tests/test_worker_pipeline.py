@@ -17,7 +17,6 @@ memory; on a CPU one at a time (runtime/worker_pipeline.py, worker_main.py).
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 from collections import deque
@@ -36,9 +35,9 @@ from tensorserve.runtime import worker_main
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.worker_pipeline import CUDA_BATCHES_IN_FLIGHT, WorkerPorts, serve
-from tensorserve.runtime.worker_process import SOCKET_BUFFER_BYTES, Lost, WorkerProcess
+from tensorserve.runtime.worker_process import SOCKET_BUFFER_BYTES, Lost
 from tensorserve.tensors.results import WithParameters
-from tests.helpers import ECHO, write_toy_model
+from tests.helpers import ECHO, answers_of_a_dead_worker, write_toy_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CONFIG = {
@@ -302,14 +301,6 @@ def test_a_cpu_worker_runs_one_batch_at_a_time_even_with_batches_waiting() -> No
 
 
 # ------------------------------------------------------------ the server's count
-class _Running:
-    pid = 123456789
-    returncode = None
-
-    def poll(self) -> None:
-        return None
-
-
 @pytest.mark.parametrize(
     ("in_flight", "watchdog", "ran", "behind"),
     [
@@ -336,30 +327,7 @@ def test_a_dead_cuda_worker_had_both_its_batches_running_and_none_behind_them(
 
     monkeypatch.setattr(Lost, "report", report)
 
-    async def run() -> list[list[BaseException | None]]:
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        worker = WorkerProcess({"batches_in_flight": in_flight}, "model 'm' instance 0")
-        worker.process, worker.sock, worker.generation = _Running(), ours, 1  # type: ignore[assignment]
-        answers: list[list[BaseException | None]] = [[], [], []]
-        all_in = asyncio.Event()
-
-        def on_reply(i: int) -> Any:
-            def got(message: ipc.Message | None, error: BaseException | None) -> None:
-                answers[i].append(error)
-                if all(answers):
-                    all_in.set()
-
-            return got
-
-        for i in range(3):
-            worker.dispatch({"x": np.zeros((2, 4), np.float32)}, None, on_reply(i), loop)
-        theirs.close()  # the worker died with three batches sent to it
-        await asyncio.wait_for(all_in.wait(), 10)
-        await asyncio.sleep(0.1)  # a second answer would come in the same callback
-        return answers
-
-    answers = asyncio.run(run())
+    answers = answers_of_a_dead_worker({"batches_in_flight": in_flight})
     assert [len(a) for a in answers] == [1, 1, 1]
     errors = [a[0] for a in answers]
     assert all(isinstance(e, WorkerCrashed) for e in errors)
