@@ -166,12 +166,7 @@ def test_worker_processes_on_two_gpus(tmp_path: Path) -> None:  # pragma: no cov
     with ServedModel.from_repository(tmp_path, "where") as model:
         assert model.executor.device_of == ["cuda:0", "cuda:1"]  # type: ignore[union-attr]
         assert model.devices == ["cuda:0", "cuda:1"]
-        seen = set()
-        for _ in range(20):
-            futures = model.submit_many([{"x": np.ones(2, np.float32)} for _ in range(8)])
-            seen |= {f.result(60)["y"][0].item() for f in futures}
-            if seen == {0.0, 1.0}:
-                break
+        seen = _gpus_answering(model)
     assert seen == {0.0, 1.0}  # each worker ran on its own GPU
 
 
@@ -240,10 +235,17 @@ def test_model_py_on_a_bare_cuda_runs_on_each_workers_gpu(
     text += '[[instance_group]]\ncount = 1\nkind = "KIND_GPU"\ngpus = [0, 1]\n'
     write_model(tmp_path, "made_on", text, MADE_ON)
     with ServedModel.from_repository(tmp_path, "made_on") as model:
-        seen = set()
-        for _ in range(20):
-            futures = model.submit_many([{"x": np.ones(2, np.float32)} for _ in range(8)])
-            seen |= {f.result(60)["y"][0].item() for f in futures}
-            if seen == {0.0, 1.0}:
-                break
+        seen = _gpus_answering(model)
     assert seen == {0.0, 1.0}  # not both on GPU 0
+
+
+def _gpus_answering(model: Any) -> set[float]:
+    """The GPU indices the model's answers came from (each worker answers with
+    its own), over up to 20 rounds of 8 callers, until both GPUs answered."""
+    seen: set[float] = set()
+    for _ in range(20):
+        futures = model.submit_many([{"x": np.ones(2, np.float32)} for _ in range(8)])
+        seen |= {f.result(60)["y"][0].item() for f in futures}
+        if seen == {0.0, 1.0}:
+            break
+    return seen
