@@ -21,8 +21,8 @@
 # The GPU machine has no .git, no console script and no tritonclient, opentelemetry or
 # kubernetes-validate: the tests run by file (every file holding cuda-marked tests) and the
 # server as `python3 -m tensorserve serve`. Each step has its own `timeout`, so that one hang
-# cannot eat the lease; the budgets (20 + 90 + 180 + 270 s, plus the wheels' install) end
-# inside the call's 600 s, and gpu_fill stops adding points at 225 s of its own.
+# cannot eat the lease; the budgets (20 + 110 + 150 + 250 s, plus the wheels' install) end
+# inside the call's 600 s, and gpu_fill stops adding points at 205 s of its own.
 # Everything lands in $OUT (8 files; the device tool brings back 8 at most):
 #   env.txt  cuda_tests.xml  cuda_tests.log  gpu_check.json  gpu_check.log
 #   gpu_fill.json  gpu_fill.log  gpu_fill_server.log
@@ -97,7 +97,7 @@ if [[ ",$STEPS," == *",tests,"* ]]; then
     # and filterwarnings = error would stop pytest at start-up.
     extra=(-W ignore::pytest.PytestConfigWarning -W ignore::pytest.PytestUnknownMarkWarning)
   fi
-  timeout -k 5 90 python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs "${extra[@]}" \
+  timeout -k 5 110 python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs "${extra[@]}" \
     --junitxml="$OUT/cuda_tests.xml" "${files[@]}" 2>&1 | tee "$OUT/cuda_tests.log"
   tests_rc=${PIPESTATUS[0]}
   echo "cuda tests: exit $tests_rc (124: timed out)"
@@ -106,7 +106,7 @@ fi
 
 if [[ ",$STEPS," == *",check,"* ]]; then
   echo "== benchmarks/gpu_check.py"
-  timeout -k 5 180 python3 benchmarks/gpu_check.py --device cuda:0 --no-load --out "$OUT/gpu_check.json" \
+  timeout -k 5 150 python3 benchmarks/gpu_check.py --device cuda:0 --no-load --out "$OUT/gpu_check.json" \
     --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee "$OUT/gpu_check.log"
   check_rc=${PIPESTATUS[0]}
   echo "gpu_check: exit $check_rc (124: timed out)"
@@ -115,7 +115,7 @@ fi
 
 if [[ ",$STEPS," == *",fill,"* ]]; then
   echo "== benchmarks/gpu_fill.py"
-  timeout -k 5 270 python3 benchmarks/gpu_fill.py --device cuda:0 --budget-s 225 \
+  timeout -k 5 250 python3 benchmarks/gpu_fill.py --device cuda:0 --budget-s 205 \
     --out "$OUT/gpu_fill.json" --server-log "$OUT/gpu_fill_server.log" \
     --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee "$OUT/gpu_fill.log"
   fill_rc=${PIPESTATUS[0]}
