@@ -14,6 +14,7 @@
 # benchmarks/packed.py, padded tagger against packed_tagger on the GPU, ~150 s) is a second
 # call of its own, timeout_s 240, when the lease has the time left:
 #   GPU_RUN_STEPS=packed GPU_RUN_COMMIT=<sha> bash scripts/gpu_run.sh   ->  env.txt packed.json packed.log
+# A short fill of some models (a second call's rerun): GPU_RUN_FILL_MODELS=tagger GPU_RUN_FILL_BUDGET=70.
 # "isolation" (thread against process on the GPU: gpu_fill for the tagger and the embedder
 # with every model in each, ~250 s) is another such call, timeout_s 300:
 #   GPU_RUN_STEPS=isolation ...  ->  env.txt gpu_fill_thread.json gpu_fill_process.json gpu_fill_isolation.log
@@ -115,7 +116,8 @@ fi
 
 if [[ ",$STEPS," == *",fill,"* ]]; then
   echo "== benchmarks/gpu_fill.py"
-  timeout -k 5 250 python3 benchmarks/gpu_fill.py --device cuda:0 --budget-s 205 \
+  timeout -k 5 $(( ${GPU_RUN_FILL_BUDGET:-205} + 45 )) python3 benchmarks/gpu_fill.py --device cuda:0 \
+    --budget-s "${GPU_RUN_FILL_BUDGET:-205}" --models "${GPU_RUN_FILL_MODELS:-tagger,embedder,text_tagger,bert_encoder}" \
     --out "$OUT/gpu_fill.json" --server-log "$OUT/gpu_fill_server.log" \
     --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee "$OUT/gpu_fill.log"
   fill_rc=${PIPESTATUS[0]}

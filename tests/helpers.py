@@ -315,3 +315,15 @@ def answers_of_a_dead_worker(hello: dict[str, Any], batches: int = 3) -> list[li
         return answers
 
     return asyncio.run(run())
+
+
+def front_ends(server: Any) -> list[Any]:
+    """The server's front-end processes (psutil.Process; none in one process)."""
+    import psutil
+
+    assert server.process is not None
+    return [
+        child
+        for child in psutil.Process(server.process.pid).children()
+        if "tensorserve.frontends.process" in " ".join(child.cmdline())
+    ]

@@ -33,6 +33,7 @@ from tests.helpers import (
     FileGate,
     body,
     from_wire,
+    front_ends,
     toy_config,
     wait_until,
     write_toy_model,
@@ -48,18 +49,13 @@ PARAMS = {
     "request_parameter": DECLARED,
 }
 # One row a batch: a bounded queue (2 behind the running one), and priority levels.
-SMALL = {**ECHO, "max_batch_size": 1, "dynamic_batching": {"max_queue_delay_ms": 1.0, "max_queue_size": 2}}
+SMALL = {
+    **ECHO,
+    "max_batch_size": 1,
+    "dynamic_batching": {"max_queue_delay_ms": 1.0, "max_queue_size": 2},
+}
 RANKED = {**ECHO, "max_batch_size": 1, "dynamic_batching": {"priority_levels": 2, "policy": "fifo"}}
 CALLERS = 16  # on 16 connections, all on one front end once in 2**15 runs
-
-
-def front_ends(server: ServerProcess) -> list[psutil.Process]:
-    assert server.process is not None
-    return [
-        child
-        for child in psutil.Process(server.process.pid).children()
-        if "tensorserve.frontends.process" in " ".join(child.cmdline())
-    ]
 
 
 def start(repo: Path, *args: str) -> ServerProcess:
@@ -70,8 +66,11 @@ def start(repo: Path, *args: str) -> ServerProcess:
     )  # fmt: skip
     # Both started: each front end listens before its first report (its CPU series).
     wait_until(lambda: len(front_ends(server)) == 2, "two front ends", timeout=60)
-    wait_until(lambda: httpx.get(f"{server.url}/metrics").text.count('role="frontend"') >= 4,
-               "both front ends reporting", timeout=60)
+    wait_until(
+        lambda: httpx.get(f"{server.url}/metrics").text.count('role="frontend"') >= 4,
+        "both front ends reporting",
+        timeout=60,
+    )
     return server
 
 
@@ -86,7 +85,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     write_toy_model(repo, "poison", POISON_MODEL, **ECHO)
     _write(repo, "double", _toy_toml({"x": FLOATS}, {"y": FLOATS}), DOUBLE_PY)
     _write(repo, "shift", _toy_toml({"a": FLOATS, "b": FLOATS}, {"s": FLOATS}), SHIFT_PY)
-    steps = [_step("double", {"x": "X"}, {"y": "D"}), _step("shift", {"a": "D", "b": "X"}, {"s": "OUT"})]
+    steps = [
+        _step("double", {"x": "X"}, {"y": "D"}),
+        _step("shift", {"a": "D", "b": "X"}, {"s": "OUT"}),
+    ]
     _write(repo, "pair", _ensemble_toml(steps), None)
     server = start(repo)
     yield server, gate
@@ -191,7 +193,9 @@ def test_metrics_on_any_front_end_show_the_whole_server(
 ) -> None:
     server, gate = served
     gate.open()
-    assert all(c.result(30)[0] == 200 for c in [pool.submit(infer, server.url, 1.0) for _ in range(8)])
+    assert all(
+        c.result(30)[0] == 200 for c in [pool.submit(infer, server.url, 1.0) for _ in range(8)]
+    )
     expected = stats(server.url)["total_requests"]
 
     def counted() -> float:
@@ -228,7 +232,9 @@ def test_a_front_end_that_dies_fails_only_its_callers_and_is_restarted(
     victim.send_signal(signal.SIGKILL)
     victim.wait(10)
     # Its callers' items leave the queue: the scheduler waits on nobody dead.
-    wait_until(lambda: stats(server.url)["queue_depth"] < CALLERS, "its items withdrawn", timeout=30)
+    wait_until(
+        lambda: stats(server.url)["queue_depth"] < CALLERS, "its items withdrawn", timeout=30
+    )
     gate.open()
     try:  # the held caller may have been the victim's
         assert held.result(30)[0] == 200
@@ -249,12 +255,16 @@ def test_a_front_end_that_dies_fails_only_its_callers_and_is_restarted(
     ran = gate.seen_values()[ran_before:]
     assert sorted(set(ran) - {7.0}) == sorted(answered)
     wait_until(
-        lambda: len(front_ends(server)) == 2 and victim.pid not in {p.pid for p in front_ends(server)},
+        lambda: (
+            len(front_ends(server)) == 2 and victim.pid not in {p.pid for p in front_ends(server)}
+        ),
         "the front end restarted",
         timeout=60,
     )
     wait_until(lambda: _ready(server.url), "ready again", timeout=30)
-    assert all(c.result(30)[0] == 200 for c in [pool.submit(infer, server.url, 3.0) for _ in range(4)])
+    assert all(
+        c.result(30)[0] == 200 for c in [pool.submit(infer, server.url, 3.0) for _ in range(4)]
+    )
     assert f"(pid {victim.pid}) exited with status -9; restarting it" in server.log.read_text()
 
 
@@ -374,17 +384,23 @@ def test_the_scheduler_process_logs_a_models_failure_with_its_callers_request_id
             if record.get("process") == "scheduler" and record["level"] == "ERROR"
         }
 
-    wait_until(lambda: {"poisoned-http", "poisoned-grpc"} <= set(failures()),
-               "the scheduler process's lines of both failures")
+    wait_until(
+        lambda: {"poisoned-http", "poisoned-grpc"} <= set(failures()),
+        "the scheduler process's lines of both failures",
+    )
     for request_id in ("poisoned-http", "poisoned-grpc"):
         line = failures()[request_id]
-        assert "-> model_failure: model 'poison' failed: RuntimeError: poison value 13" in (
-            line["message"]), line
+        assert (
+            "-> model_failure: model 'poison' failed: RuntimeError: poison value 13"
+            in (line["message"])
+        ), line
         assert "in forward" in line["exc"], line  # the model's own frames, which do not cross
     # The front end's line about the same call carries the same id.
     assert any(
-        record["request_id"] == "poisoned-http" and record["level"] == "ERROR"
-        and record["process"].startswith("frontend") and "-> 500 model_failure" in record["message"]
+        record["request_id"] == "poisoned-http"
+        and record["level"] == "ERROR"
+        and record["process"].startswith("frontend")
+        and "-> 500 model_failure" in record["message"]
         for record in _log_records(server.log)
     )
 
@@ -395,13 +411,15 @@ def test_front_ends_serve_both_protocols_without_torch(
     server, _ = served
     for value in range(4):  # on connections of their own: most likely both front ends
         assert infer(server.url, float(value), model="poison")[0] == 200
-        data = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1, 4],
-                            "data": [value] * 4}]}
+        data = {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 1, 4], "data": [value] * 4}]
+        }
         assert httpx.post(f"{server.url}/v2/models/poison/infer", json=data).status_code == 200
     x = grpcclient.InferInput("x", [1, 1, 4], "FP32")
     x.set_data_from_numpy(np.ones((1, 1, 4), np.float32))
     assert grpcclient.InferenceServerClient(server.grpc_address).infer("poison", [x]).as_numpy(
-        "y").tolist() == [[[2.0] * 4]]
+        "y"
+    ).tolist() == [[[2.0] * 4]]
     assert server.process is not None
 
     def torch_mapped(pid: int) -> bool:

@@ -18,8 +18,7 @@ from tensorserve.gpus import DriverGpus, visible_count, visible_gpus
 from tensorserve.host import choose_frontends
 from tensorserve.settings import Settings
 from tests.conftest import ServerProcess
-from tests.helpers import ECHO, POISON_MODEL, write_toy_model
-from tests.test_frontends import front_ends
+from tests.helpers import ECHO, POISON_MODEL, front_ends, write_toy_model
 
 FOUR = DriverGpus(("GPU-aaaa-0", "GPU-bbbb-1", "GPU-abcd-2", "GPU-cccc-3"))
 

@@ -140,6 +140,7 @@ class DeviceContext:
         if self.intra_op_threads:
             torch.set_num_threads(self.intra_op_threads)
         if self.device.type == "cuda":
+            exact_float32()
             torch.cuda.set_device(self.device)  # indexed: resolve_device's
             if self.stream is None:  # one per instance, made once (its launch thread's)
                 self.stream = torch.cuda.Stream(self.device)
@@ -223,6 +224,17 @@ def pinned(features: Mapping[str, Feature]) -> dict[str, Feature]:
             t = buffer
         staged[name] = t
     return staged
+
+
+def exact_float32() -> None:
+    """Float32 math for float32 models on CUDA: torch leaves cuDNN's TF32 on
+    by default (convolutions, RNNs), which rounds each product's operands to
+    10 bits. On an H200 that put the GRU tagger's rows 2.1e-4 off its
+    float32 forward on a CPU, twice float32's bound (gpu_check, 2026-11-28):
+    a caller of a float32 model gets float32 results; a model that wants
+    TF32's speed says so in its own code. Process-wide, like the flags."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def default_intra_op_threads() -> int:
