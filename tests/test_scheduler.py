@@ -225,6 +225,30 @@ def test_a_crashs_suspects_run_alone_and_the_cleared_ride_with_new_items(loop) -
     assert batcher.scheduler.wait_idle(0)
 
 
+def test_nothing_goes_behind_a_trial_even_when_it_is_due(loop) -> None:
+    """A batch sent behind a trial would share the trial's crash: the worker
+    counts it against the oldest batch, and an innocent trial item could be
+    failed for good. So an instance running a trial takes nothing else."""
+    instance, clock = ScriptedInstance(), Clock()
+    batcher = scheduler(loop, instance, clock, max_batch_size=4, policy=make_policy("fifo", None))
+    killer, good = submit(loop, batcher, 13.0, 1.0)
+    settle(loop, _crash(instance, 0))
+    loop.run_until_complete(asyncio.wait_for(_until(lambda: len(instance.sent) == 2), 10))
+    assert instance.sent[1].rows == [13.0]  # the trial, its rest [1.0] held
+    later = submit(loop, batcher, 7.0, 8.0, 9.0, 10.0)  # a full batch: it cannot grow
+    clock.now += 1.0
+    settle(loop, batcher.scheduler.wake)
+    assert len(instance.sent) == 2
+    settle(loop, _crash(instance, 1))  # alone: the killer; 1.0 is cleared
+    loop.run_until_complete(asyncio.wait_for(_until(lambda: len(instance.sent) == 3), 10))
+    settle(loop, instance.sent[2].succeed)
+    with pytest.raises(ModelFailure, match="crashed the model's worker process"):
+        killer.result()
+    for sent in instance.sent[3:]:
+        settle(loop, sent.succeed)
+    assert [f.result()["y"][0] for f in [good, *later]] == [2.0, 14.0, 16.0, 18.0, 20.0]
+
+
 def test_a_trial_that_runs_answers_its_items_and_an_ordinary_batch_goes_next(loop) -> None:
     instance, clock = ScriptedInstance(), Clock()
     batcher = scheduler(loop, instance, clock, max_batch_size=4, policy=make_policy("fifo", None))

@@ -83,7 +83,8 @@ class Batcher:
             yield
         finally:
             self.scheduler.pinned = None
-            self.scheduler.wake()  # anything still queued may go to any instance now
+            if self.scheduler.home is not None:  # not started: ModelNotReady is the news
+                self.scheduler.wake()  # anything still queued may go to any instance now
 
     def warmed_up(self) -> None:
         """Forget what the warm-up batches taught (a model's first runs

@@ -221,8 +221,8 @@ class Scheduler:
         """The least busy instance that can take a batch (None: none can)."""
         best, fewest = None, self.depth  # room: fewer than depth batches; hung: a Batch
         for instance, running in enumerate(self.running):
-            if self.pinned not in (None, instance):
-                continue
+            if self.pinned not in (None, instance) or (running and running[-1].rest is not None):
+                continue  # pinned elsewhere (warm-up), or a crash's trial runs alone there
             if len(running) < fewest and not (instance in self.repairing or self.hung[instance]):
                 best, fewest = instance, len(running)
         return best

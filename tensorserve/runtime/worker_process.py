@@ -244,10 +244,11 @@ class WorkerProcess:
         # The oldest was running; on CUDA the worker launches the next before
         # collecting it (worker_pipeline.py), so that one may have run too:
         # a device-side assert it caused can surface while the worker collects
-        # the oldest. It is a suspect, launched ``behind`` (recovery does not
-        # count the crash against its items). Not when the watchdog killed
-        # the worker: the oldest hung, and the next waited behind it on the
-        # same stream, or was never launched. Those sent behind them never ran.
+        # the oldest, and a forward that blocks the host (a hung kernel's
+        # ``.item()``) keeps the oldest from being collected until the watchdog
+        # kills the worker. So it is a suspect either way, launched ``behind``
+        # (recovery does not count the crash against its items). Those sent
+        # behind them never ran.
         running = self.hello.get("batches_in_flight", 1)
 
         def fail(reported: asyncio.Future[WorkerCrashed] | None) -> None:
@@ -255,7 +256,7 @@ class WorkerProcess:
             for i, on_reply in enumerate(waiting):
                 # One exception per batch: each batch's callers raise their own.
                 error = crash if i == 0 else self._never_ran()
-                if 0 < i < running and not crash.watchdog:
+                if 0 < i < running:
                     error = WorkerCrashed(crash.message, ran=True, behind=True)
                 try:
                     on_reply(None, error)
