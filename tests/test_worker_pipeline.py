@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -385,8 +386,11 @@ def test_on_cuda_a_workers_input_copies_are_pinned() -> None:
         for _ in range(2):  # lazy initialisation stays out
             worker_main._run_batch(config, executor, features, None)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            found["reply"] = worker_main._run_batch(config, executor, features, None)
+        # The profiler warns that it clears its events each cycle: not this test's news.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                found["reply"] = worker_main._run_batch(config, executor, features, None)
         torch.cuda.synchronize()
         names = [e.name.lower() for e in prof.events()]
         found["names"] = [name for name in names if name.startswith("memcpy")]
