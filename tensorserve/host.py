@@ -176,3 +176,38 @@ def choose_frontends(
     return FrontendsChoice(
         count, f"default → {count} (auto: {_plural(gpus, 'GPU')}, {_plural(cpus, 'CPU')})"
     )
+
+
+# Linux's PR_SET_NAME: a thread's name in /proc/<pid>/task/<tid>/comm, 15 bytes.
+PR_SET_NAME = 15
+
+
+def native_thread_name(python_name: str) -> str:
+    """A thread's Python name, cut to what the OS keeps (15 bytes):
+    ``tagger-instance-0-collect`` becomes ``tagger/0c``, ``tensorserve-request_0``
+    ``ts-request_0``."""
+    short = (
+        python_name.replace("tensorserve-", "ts-")
+        .replace("-instance-", "/")
+        .replace("-collect", "c")
+    )
+    return short.encode()[:15].decode(errors="ignore")
+
+
+def name_native_thread() -> None:
+    """Give the calling thread its Python name in the OS too, so that ``top -H``,
+    ``/proc``, py-spy's native view and benchmarks/gpu_fill.py's busiest threads
+    tell a model's launch thread from the event loop (else each is ``python3``).
+    Linux only; anywhere else, or without libc's prctl, nothing happens."""
+    import sys
+    import threading
+
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    name = native_thread_name(threading.current_thread().name)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name.encode(), 0, 0, 0)
+    except (OSError, AttributeError):  # no libc prctl: the name is cosmetic
+        return

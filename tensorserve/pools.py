@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from tensorserve.host import available_cpus
+from tensorserve.host import available_cpus, name_native_thread
 
 T = TypeVar("T")
 
@@ -52,7 +52,11 @@ def _pool(kind: str, threads: int) -> ThreadPoolExecutor:
         with _lock:
             pool = _pools.get(kind)
             if pool is None:
-                pool = ThreadPoolExecutor(threads, thread_name_prefix=f"tensorserve-{kind}")
+                pool = ThreadPoolExecutor(
+                    threads,
+                    thread_name_prefix=f"tensorserve-{kind}",
+                    initializer=name_native_thread,
+                )
                 _pools[kind] = pool
     return pool
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorserve.batching.executor import Done, ThreadedExecutor
+from tensorserve.host import name_native_thread
 from tensorserve.tensors.dtypes import Feature
 
 
@@ -74,7 +75,7 @@ class InstanceThreads:
 
     def _daemon(self, suffix: str, target: Callable[..., None], *args: Any) -> threading.Thread:
         thread = threading.Thread(
-            target=target, args=args, name=f"{self.name}-instance-{suffix}", daemon=True
+            target=_named, args=(target, *args), name=f"{self.name}-instance-{suffix}", daemon=True
         )
         thread.start()
         return thread
@@ -129,3 +130,9 @@ class InstanceThreads:
                 job.error = exc
         error, job.launched = job.error, None
         job.done(outputs, error)
+
+
+def _named(target: Callable[..., None], *args: Any) -> None:
+    """Run ``target`` on a thread that the OS knows by its Python name."""
+    name_native_thread()
+    target(*args)

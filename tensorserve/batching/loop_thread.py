@@ -9,6 +9,8 @@ import math
 import threading
 from collections.abc import Callable
 
+from tensorserve.host import name_native_thread
+
 
 class SchedulerLoop:
     def __init__(self, loop: asyncio.AbstractEventLoop | None, name: str) -> None:
@@ -25,6 +27,7 @@ class SchedulerLoop:
 
     @staticmethod
     def _run(loop: asyncio.AbstractEventLoop, started: threading.Event) -> None:
+        name_native_thread()
         asyncio.set_event_loop(loop)
         loop.call_soon(started.set)
         try:
