@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The whole GPU run in one device call of at most ~9 minutes: the CUDA tests,
+# The whole GPU run in one device call of at most ~10 minutes: first
+# benchmarks/gpu_lone_caller.py (which thread and which step of a batch burn a lone
+# caller's CPU, in one process, with the driver's blocking-sync flag as a variant), the CUDA tests,
 # benchmarks/gpu_check.py (its checks; its load part is gpu_fill's job now), then
 # benchmarks/gpu_fill.py (ceiling against perf_analyzer at the defaults, and at one
 # caller the server's CPU per request by process and thread, with py-spy's stacks).
@@ -10,7 +12,7 @@
 # Then one device call, timeout_s 600, carry [".whl"]:
 #   GPU_RUN_COMMIT=<the commit's sha> bash scripts/gpu_run.sh
 # A rerun of one part, on the machine still warm: GPU_RUN_STEPS="fill" (any of tests,
-# check, fill, packed, isolation, comma-separated; default tests,check,fill). "packed" (issue #54:
+# lone, check, fill, packed, isolation, comma-separated; default lone,tests,check,fill). "packed" (issue #54:
 # benchmarks/packed.py, padded tagger against packed_tagger on the GPU, ~150 s) is a second
 # call of its own, timeout_s 240, when the lease has the time left:
 #   GPU_RUN_STEPS=packed GPU_RUN_COMMIT=<sha> bash scripts/gpu_run.sh   ->  env.txt packed.json packed.log
@@ -22,19 +24,20 @@
 # The GPU machine has no .git, no console script and no tritonclient, opentelemetry or
 # kubernetes-validate: the tests run by file (every file holding cuda-marked tests) and the
 # server as `python3 -m tensorserve serve`. Each step has its own `timeout`, so that one hang
-# cannot eat the lease; the budgets (20 + 110 + 150 + 250 s, plus the wheels' install) end
-# inside the call's 600 s, and gpu_fill stops adding points at 205 s of its own.
-# Everything lands in $OUT (8 files; the device tool brings back 8 at most):
-#   env.txt  cuda_tests.xml  cuda_tests.log  gpu_check.json  gpu_check.log
+# cannot eat the lease; the budgets (20 + 100 + 110 + 150 + 215 s, plus the wheels' install)
+# end inside the call's 600 s, and gpu_fill stops adding points at 170 s of its own.
+# Everything lands in $OUT (8 files; the device tool brings back 8 at most; the lone
+# caller's printed table goes into env.txt):
+#   env.txt  lone_caller.json  cuda_tests.log  gpu_check.json  gpu_check.log
 #   gpu_fill.json  gpu_fill.log  gpu_fill_server.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_run_out}
-STEPS=${GPU_RUN_STEPS:-tests,check,fill}
+STEPS=${GPU_RUN_STEPS:-lone,tests,check,fill}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 status=0
-tests_rc=- check_rc=- fill_rc=- packed_rc=- isolation_rc=
+lone_rc=- tests_rc=- check_rc=- fill_rc=- packed_rc=- isolation_rc=
 
 echo "== nvidia-smi"
 timeout 20 nvidia-smi > "$OUT/env.txt" 2>&1 || echo "nvidia-smi failed" | tee -a "$OUT/env.txt"
@@ -89,6 +92,16 @@ env_rc=$?
 cat "$OUT/env.txt"
 if [ "$env_rc" -ne 0 ]; then echo "the environment is not usable (rc $env_rc): stopping"; exit 1; fi
 
+if [[ ",$STEPS," == *",lone,"* ]]; then
+  # First: the question the last run left open (issue #50, "explain the c=1 CPU burn").
+  echo "== benchmarks/gpu_lone_caller.py"
+  timeout -k 5 100 python3 benchmarks/gpu_lone_caller.py --device cuda:0 --budget-s 85 \
+    --out "$OUT/lone_caller.json" --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee -a "$OUT/env.txt"
+  lone_rc=${PIPESTATUS[0]}
+  echo "gpu_lone_caller: exit $lone_rc (124: timed out)"
+  [ "$lone_rc" -eq 0 ] || status=1
+fi
+
 if [[ ",$STEPS," == *",tests,"* ]]; then
   echo "== the CUDA tests"
   mapfile -t files < <(grep -l "pytest.mark.cuda" tests/test_*.py)
@@ -99,7 +112,7 @@ if [[ ",$STEPS," == *",tests,"* ]]; then
     extra=(-W ignore::pytest.PytestConfigWarning -W ignore::pytest.PytestUnknownMarkWarning)
   fi
   timeout -k 5 110 python3 -m pytest -q -p no:cacheprovider -m cuda -rfEs "${extra[@]}" \
-    --junitxml="$OUT/cuda_tests.xml" "${files[@]}" 2>&1 | tee "$OUT/cuda_tests.log"
+    "${files[@]}" 2>&1 | tee "$OUT/cuda_tests.log"
   tests_rc=${PIPESTATUS[0]}
   echo "cuda tests: exit $tests_rc (124: timed out)"
   [ "$tests_rc" -eq 0 ] || status=1
@@ -116,8 +129,8 @@ fi
 
 if [[ ",$STEPS," == *",fill,"* ]]; then
   echo "== benchmarks/gpu_fill.py"
-  timeout -k 5 $(( ${GPU_RUN_FILL_BUDGET:-205} + 45 )) python3 benchmarks/gpu_fill.py --device cuda:0 \
-    --budget-s "${GPU_RUN_FILL_BUDGET:-205}" --models "${GPU_RUN_FILL_MODELS:-tagger,embedder,text_tagger,bert_encoder}" \
+  timeout -k 5 $(( ${GPU_RUN_FILL_BUDGET:-170} + 45 )) python3 benchmarks/gpu_fill.py --device cuda:0 \
+    --budget-s "${GPU_RUN_FILL_BUDGET:-170}" --models "${GPU_RUN_FILL_MODELS:-tagger,embedder,text_tagger,bert_encoder}" \
     --out "$OUT/gpu_fill.json" --server-log "$OUT/gpu_fill_server.log" \
     --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee "$OUT/gpu_fill.log"
   fill_rc=${PIPESTATUS[0]}
@@ -149,5 +162,5 @@ if [[ ",$STEPS," == *",isolation,"* ]]; then
   done
 fi
 
-echo "== done: cuda tests exit $tests_rc, gpu_check exit $check_rc, gpu_fill exit $fill_rc, packed exit $packed_rc, isolation exit${isolation_rc:- -}"
+echo "== done: lone caller exit $lone_rc, cuda tests exit $tests_rc, gpu_check exit $check_rc, gpu_fill exit $fill_rc, packed exit $packed_rc, isolation exit${isolation_rc:- -}"
 exit "$status"
