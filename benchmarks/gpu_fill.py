@@ -205,6 +205,17 @@ def ceilings(repository: Path, work: Sequence[Workload], device: str, seconds: f
 
 
 # ----------------------------------------------------------------- report
+def model_notes(log: Path) -> list[str]:
+    """What the server's log says about how each model runs on the device: the
+    compile choice and its timings, graphs going off, a bucket left eager."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    wanted = ("compile =", "runs eager", "CUDA graph", "isolation", "frontends=")
+    return [line[-400:] for line in lines if any(w in line for w in wanted)][:40]
+
+
 def fill_rows(points: Sequence[dict[str, Any]], found: dict[str, dict[str, Any]]) -> None:
     for p in points:
         ceiling = found.get(p["workload"], {}).get("items_per_s")
@@ -358,7 +369,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = {"CUDA_VISIBLE_DEVICES": "" if kind == "cpu" else str(gpu_index)}
         if args.isolation:  # thread against process on this device (scripts/gpu_run.sh)
             env["TENSORSERVE_ISOLATION"] = args.isolation
-        server = ServerProcess(str(repository), env=env, log=args.server_log or folder / "server.log",
+        # The image's log level (the bench's servers log warnings only): the log then
+        # says what compile = "auto" chose for each model, and why.
+        server_log = Path(args.server_log or folder / "server.log")
+        server = ServerProcess(str(repository), ["--log-level", "INFO"], env=env, log=server_log,
                                ready_timeout=300)  # fmt: skip
         try:
             pa = find_perf_analyzer()
@@ -405,6 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["server_log_tail"] = server.log_tail()
         finally:
             server.stop()
+            result["server_notes"] = model_notes(server_log)
     result["partial"] = False
     save()
     print(table(result))

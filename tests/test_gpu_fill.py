@@ -98,4 +98,6 @@ def test_gpu_fill_on_cpu_measures_fill_over_http_and_grpc(tmp_path: Path) -> Non
                                              abs=0.5)  # fmt: skip
     assert points[("http", 1)]["busiest_threads"]
     assert result["targets"] == []  # judged on CUDA only
+    # At the image's log level: the startup line says how many front ends, and why.
+    assert any("frontends=default → 1 (no GPU visible)" in n for n in result["server_notes"])
     assert "fill" in run.stdout and "items/s" in run.stdout  # the table
