@@ -23,6 +23,9 @@ wakes cold between a lone caller's requests). It reports:
                   CPU ~ wall there)
     forward       graphs or eager, and the graphs each instance holds
 
+and first, on CUDA, what each of torch's CUDA calls on that path costs this
+host alone (``primitives``: an event, a pinned buffer, each copy, a kernel, a
+graph replay, and three waits on 1 ms of GPU work: sleeping or spinning),
 over variants, each in a child of its own (a CUDA context's flags are set
 once, before it is created):
 
@@ -77,7 +80,9 @@ class Run:
 
 
 # In order of what answers the question first, so a short budget keeps the most.
+PRIMITIVES = "primitives"  # not a model: torch's CUDA calls one by one (``primitives``)
 CUDA_RUNS = [
+    Run(PRIMITIVES, "shipped"), Run(PRIMITIVES, "blocking_sync"),
     Run("tagger", "shipped"), Run("tagger", "blocking_sync"), Run("tagger", "eager"),
     Run("bert_encoder", "shipped"), Run("bert_encoder", "blocking_sync"),
     Run("embedder", "shipped"), Run("bert_encoder", "eager"), Run("embedder", "blocking_sync"),
@@ -200,6 +205,89 @@ def items(config: Any, lengths: np.ndarray, seed: int) -> list[dict[str, np.ndar
     return out
 
 
+def primitives(device: str, repeats: int = 200) -> dict[str, dict[str, float]]:
+    """What each CUDA call of a batch's path costs this host, alone: wall and
+    thread CPU, in us a call. A wait on 1 ms of GPU work shows whether it
+    sleeps (CPU << wall) or spins (CPU ~ wall): an event's, a stream's, and a
+    blocking copy's (``.cpu()`` of a result)."""
+    import torch
+
+    dev = torch.device(device)
+    stream = torch.cuda.Stream(dev)
+    cycles = _cycles_per_ms(dev)
+    host = torch.ones((1, 64), dtype=torch.int64).pin_memory()
+    on_device = host.to(dev)
+    out = torch.empty((1, 64), dtype=torch.int64, pin_memory=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        static = on_device.clone()
+        for _ in range(3):
+            static.add_(1)  # warm, outside the capture
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(20):
+                static.add_(1)
+
+    def sleep_then(wait: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            torch.cuda._sleep(cycles)
+            return wait()
+
+        return run
+
+    def event_wait() -> None:
+        torch.cuda._sleep(cycles)
+        done = torch.cuda.Event(blocking=True)
+        done.record(stream)
+        done.synchronize()
+
+    calls: dict[str, Callable[[], Any]] = {
+        "event: create and record (timing, blocking)": lambda: torch.cuda.Event(
+            enable_timing=True, blocking=True
+        ).record(stream),
+        "pinned empty (1x64 int64)": lambda: torch.empty(
+            (1, 64), dtype=torch.int64, pin_memory=True
+        ),
+        "copy up, pinned, non_blocking": lambda: host.to(dev, non_blocking=True),
+        "copy down, into pinned, non_blocking": lambda: out.copy_(on_device, non_blocking=True),
+        "one small kernel (add_)": lambda: on_device.add_(1),
+        "graph replay (20 kernels)": graph.replay,
+        "mem_get_info": lambda: torch.cuda.mem_get_info(dev),
+        "wait 1 ms of GPU: blocking event": event_wait,
+        "wait 1 ms of GPU: stream.synchronize": sleep_then(stream.synchronize),
+        "wait 1 ms of GPU: .cpu() of a result": sleep_then(lambda: on_device.cpu()),
+    }
+    found: dict[str, dict[str, float]] = {}
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        for name, call in calls.items():
+            count = 20 if name.startswith("wait") else repeats
+            call()
+            stream.synchronize()
+            wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            for _ in range(count):
+                call()
+            stream.synchronize()
+            wall, cpu = time.perf_counter_ns() - wall, time.thread_time_ns() - cpu
+            found[name] = {
+                "wall_us": round(wall / count / 1e3, 1),
+                "cpu_us": round(cpu / count / 1e3, 1),
+            }
+    return found
+
+
+def _cycles_per_ms(dev: Any) -> int:
+    """``torch.cuda._sleep`` cycles for about 1 ms on this GPU (timed once)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # lazy set-up
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return int(10_000_000 / max(start.elapsed_time(end), 1e-3))
+
+
 def child(repository: Path, run: Run, device: str, requests: int) -> dict[str, Any]:
     result: dict[str, Any] = {"model": run.model, "variant": run.variant}
     if run.variant == "blocking_sync":
@@ -208,6 +296,8 @@ def child(repository: Path, run: Run, device: str, requests: int) -> dict[str, A
         why = blocking_sync(torch.device(device).index or 0)
         if why is not None:
             return {**result, "error": f"could not set the scheduling flag: {why}"}
+    if run.model == PRIMITIVES:
+        return {**result, "calls": primitives(device)}
     from tensorserve.serving.model import ServedModel
 
     # A thread on a CPU too (auto gives a CPU a worker process): the steps are timed here.
@@ -296,6 +386,11 @@ def table(result: dict[str, Any]) -> str:
         if "error" in run:
             rows.append(f"{head}: {run['error'][-300:]}")
             continue
+        if "calls" in run:
+            rows.append(f"{head} (us a call)")
+            for name, c in run["calls"].items():
+                rows.append(f"    {name:44s} wall {c['wall_us']:8.1f}  cpu {c['cpu_us']:8.1f}")
+            continue
         rows.append(f"{head}: forward {run.get('forward')}, graphs {run.get('graphs_held', '-')}")
         for pacing, p in run["pacing"].items():
             threads = ", ".join(
@@ -357,7 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python benchmarks/gpu_lone_caller.py " + " ".join(argv or sys.argv[1:]),
     }
     started = time.monotonic()
-    with repository_for(args.device, sorted({r.model for r in runs})) as repository:
+    models = sorted({r.model for r in runs} - {PRIMITIVES})
+    with repository_for(args.device, models) as repository:
         for run in runs:
             left = args.budget_s - (time.monotonic() - started)
             if left < 10:

@@ -13,7 +13,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gpu_lone_caller import Steps, blocking_sync, main
+import pytest
+import torch
+from gpu_lone_caller import Steps, blocking_sync, main, primitives
 
 
 def test_steps_time_only_while_on_and_count_each_call() -> None:
@@ -54,3 +56,13 @@ def test_a_cpu_run_times_every_step_on_the_instance_thread(tmp_path: Path) -> No
             # The forward's thread is named for the model (ticks of 10 ms: among the busy ones).
             assert f"{run['model']}/0" in [t["thread"] for t in pacing["threads"]]
             assert pacing["p50_us"] > 0 and pacing["process_cpu_us_per_request"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_primitives_are_timed_and_an_events_wait_sleeps() -> None:
+    calls = primitives("cuda:0", repeats=5)
+    assert len(calls) == 10 and all(c["wall_us"] > 0 for c in calls.values())
+    waited = calls["wait 1 ms of GPU: blocking event"]
+    assert waited["wall_us"] >= 900  # it waited for the GPU's 1 ms
+    assert waited["cpu_us"] < waited["wall_us"] / 2  # asleep, not spinning
