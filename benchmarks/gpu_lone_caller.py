@@ -31,6 +31,8 @@ once, before it is created):
 
     shipped         the model's config as shipped
     eager           compile = "off"
+    one_thread      one intra-op thread (the default is every CPU but one:
+                    OpenMP's workers spin after each parallel region)
     blocking_sync   the device's primary context made with
                     CU_CTX_SCHED_BLOCKING_SYNC (the driver's scheduling flag:
                     every host wait on the device sleeps, not only an event's)
@@ -76,7 +78,7 @@ class Run:
     """One child: a model under one variant."""
 
     model: str
-    variant: str  # shipped | eager | blocking_sync
+    variant: str  # shipped | eager | one_thread | blocking_sync
 
 
 # In order of what answers the question first, so a short budget keeps the most.
@@ -84,6 +86,7 @@ PRIMITIVES = "primitives"  # not a model: torch's CUDA calls one by one (``primi
 CUDA_RUNS = [
     Run(PRIMITIVES, "shipped"), Run(PRIMITIVES, "blocking_sync"),
     Run("tagger", "shipped"), Run("tagger", "blocking_sync"), Run("tagger", "eager"),
+    Run("tagger", "one_thread"),
     Run("bert_encoder", "shipped"), Run("bert_encoder", "blocking_sync"),
     Run("embedder", "shipped"), Run("bert_encoder", "eager"), Run("embedder", "blocking_sync"),
 ]  # fmt: skip
@@ -298,6 +301,7 @@ def child(repository: Path, run: Run, device: str, requests: int) -> dict[str, A
             return {**result, "error": f"could not set the scheduling flag: {why}"}
     if run.model == PRIMITIVES:
         return {**result, "calls": primitives(device)}
+    from tensorserve.repository.loader import discover, read_config
     from tensorserve.serving.model import ServedModel
 
     # A thread on a CPU too (auto gives a CPU a worker process): the steps are timed here.
@@ -305,7 +309,11 @@ def child(repository: Path, run: Run, device: str, requests: int) -> dict[str, A
     if run.variant == "eager":
         overrides["compile"] = "off"
     clock = time.monotonic()
-    served = ServedModel.from_repository(repository, run.model, **overrides).start()
+    threads = 1 if run.variant == "one_thread" else None
+    source = discover(repository)[run.model]
+    served = ServedModel.from_source(
+        source, None, read_config(source, overrides), intra_op_threads=threads
+    ).start()
     try:
         served.warmup()
         result["ready_s"] = round(time.monotonic() - clock, 1)
