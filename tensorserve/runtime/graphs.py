@@ -307,9 +307,11 @@ class GraphedForward:
 
     def time_eager(self, stream: torch.cuda.Stream) -> ForwardTimings:
         """The eager forward's timings at the plan's representative bucket
-        (``measure_forward``), over items of warm-up values."""
+        (``measure_forward``), over items of warm-up values, taking turns with
+        captures and other timings in this process."""
         inputs = self.static_inputs(self.switch.plan.representative(), fill=True)
-        return measure_forward(lambda: self.model(**inputs), stream)
+        with CAPTURE_LOCK:  # no other instance's capture or timing on the GPU meanwhile
+            return measure_forward(lambda: self.model(**inputs), stream)
 
     def _fill(self, static: Mapping[str, torch.Tensor], features: Mapping[str, Any]) -> None:
         """The batch into its bucket's buffers, the rest pad values (a
@@ -358,28 +360,35 @@ class GraphedForward:
 
 
 def measure_forward(
-    forward: Callable[[], Any], stream: torch.cuda.Stream, repeats: int = 5
+    forward: Callable[[], Any], stream: torch.cuda.Stream, repeats: int = 5, rounds: int = 3
 ) -> ForwardTimings:
-    """One batch's GPU time and wall time, eager, on the instance's stream.
-    Wall: ``repeats`` forwards launched back to back, then waited for. GPU:
-    the same forwards queued behind a kernel that keeps the device busy
-    while the host launches them all, so the events between them count the
-    device's work and none of its waiting for launches."""
+    """One batch's GPU time and wall time, eager, on the instance's stream,
+    each the least of ``rounds`` x ``repeats`` forwards: the server loads its
+    models at once, so another model's warm-up may share the GPU and the
+    host with a timing, and only ever makes a forward look slower.
+    Wall: ``repeats`` forwards launched back to back, then waited for (a
+    round). GPU: every forward queued behind a kernel that keeps the device
+    busy while the host launches them all, an event after each, so the gap
+    between two events is one forward's work and none of its waiting for
+    launches."""
     forward()  # lazy initialisation is no batch's time
     stream.synchronize()
-    clock = time.perf_counter()
-    for _ in range(repeats):
-        forward()
-    stream.synchronize()
-    wall = (time.perf_counter() - clock) / repeats
+    walls = []
+    for _ in range(rounds):
+        clock = time.perf_counter()
+        for _ in range(repeats):
+            forward()
+        stream.synchronize()
+        walls.append((time.perf_counter() - clock) / repeats)
+    wall, count = min(walls), repeats * rounds
     # Sleep the device for about three times the launches' time (2 GHz
     # cycles; a slower clock sleeps longer, which only adds margin).
-    torch.cuda._sleep(int(min(3 * wall * repeats, 2.0) * 2e9))
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record(stream)
-    for _ in range(repeats):
+    torch.cuda._sleep(int(min(3 * max(walls) * count, 2.0) * 2e9))
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
+    events[0].record(stream)
+    for event in events[1:]:
         forward()
-    end.record(stream)
-    end.synchronize()
-    return ForwardTimings(gpu_s=start.elapsed_time(end) / 1000.0 / repeats, wall_s=wall)
+        event.record(stream)
+    events[-1].synchronize()
+    gpu = min(a.elapsed_time(b) for a, b in zip(events, events[1:])) / 1000.0
+    return ForwardTimings(gpu_s=gpu, wall_s=wall)
