@@ -4,6 +4,7 @@ instance pays its CUDA start-up and graph captures on live traffic."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from typing import Any
@@ -13,7 +14,8 @@ import torch
 
 from tensorserve import ServedModel
 from tensorserve.serving import model as served_model
-from tensorserve.serving.warmup import instance_devices, warmed_instances
+from tensorserve.serving import warmup as warmup_module
+from tensorserve.serving.warmup import instance_devices, turn_on, warmed_instances
 
 SPEC: dict[str, Any] = {
     "inputs": [{"name": "x", "dtype": "float32", "shape": [-1]}],
@@ -77,3 +79,52 @@ def test_on_cuda_every_instance_runs_the_grid() -> None:  # pragma: no cover - G
         grid = len(model.warmup_items())
         model.warmup()
     assert ran == {"0": grid, "1": grid}
+
+
+def test_warm_ups_take_turns_on_a_gpu_and_never_wait_on_a_cpu() -> None:
+    gpu, other, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    entered = threading.Event()
+    with turn_on(gpu, "first"):
+        waiter = threading.Thread(target=lambda: _enter(gpu, entered))
+        waiter.start()
+        assert not entered.wait(0.2)  # the same GPU: it waits for the first warm-up
+        with turn_on(other, "other"), turn_on(cpu, "cpu"), turn_on(cpu, "cpu too"):
+            pass  # another GPU and the CPU: no wait
+    assert entered.wait(10)  # its turn came when the first one ended
+    waiter.join(10)
+
+
+def test_a_turn_held_too_long_is_logged_and_the_warm_up_goes_ahead(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(warmup_module, "TURN_WAIT_S", 0.05)
+    gpu = torch.device("cuda", 3)
+    with (
+        turn_on(gpu, "hung"),
+        caplog.at_level(logging.WARNING, warmup_module.log.name),
+        turn_on(gpu, "next"),
+    ):
+        pass
+    assert [r.getMessage() for r in caplog.records] == [
+        "model 'next': another model's warm-up has held cuda:3 for 0 s; warming up alongside it"
+    ]
+    with turn_on(gpu, "after"):  # the turn was given back once, not twice
+        pass
+
+
+def test_a_model_warms_up_inside_its_gpus_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The model's CPU instance stands for a GPU one: its grid runs while the turn is held.
+    gpu = torch.device("cuda", 7)
+    monkeypatch.setattr(served_model, "instance_devices", lambda executor: [gpu])
+    model, _ = _recording(instances=1)
+    held = []
+    model.warm = lambda batch: held.append(warmup_module._turns[gpu].locked())  # type: ignore[method-assign]
+    with model:
+        model.warmup()
+    assert held and all(held)
+    assert not warmup_module._turns[gpu].locked()
+
+
+def _enter(device: torch.device, entered: threading.Event) -> None:
+    with turn_on(device, "second"):
+        entered.set()

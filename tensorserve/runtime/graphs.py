@@ -32,6 +32,7 @@ before the instance's next replay; nothing else may keep them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -390,5 +391,5 @@ def measure_forward(
         forward()
         event.record(stream)
     events[-1].synchronize()
-    gpu = min(a.elapsed_time(b) for a, b in zip(events, events[1:])) / 1000.0
+    gpu = min(a.elapsed_time(b) for a, b in itertools.pairwise(events)) / 1000.0
     return ForwardTimings(gpu_s=gpu, wall_s=wall)

@@ -8,11 +8,19 @@ the CPU the first instance alone runs it: instances in threads share the
 process's allocator and lazy initialisation, and warming each would multiply
 a CPU model's time to ready (and CI's) for little (a worker process of its
 own pays its first batches on traffic, as before).
+
+Models load at once, but on a GPU their warm-ups take turns (``turn_on``):
+a model's first batch there times its forward for ``compile = "auto"`` and
+captures its CUDA graphs, and another model's warm-up on the same GPU
+would make that forward look slower on the device than it is alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -20,6 +28,35 @@ from tensorserve.batching.executor import Executor
 from tensorserve.runtime.device import resolve_device
 from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.isolated import ProcessExecutor
+
+log = logging.getLogger(__name__)
+
+# A warm-up waits this long for another model's on its GPU, then goes ahead
+# (its timing may then read slow): a model whose warm-up hangs until the
+# watchdog answers must not hold every other model's load.
+TURN_WAIT_S = 60.0
+_turns: dict[torch.device, threading.Lock] = {}
+_turns_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def turn_on(device: torch.device, model: str) -> Iterator[None]:
+    """One warm-up at a time on each GPU (nothing on a CPU, where a timing
+    and captures never run)."""
+    if device.type == "cpu":
+        yield
+        return
+    with _turns_lock:
+        turn = _turns.setdefault(device, threading.Lock())
+    mine = turn.acquire(timeout=TURN_WAIT_S)
+    if not mine:
+        log.warning("model %r: another model's warm-up has held %s for %.0f s; warming up "
+                    "alongside it", model, device, TURN_WAIT_S)  # fmt: skip
+    try:
+        yield
+    finally:
+        if mine:
+            turn.release()
 
 
 def instance_devices(executor: Executor) -> list[torch.device]:
