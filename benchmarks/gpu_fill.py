@@ -261,6 +261,15 @@ def table(result: dict[str, Any]) -> str:
             f"{_num(p['gpu_util'], 5, 0)} | {'':11} {_num(cpu['scheduler'], 6, 0)} "
             f"{_num(cpu['frontend'], 6, 0)} {_num(cpu['workers'], 6, 0)} "
             f"{_num(cpu['perf_analyzer'], 6, 0)}")
+    # How the server batched each point: the mean batch, the padding it kept (the
+    # ceiling's length-sorted batches pad least), items a second of batch time.
+    for p in result["points"]:
+        b = p.get("batching")
+        if b and p["concurrency"] > 1:
+            rows.append(f"batches {p['workload']:24} {p['protocol']:5} {p['concurrency']:>5}: mean "
+                        f"{_num(b['mean_batch'], 5, 1)}, padding efficiency "
+                        f"{_num(b['padding_efficiency'], 5, 2)}, "
+                        f"{_num(b['batch_items_per_s'], 9, 0)} items/s of batch time")  # fmt: skip
     # Where one caller's CPU goes (the c=1 burn): by thread, and py-spy's stacks.
     for p in result["points"]:
         for t in p.get("busiest_threads", [])[:3] if p["protocol"] == "http" else []:

@@ -6,7 +6,10 @@ a running server, with what the server spent meanwhile.
     run_point           one model, protocol and concurrency: perf_analyzer's
                         items/s, p50, p99 and server breakdown; the GPU's
                         utilisation (NVML) and the server's CPU per request by
-                        process role (/proc) over the whole run
+                        process role (/proc) over the whole run, and how
+                        the server batched it (``server_counts``: mean
+                        batch, padding efficiency, items a second of the
+                        batches' own CUDA-event time)
     thread_cpu          CPU seconds of every thread of a process tree, by
                         name (/proc/<pid>/task): which thread burns a core
     pyspy_top           the busiest stacks of a server tree (py-spy record),
@@ -30,6 +33,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +69,49 @@ def find_perf_analyzer() -> dict[str, str]:
     return {"binary": paths["PERF_ANALYZER"], "LD_LIBRARY_PATH": library_path}
 
 
-def success_count(url: str, model: str) -> int | None:
-    """The model's successful requests so far (Triton's statistics extension)."""
+@dataclass(frozen=True)
+class ServerCounts:
+    """A model's counters as its stats endpoint gives them: successful
+    requests (Triton's statistics extension) and tensorserve's batching
+    counters (items batched, batches, their CUDA-event seconds, real and
+    padded elements). Two reads a point apart give the point's own."""
+
+    requests: int
+    batches: int
+    items: int
+    batch_seconds: float
+    real_elements: int
+    padded_elements: int
+
+    def since(self, before: ServerCounts) -> dict[str, float | None]:
+        """The point's mean batch, the share of its padded positions that held
+        an item (1 - padding), and the device's items a second of the batches'
+        own time (CUDA events: a batch's host-side launch gaps count)."""
+        batches, items = self.batches - before.batches, self.items - before.items
+        padded = self.padded_elements - before.padded_elements
+        seconds = self.batch_seconds - before.batch_seconds
+        real = self.real_elements - before.real_elements
+        return {
+            "mean_batch": round(items / batches, 1) if batches else None,
+            "padding_efficiency": round(real / padded, 3) if padded else None,
+            "batch_items_per_s": round(items / seconds, 1) if seconds > 0 else None,
+            "batch_seconds": round(seconds, 3),
+        }
+
+
+def server_counts(url: str, model: str) -> ServerCounts | None:
+    """The model's counters now (None: the endpoint did not answer them)."""
     try:
         with urllib.request.urlopen(f"{url}/v2/models/{model}/stats", timeout=10) as response:
             stats = json.load(response)
-        return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
-    except (OSError, KeyError, IndexError, ValueError):
+        batching = stats.get("batching", {})
+        return ServerCounts(
+            int(stats["model_stats"][0]["inference_stats"]["success"]["count"]),
+            int(batching.get("total_batches", 0)), int(batching.get("batch_items", 0)),
+            float(batching.get("batch_seconds", 0.0)), int(batching.get("real_elements", 0)),
+            int(batching.get("padded_elements", 0)),
+        )  # fmt: skip
+    except (OSError, KeyError, IndexError, ValueError, TypeError):
         return None
 
 
@@ -164,7 +204,7 @@ def run_point(pa: Mapping[str, str], server: Any, model: str, protocol: str, con
         command += ["--async", "--max-threads", str(ASYNC_THREADS)]  # fmt: skip
     env = {**os.environ, "LD_LIBRARY_PATH": pa["LD_LIBRARY_PATH"]}
     pid = server.process.pid
-    before_tree, before_count = sample_tree(pid), success_count(server.url, model)
+    before_tree, before_counts = sample_tree(pid), server_counts(server.url, model)
     before_threads = thread_cpu(list(before_tree))
     started, children_before = time.perf_counter(), _children_cpu()
     with GpuSampler(gpu_index) as sampler:
@@ -176,11 +216,16 @@ def run_point(pa: Mapping[str, str], server: Any, model: str, protocol: str, con
         output, _ = client.communicate(timeout=window_ms / 1000 * 12 + 60)
     wall = time.perf_counter() - started
     client_cpu = _children_cpu() - children_before - profiler_cpu
-    after_tree, after_count = sample_tree(pid), success_count(server.url, model)
+    after_tree, after_counts = sample_tree(pid), server_counts(server.url, model)
     after_threads = thread_cpu(list(after_tree))
-    requests = (after_count - before_count) if None not in (after_count, before_count) else 0
+    requests, batching = 0, None
+    if before_counts is not None and after_counts is not None:
+        requests = after_counts.requests - before_counts.requests
+        batching = after_counts.since(before_counts)  # how the server batched the point
     point: dict[str, Any] = {"model": model, "protocol": protocol, "concurrency": concurrency,
                              "seconds": round(wall, 1), "requests": requests}
+    if batching is not None and batching["mean_batch"] is not None:  # an ensemble has none
+        point["batching"] = batching
     if client.returncode or not csv_path.is_file():
         point["error"] = f"perf_analyzer exit {client.returncode}: {output.strip()[-600:]}"
         return point

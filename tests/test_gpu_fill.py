@@ -97,6 +97,12 @@ def test_gpu_fill_on_cpu_measures_fill_over_http_and_grpc(tmp_path: Path) -> Non
         assert cpu["total"] == pytest.approx(cpu["scheduler"] + cpu["frontend"] + cpu["workers"],
                                              abs=0.5)  # fmt: skip
     assert points[("http", 1)]["busiest_threads"]
+    for p in points.values():  # how the server batched each point, from its own counters
+        batching = p["batching"]
+        assert batching["mean_batch"] >= 1 and 0 < batching["padding_efficiency"] <= 1
+        assert batching["batch_items_per_s"] > 0
+    assert points[("http", 1)]["batching"]["mean_batch"] == 1.0  # one caller, one item
+    assert points[("http", 16)]["batching"]["mean_batch"] > 1
     assert result["targets"] == []  # judged on CUDA only
     # At the image's log level: the startup line says how many front ends, and why.
     assert any("frontends=default → 1 (no GPU visible)" in n for n in result["server_notes"])
