@@ -387,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             pa = find_perf_analyzer()
             server.start()
             result["server_ready_s"] = round(server.ready_s or 0.0, 1)
+            result["server_notes"] = model_notes(server_log)  # the choices made at load
+            save()
             print(f"[gpu_fill] server ready in {server.ready_s:.1f} s", file=sys.stderr, flush=True)
             plans = [(c, w, protocol) for c in plan.first for w in work for protocol in ("http", "grpc")]
             later = [(c, w, protocol) for c in plan.then for w in work for protocol in ("http", "grpc")]

@@ -24,8 +24,9 @@
 # The GPU machine has no .git, no console script and no tritonclient, opentelemetry or
 # kubernetes-validate: the tests run by file (every file holding cuda-marked tests) and the
 # server as `python3 -m tensorserve serve`. Each step has its own `timeout`, so that one hang
-# cannot eat the lease; the budgets (20 + 100 + 110 + 150 + 215 s, plus the wheels' install)
-# end inside the call's 600 s, and gpu_fill stops adding points at 170 s of its own.
+# cannot eat the lease: the step timeouts (20 + 100 + 110 + 150 + 195 s, and 5 s of grace
+# each) add up to 595 s, plus the wheels' install (~10 s; the last full run took ~300 s
+# in all), and gpu_fill stops adding points at 150 s of its own.
 # Everything lands in $OUT (8 files; the device tool brings back 8 at most; the lone
 # caller's printed table goes into env.txt):
 #   env.txt  lone_caller.json  cuda_tests.log  gpu_check.json  gpu_check.log
@@ -129,8 +130,8 @@ fi
 
 if [[ ",$STEPS," == *",fill,"* ]]; then
   echo "== benchmarks/gpu_fill.py"
-  timeout -k 5 $(( ${GPU_RUN_FILL_BUDGET:-170} + 45 )) python3 benchmarks/gpu_fill.py --device cuda:0 \
-    --budget-s "${GPU_RUN_FILL_BUDGET:-170}" --models "${GPU_RUN_FILL_MODELS:-tagger,embedder,text_tagger,bert_encoder}" \
+  timeout -k 5 $(( ${GPU_RUN_FILL_BUDGET:-150} + 45 )) python3 benchmarks/gpu_fill.py --device cuda:0 \
+    --budget-s "${GPU_RUN_FILL_BUDGET:-150}" --models "${GPU_RUN_FILL_MODELS:-tagger,embedder,text_tagger,bert_encoder}" \
     --out "$OUT/gpu_fill.json" --server-log "$OUT/gpu_fill_server.log" \
     --commit "${GPU_RUN_COMMIT:-unknown}" 2>&1 | tee "$OUT/gpu_fill.log"
   fill_rc=${PIPESTATUS[0]}

@@ -57,7 +57,7 @@ from tensorserve.runtime.executor import ThreadExecutor
 from tensorserve.runtime.isolated import ProcessExecutor
 from tensorserve.runtime.kinds import ExecutorRequest, build_executor
 from tensorserve.runtime.placement import PlacedExecutor, resolve_isolation, resolve_placement
-from tensorserve.serving.warmup import instance_devices, turn_on, warmed_instances
+from tensorserve.serving.warmup import instance_devices, warmed_instances
 from tensorserve.settings import DEFAULT_BYTES_LIMITS, BytesLimits
 from tensorserve.wire.validate import priority_level, validate_item, validate_parameters
 
@@ -372,11 +372,10 @@ class ServedModel:
 
     def warmup(self) -> None:
         """The grid on each instance that needs its own warm-up, in turn
-        (``warmup.warmed_instances``: every one on a GPU), before traffic;
-        on a GPU, one model's at a time (``warmup.turn_on``)."""
-        devices = instance_devices(self.executor)
-        for instance in warmed_instances(devices):
-            with turn_on(devices[instance], self.name), self.batcher.pinned(instance):
+        (``warmup.warmed_instances``: every one on a GPU), before traffic
+        (the server's registry takes the GPUs' turns around it: ``warmup.turns_on``)."""
+        for instance in warmed_instances(instance_devices(self.executor)):
+            with self.batcher.pinned(instance):
                 for batch in self.warmup_items():
                     self.warm(batch)
         self.stats.reset()  # stats describe real traffic only

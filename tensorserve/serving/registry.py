@@ -33,6 +33,7 @@ from tensorserve.runtime import shared_workers
 from tensorserve.serving.entries import ModelState, lookup, ready
 from tensorserve.serving.model import ServedModel
 from tensorserve.serving.text import TextServedModel
+from tensorserve.serving.warmup import instance_devices, turns_on
 
 log = logging.getLogger(__name__)
 
@@ -219,13 +220,16 @@ class ModelRegistry:
         )
         if self.batch_tracer is not None:
             served.batcher.scheduler.tracer = self.batch_tracer(source.name, served.version)
-        served.start(loop)
-        if config.warmup.enabled:
-            try:
-                served.warmup()
-            except Exception as exc:
-                served.close()
-                raise ConfigError(f"{source.name}: warm-up failed: {exc}") from exc
+        # On a GPU one model starts and warms up at a time: its forward's timing
+        # for compile = "auto" (a worker's as it starts) and its captures run alone.
+        with turns_on(instance_devices(served.executor), source.name):
+            served.start(loop)
+            if config.warmup.enabled:
+                try:
+                    served.warmup()
+                except Exception as exc:
+                    served.close()
+                    raise ConfigError(f"{source.name}: warm-up failed: {exc}") from exc
         return served
 
     def _build_ensemble(self, source: ModelSource, config: ModelConfig) -> Ensemble:

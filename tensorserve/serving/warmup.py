@@ -9,9 +9,10 @@ process's allocator and lazy initialisation, and warming each would multiply
 a CPU model's time to ready (and CI's) for little (a worker process of its
 own pays its first batches on traffic, as before).
 
-Models load at once, but on a GPU their warm-ups take turns (``turn_on``):
-a model's first batch there times its forward for ``compile = "auto"`` and
-captures its CUDA graphs, and another model's warm-up on the same GPU
+Models load at once, but on a GPU one model starts and warms up at a time
+(``turns_on``, in the registry): a model's first batches there time its
+forward for ``compile = "auto"`` (a worker process does it as it starts)
+and capture its CUDA graphs, and another model's warm-up on the same GPU
 would make that forward look slower on the device than it is alone.
 """
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,32 +34,59 @@ from tensorserve.runtime.isolated import ProcessExecutor
 
 log = logging.getLogger(__name__)
 
-# A warm-up waits this long for another model's on its GPU, then goes ahead
-# (its timing may then read slow): a model whose warm-up hangs until the
-# watchdog answers must not hold every other model's load.
+# A model waits this long for the one whose turn it is, then goes ahead
+# alongside it (its timing may then read slow): a model whose warm-up hangs
+# until the watchdog answers must not hold every other model's load.
 TURN_WAIT_S = 60.0
-_turns: dict[torch.device, threading.Lock] = {}
+
+
+@dataclass
+class _Turn:
+    """One GPU's turn: who holds it, since when; waiters wait on ``changed``."""
+
+    changed: threading.Condition = field(default_factory=threading.Condition)
+    holder: str | None = None
+    since: float = 0.0
+
+
+_turns: dict[torch.device, _Turn] = {}
 _turns_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def turn_on(device: torch.device, model: str) -> Iterator[None]:
-    """One warm-up at a time on each GPU (nothing on a CPU, where a timing
-    and captures never run)."""
-    if device.type == "cpu":
-        yield
-        return
-    with _turns_lock:
-        turn = _turns.setdefault(device, threading.Lock())
-    mine = turn.acquire(timeout=TURN_WAIT_S)
-    if not mine:
-        log.warning("model %r: another model's warm-up has held %s for %.0f s; warming up "
-                    "alongside it", model, device, TURN_WAIT_S)  # fmt: skip
+def turns_on(devices: Sequence[torch.device], model: str) -> Iterator[None]:
+    """Hold the turn of each GPU among ``devices`` (none for a CPU), taken in
+    one order for every model so that two models on two GPUs never wait on
+    each other."""
+    taken: list[_Turn] = []
     try:
+        for device in sorted({d for d in devices if d.type != "cpu"}, key=str):
+            turn = _take(device, model)
+            if turn is not None:
+                taken.append(turn)
         yield
     finally:
-        if mine:
-            turn.release()
+        for turn in taken:
+            with turn.changed:
+                turn.holder = None
+                turn.changed.notify_all()
+
+
+def _take(device: torch.device, model: str) -> _Turn | None:
+    """The device's turn, once its holder gives it back; None when the holder
+    has kept it ``TURN_WAIT_S`` (the caller goes ahead alongside, said once)."""
+    with _turns_lock:
+        turn = _turns.setdefault(device, _Turn())
+    with turn.changed:
+        while turn.holder is not None:
+            held = time.monotonic() - turn.since
+            if held >= TURN_WAIT_S:
+                log.warning("model %r: model %r has been starting on %s for %.0f s; starting "
+                            "alongside it", model, turn.holder, device, held)  # fmt: skip
+                return None
+            turn.changed.wait(TURN_WAIT_S - held)
+        turn.holder, turn.since = model, time.monotonic()
+        return turn
 
 
 def instance_devices(executor: Executor) -> list[torch.device]:
