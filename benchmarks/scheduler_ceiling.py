@@ -203,6 +203,8 @@ def one_run(tree: Path, repository: Path, args: argparse.Namespace) -> dict[str,
     return result | {
         "mean_batch": stats["avg_batch_size"],
         "batch_ms": stats["avg_batch_duration_ms"],
+        # Of the padded positions, the share that held an item (length-aware batches pad least).
+        "padding_efficiency": stats.get("padding_efficiency"),
     }
 
 
@@ -254,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
                 f"{result['loop_thread_cpu_us_per_request']:5.1f})  "
                 f"({100 * result['scheduler_cpu_share']:.0f}% of a core; driver "
                 f"{100 * result['driver_cpu_share']:.0f}%)  batch {result['mean_batch']:.1f} items "
-                f"{result['batch_ms']:.1f} ms  failed {result['failed']}",
+                f"{result['batch_ms']:.1f} ms  padding efficiency {result['padding_efficiency'] or 0:.2f}  "
+                f"failed {result['failed']}",
                 flush=True,
             )
     work.cleanup()
