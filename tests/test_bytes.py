@@ -93,6 +93,10 @@ WORDS_MODEL = """
 """
 WORDS_IO: dict[str, Any] = {
     "max_batch_size": 8,
+    # One request's items always form one batch: FIFO, no budget. The learnt
+    # length-aware choice may split a 3-word item from a 1-word one once its
+    # cost model finds padding dearer than a batch (seen on a busy CI machine).
+    "dynamic_batching": {"policy": "fifo", "max_batch_tokens": 0},
     "inputs": {"words": {"dtype": "bytes", "shape": [-1]}},
     "outputs": {
         "upper": {"dtype": "bytes", "shape": [-1]},
