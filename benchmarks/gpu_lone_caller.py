@@ -145,6 +145,7 @@ def instrument(steps: Steps, served: Any) -> None:
         (DeviceContext, "to_host", "launch: outputs to the host"),
         (DeviceContext, "record", "launch: event record"),
         (GraphedForward, "__call__", "launch: forward (graphs)"),
+        (GraphedForward, "_fill", "launch: graphs: the bucket's inputs filled"),
     ]  # fmt: skip
     if torch.cuda.is_available():
         patches.append((torch.cuda.Event, "synchronize", "collect: wait on the event"))
@@ -153,6 +154,21 @@ def instrument(steps: Steps, served: Any) -> None:
     executor = served.executor
     if isinstance(executor, ThreadExecutor):  # the module itself, eager or inside a capture
         executor.models = [steps.timed("launch: forward (module)", m) for m in executor.models]
+
+
+def instrument_graphs(steps: Steps, served: Any) -> None:
+    """Once every bucket the requests use is captured: time each replay, and
+    the module wherever a graphed forward still calls it (eager: graphs off,
+    or a bucket whose capture failed)."""
+    from tensorserve.runtime.graphs import GraphedForward
+
+    for forward in getattr(served.executor, "_forwards", {}).values():
+        if isinstance(forward, GraphedForward):
+            forward.model = steps.timed("launch: forward (module)", forward.model)
+            forward.graphs = {
+                bucket: (static, steps.timed("launch: graphs: replay", replay))
+                for bucket, (static, replay) in forward.graphs.items()
+            }
 
 
 def forward_kind(served: Any) -> dict[str, Any]:
@@ -327,6 +343,7 @@ def child(repository: Path, run: Run, device: str, requests: int) -> dict[str, A
         )
         for item in batch:  # each bucket's capture, and the wrappers' first calls
             served.infer_sync(item, timeout=60)
+        instrument_graphs(steps, served)
         result["pacing"] = {}
         for pacing, gap in (("back to back", 0.0), (f"{GAP_S * 1e3:g} ms apart", GAP_S)):
             steps.reset()
