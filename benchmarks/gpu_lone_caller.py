@@ -66,6 +66,8 @@ import numpy as np
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tensorserve from this tree
 
 from gpu_fill_served import busiest_threads, thread_cpu
+from tensorserve_bench.items import ItemFactory, specs_from_config
+from tensorserve_bench.lengths import uniform
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -205,24 +207,6 @@ def blocking_sync(device_index: int) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
-def items(config: Any, lengths: np.ndarray, seed: int) -> list[dict[str, np.ndarray]]:
-    """One item per length: token ids below the vocabulary (each input's
-    ``max_value``, or 4,096), masks of ones."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for n in lengths:
-        item = {}
-        for spec in config.input:
-            shape = [int(n) if d == -1 else d for d in spec.shape]
-            if "mask" in spec.name:
-                item[spec.name] = np.ones(shape, dtype=spec.dt.numpy)
-            else:
-                high = int(spec.max_value) if spec.max_value is not None else 4096
-                item[spec.name] = rng.integers(1, high, size=shape).astype(spec.dt.numpy)
-        out.append(item)
-    return out
-
-
 def primitives(device: str, repeats: int = 200) -> dict[str, dict[str, float]]:
     """What each CUDA call of a batch's path costs this host, alone: wall and
     thread CPU, in us a call. A wait on 1 ms of GPU work shows whether it
@@ -338,9 +322,10 @@ def child(repository: Path, run: Run, device: str, requests: int) -> dict[str, A
         result.update(forward_kind(served))
         steps = Steps()
         instrument(steps, served)
-        batch = items(
-            served.config, np.random.default_rng(1).integers(8, 128, size=64, endpoint=True), 2
-        )
+        # Token ids below the vocabulary (the tagger's 4,096 ids are valid everywhere).
+        factory = ItemFactory(specs_from_config(served.config.model_dump()), uniform(8, 128),
+                              seed=2, id_range=(1, 4096))  # fmt: skip
+        batch, _ = factory.make(64)
         for item in batch:  # each bucket's capture, and the wrappers' first calls
             served.infer_sync(item, timeout=60)
         instrument_graphs(steps, served)
